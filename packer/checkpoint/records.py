@@ -1,0 +1,63 @@
+"""What a checkpoint reader yields: tensor records and the byte ranges of their storages.
+
+Readers never build tensors. They describe where each tensor's bytes lie in the input file,
+so the writer can copy them straight to the output. Element counts and offsets are in
+elements of the record's dtype, as torch stores them; byte ranges are in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# safetensors dtype code -> bytes per element
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StorageRange:
+    """One storage's bytes in an input file: ``nbytes`` bytes starting at ``offset``."""
+
+    key: str  # the storage key inside the checkpoint ("0", "data/0", a safetensors name...)
+    path: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor as a view of a storage: dtype code, shape, stride and offset in elements."""
+
+    name: str
+    dtype: str  # a key of DTYPE_SIZES
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage: StorageRange
+    storage_offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CheckpointContents:
+    """Everything a reader found in one input file."""
+
+    path: Path
+    format: str  # "torch-zip" | "torch-legacy" | "safetensors"
+    tensors: tuple[TensorRecord, ...]
+    skipped: tuple[str, ...] = ()  # names of non-tensor entries, reported, never fatal
+    metadata: tuple[tuple[str, str], ...] = ()  # safetensors __metadata__ of an input

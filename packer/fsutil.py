@@ -1,0 +1,86 @@
+"""Small file-system helpers every stage shares: atomic writes, hashing, canonical JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+CHUNK = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One output file: its path relative to OUT, size and sha256 (hex)."""
+
+    path: str
+    size: int
+    sha256: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+def canonical_json(data: Any) -> bytes:
+    """Sorted keys, no insignificant whitespace except a trailing newline, UTF-8."""
+    return (json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def sha256_file(path: str | Path) -> tuple[int, str]:
+    """Return ``(size, sha256 hex)`` of a file, read in large chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def file_entry(root: Path, path: Path) -> FileEntry:
+    """Hash ``path`` and describe it relative to ``root``."""
+    size, digest = sha256_file(path)
+    return FileEntry(path.relative_to(root).as_posix(), size, digest)
+
+
+def umask() -> int:
+    """The process umask (read without changing it for longer than one call)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: int = 0o666) -> Iterator[IO[bytes]]:
+    """Open a temporary file next to ``path``; on success fsync and rename it into place.
+
+    The final file gets ``mode`` minus the umask (mkstemp alone would leave 0600). On any
+    error the temporary file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, mode & ~umask())
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o666) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_open(path, mode) as f:
+        f.write(data)

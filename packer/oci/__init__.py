@@ -1,0 +1,1 @@
+"""Reproducible OCI image layers, image layout, base append and Dockerfile."""

@@ -1,0 +1,287 @@
+"""Recipes: what to build, read from TOML and validated with key paths.
+
+A recipe is plain data. Loading checks every key against the schema below: unknown keys are
+errors (a typo must never be ignored), and each message names the key path and what was
+expected, e.g. ``weights.max_shard_size: expected a size like "5GB", got 12``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packer.errors import RecipeError
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+COMPRESSIONS = ("gzip", "zstd", "none")
+WEIGHTS_PLACEMENT = ("layer", "external")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.I)
+_SIZE_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"5GB"`` (decimal) or ``"64MiB"`` (binary) into bytes; ValueError if malformed."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class Rename:
+    """One regex rename applied to tensor names, in recipe order."""
+
+    pattern: str
+    replace: str
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """The ``[weights]`` section: which checkpoint files and how to map them."""
+
+    files: tuple[str, ...] = ()  # globs relative to the source; empty = auto-detect
+    key: str | None = None  # key of the nested dict holding the state dict
+    strip_prefixes: tuple[str, ...] = ()
+    renames: tuple[Rename, ...] = ()
+    dtype: str | None = None  # cast floating tensors to this dtype
+    max_shard_size: int = 5 * 10**9
+    tie_prefer: tuple[str, ...] = ()  # names preferred as the kept name of a tied group
+
+
+@dataclass(frozen=True)
+class BundleConfig:
+    """The ``[bundle]`` section: globs that override the default member selection."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """The ``[image]`` section: the OCI image packer writes."""
+
+    base: str | None = None  # "oci:PATH[:TAG]"
+    prefix: str = "/opt/model"
+    compression: str = "gzip"
+    owner: str = "0:0"
+    weights: str = "layer"
+    single_layer: bool = False
+    platform: str = "linux/amd64"
+    tag: str | None = None  # defaults to "<name>:<version>"
+
+
+@dataclass(frozen=True)
+class WarmupShape:
+    """One example input for warm-up: a name, a shape and a dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "int64"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The ``[runtime]`` section: how the emitted loader runs by default."""
+
+    device: str = "cuda"
+    warmup: tuple[WarmupShape, ...] = ()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole recipe. ``base_dir`` resolves relative local sources."""
+
+    name: str
+    version: str
+    source: str
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    bundle: BundleConfig = field(default_factory=BundleConfig)
+    image: ImageConfig = field(default_factory=ImageConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    base_dir: Path = field(default=Path("."), compare=False)
+
+    def normalised(self) -> dict[str, Any]:
+        """The recipe as canonical, JSON-able data (recorded in the manifest)."""
+        data = asdict(self)
+        data.pop("base_dir")
+        return data
+
+
+# ---------------------------------------------------------------------------------------
+# validation helpers: each takes the key path and the raw value, returns the typed value
+
+
+def _fail(path: str, expected: str, value: Any) -> RecipeError:
+    return RecipeError(f"{path}: expected {expected}, got {value!r}")
+
+
+def _str(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise _fail(path, "a non-empty string", v)
+    return v
+
+
+def _bool(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _fail(path, "true or false", v)
+    return v
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(path: str, v: Any) -> str:
+        if v not in choices:
+            raise _fail(path, "one of " + ", ".join(repr(c) for c in choices), v)
+        return str(v)
+
+    return check
+
+
+def _str_list(path: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise _fail(path, "a list of non-empty strings", v)
+    return tuple(v)
+
+
+def _size(path: str, v: Any) -> int:
+    if isinstance(v, str):
+        try:
+            size = parse_size(v)
+        except ValueError:
+            size = 0
+        if size > 0:
+            return size
+    raise _fail(path, 'a size like "5GB"', v)
+
+
+def _regex(path: str, v: Any) -> str:
+    s = _str(path, v)
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise RecipeError(f"{path}: invalid regular expression {s!r}: {e}") from e
+    return s
+
+
+def _owner(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"\d+:\d+", v):
+        raise _fail(path, 'a numeric "uid:gid" such as "1000:0"', v)
+    return v
+
+
+def _base(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not v.startswith("oci:") or len(v) <= 4:
+        raise _fail(path, 'an OCI layout reference "oci:PATH[:TAG]"', v)
+    return v
+
+
+def _table(path: str, v: Any) -> Mapping[str, Any]:
+    if not isinstance(v, dict):
+        raise _fail(path, "a table", v)
+    return v
+
+
+def _fields(path: str, raw: Mapping[str, Any], spec: Mapping[str, Callable[[str, Any], Any]]) -> dict[str, Any]:
+    unknown = sorted(set(raw) - set(spec))
+    if unknown:
+        key = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise RecipeError(f"{key}: unknown key (allowed: {', '.join(sorted(spec))})")
+    return {k: spec[k](f"{path}.{k}" if path else k, v) for k, v in raw.items()}
+
+
+def _renames(path: str, v: Any) -> tuple[Rename, ...]:
+    if not isinstance(v, list):
+        raise _fail(path, 'a list of {pattern = "...", replace = "..."} tables', v)
+    out = []
+    for i, item in enumerate(v):
+        p = f"{path}[{i}]"
+        t = _fields(p, _table(p, item), {"pattern": _regex, "replace": lambda _p, x: x})
+        if "pattern" not in t or not isinstance(t.get("replace"), str):
+            raise _fail(p, 'a table with string keys "pattern" and "replace"', item)
+        out.append(Rename(t["pattern"], t["replace"]))
+    return tuple(out)
+
+
+def _warmup(path: str, v: Any) -> tuple[WarmupShape, ...]:
+    if not isinstance(v, list):
+        raise _fail(path, 'a list of {name, shape, dtype} tables', v)
+    out = []
+    for i, item in enumerate(v):
+        p = f"{path}[{i}]"
+        t = _fields(p, _table(p, item), {"name": _str, "shape": _shape, "dtype": _str})
+        if "name" not in t or "shape" not in t:
+            raise _fail(p, 'a table with "name" and "shape"', item)
+        out.append(WarmupShape(**t))
+    return tuple(out)
+
+
+def _shape(path: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
+        raise _fail(path, "a list of positive integers", v)
+    return tuple(v)
+
+
+_WEIGHTS = {
+    "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
+    "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
+}  # fmt: skip
+_BUNDLE = {"include": _str_list, "exclude": _str_list}
+_IMAGE = {
+    "base": _base, "prefix": _str, "compression": _choice(COMPRESSIONS), "owner": _owner,
+    "weights": _choice(WEIGHTS_PLACEMENT), "single_layer": _bool, "platform": _str, "tag": _str,
+}  # fmt: skip
+_RUNTIME = {"device": _str, "warmup": _warmup}
+
+
+def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> Recipe:
+    """Validate raw recipe data and return a :class:`Recipe`.
+
+    Raises:
+        RecipeError: naming the key path and the expectation.
+    """
+    top = _fields("", raw, {
+        "name": _str, "version": _str, "source": _str,
+        "weights": lambda p, v: WeightsConfig(**_fields(p, _table(p, v), _WEIGHTS)),
+        "bundle": lambda p, v: BundleConfig(**_fields(p, _table(p, v), _BUNDLE)),
+        "image": lambda p, v: ImageConfig(**_fields(p, _table(p, v), _IMAGE)),
+        "runtime": lambda p, v: RuntimeConfig(**_fields(p, _table(p, v), _RUNTIME)),
+    })  # fmt: skip
+    for required in ("name", "version", "source"):
+        if required not in top:
+            raise RecipeError(f"{required}: missing required key")
+    prefix = top.get("image", ImageConfig()).prefix
+    if not prefix.startswith("/") or ".." in prefix.split("/"):
+        raise _fail("image.prefix", "an absolute path without '..'", prefix)
+    return Recipe(**top, base_dir=base_dir)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file.
+
+    Raises:
+        RecipeError: unreadable file, TOML syntax error (with its line) or invalid content.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read recipe: {getattr(e, 'strerror', None) or e}") from e
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: invalid TOML: {e}") from e
+    try:
+        return recipe_from_dict(raw, base_dir=path.resolve().parent)
+    except RecipeError as e:
+        raise e.with_context(str(path)) from e.__cause__
+
+
+def demo_recipe() -> Recipe:
+    """The embedded default recipe: the deterministic demo model, default options."""
+    return Recipe(name="packer-demo", version="0.1.0", source="demo")

@@ -1,0 +1,1 @@
+"""Code that runs inside the serving container; standard library, torch and zstandard only."""

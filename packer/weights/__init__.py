@@ -1,0 +1,1 @@
+"""Planning (names, aliases, shards) and the streaming safetensors writer."""
