@@ -284,4 +284,5 @@ def load_recipe(path: str | Path) -> Recipe:
 
 def demo_recipe() -> Recipe:
     """The embedded default recipe: the deterministic demo model, default options."""
-    return Recipe(name="packer-demo", version="0.1.0", source="demo")
+    warmup = (WarmupShape(name="input_ids", shape=(1, 128), dtype="int64"),)
+    return Recipe(name="packer-demo", version="0.1.0", source="demo", runtime=RuntimeConfig(warmup=warmup))

@@ -1,0 +1,144 @@
+"""``packer build``: order the stages, time them, verify the result and publish it atomically.
+
+source → weights → bundle → loader → (artifact manifest) → image → manifest → verify → publish.
+Each stage is a function of its own module with a narrow input and a :class:`StageOutput`;
+this module only calls them in order, so it knows nothing of their internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packer.errors import PackerError
+from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, file_entry
+from packer.manifest import MANIFEST, TIMINGS, artifact_manifest, files_map, verify
+from packer.publish import make_staging, publish
+from packer.recipe import Recipe
+from packer.source import Snapshot, resolve_source
+from packer.stage import StageOutput
+from packer.timing import StageTimer
+
+Progress = Callable[[str, int, int], None]  # (stage, done bytes, total bytes)
+
+
+@dataclass
+class BuildResult:
+    """What a build produced (or, for a dry run, planned)."""
+
+    out: Path
+    manifest: dict[str, Any]
+    timer: StageTimer
+    notes: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    def summary(self) -> dict[str, Any]:
+        files = {**self.manifest.get("files", {}), **self.manifest.get("image_files", {})}
+        return {"out": str(self.out), "dry_run": self.dry_run, "files": len(files),
+                "bytes": sum(f["size"] for f in files.values()), "stages": self.timer.as_json(),
+                "notes": self.notes}  # fmt: skip
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST).is_file() or not any(out.iterdir()))):
+        raise PackerError(f"{out}: exists and is not a packer build output; remove it or choose another -o")
+
+
+def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | None) -> list[FileEntry]:
+    """sha256 of every source file a stage used, relative to the source root."""
+    rels = {i["path"] for i in weights.section.get("inputs", [])}
+    if bundle is not None:
+        rels |= {m["name"] for m in bundle.section.get("members", [])}
+    base = snap.weights.parent if snap.single_file else snap.root
+    entries = []
+    for rel in sorted(rels):
+        e = file_entry(base, (base / rel))
+        entries.append(FileEntry(rel, e.size, e.sha256))
+    return entries
+
+
+def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer,
+                progress: Progress | None, dry_run: bool) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    from packer.bundle import run_bundle
+    from packer.oci import build_image
+    from packer.stub import emit_loader
+    from packer.weights.convert import convert
+
+    notes: list[str] = []
+    with timer.stage("weights") as t:
+        cb = (lambda n: progress("weights", n, 0)) if progress else None
+        weights = convert(snap.weights, staging / "weights", recipe.weights, rel_root=staging,
+                          progress=cb, dry_run=dry_run)  # fmt: skip
+        t.nbytes = weights.bytes_processed
+    bundle: StageOutput | None = None
+    if not snap.single_file:
+        with timer.stage("bundle") as t:
+            bundle = run_bundle(snap.root, recipe.bundle, staging, rel_root=staging,
+                                allowed_root=snap.allowed_root, dry_run=dry_run)  # fmt: skip
+            t.nbytes = bundle.bytes_processed
+    outputs = [*weights.files, *(bundle.files if bundle else ())]
+    embedded = {"name": recipe.name, "version": recipe.version, "files": files_map(outputs),
+                "weights": weights.section, "bundle": bundle.section if bundle else None,
+                "runtime": recipe.normalised()["runtime"]}  # fmt: skip
+    if dry_run:
+        manifest = {"recipe": recipe.normalised(), "source": snap.identity(), "weights": weights.section,
+                    "bundle": bundle.section if bundle else None}  # fmt: skip
+        return manifest, notes
+    with timer.stage("loader") as t:
+        loader = emit_loader(staging, embedded, rel_root=staging)
+    with timer.stage("inputs") as t:
+        inputs = _input_entries(snap, weights, bundle)
+        t.nbytes = sum(e.size for e in inputs)
+    files = [*outputs, *loader.files]
+    sections = {"weights": weights.section, "bundle": bundle.section if bundle else None,
+                "loader": loader.section}  # fmt: skip
+    manifest = artifact_manifest(recipe=recipe.normalised(), source=snap.identity(), inputs=inputs,
+                                 files=files, sections=sections)  # fmt: skip
+    artifact = canonical_json(manifest)
+    atomic_write_bytes(staging / MANIFEST, artifact)
+    with timer.stage("image") as t:
+        image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
+                            source=snap.identity(), artifact_files=files, artifact_manifest=artifact)  # fmt: skip
+        t.nbytes = image.bytes_processed
+    manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
+    atomic_write_bytes(staging / MANIFEST, canonical_json(manifest))
+    for stage in (weights, bundle, loader, image):
+        if stage is not None:
+            notes.extend(stage.notes)
+    return manifest, notes
+
+
+def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False,
+          progress: Progress | None = None, cache_dir: Path | None = None) -> BuildResult:  # fmt: skip
+    """Build ``recipe`` into ``out``.
+
+    The build runs in a staging directory beside ``out`` and is renamed into place only when
+    every stage and the final verification passed; a failed or killed build leaves ``out`` as
+    it was.
+
+    Raises:
+        PackerError: any stage failed; ``out`` is untouched.
+    """
+    out = Path(out).absolute()
+    timer = StageTimer()
+    if not dry_run:
+        _check_out(out)
+    staging = make_staging(out)
+    try:
+        with contextlib.ExitStack() as stack:
+            with timer.stage("source"):
+                snap = stack.enter_context(resolve_source(recipe, cache_dir=cache_dir))
+            manifest, notes = _run_stages(recipe, snap, staging, timer, progress, dry_run)
+        if dry_run:
+            return BuildResult(out, manifest, timer, notes, dry_run=True)
+        with timer.stage("verify") as t:
+            t.nbytes = verify(staging)["bytes"]
+        atomic_write_bytes(staging / TIMINGS, canonical_json({"stages": timer.as_json()}))
+        publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return BuildResult(out, manifest, timer, notes)

@@ -1,0 +1,306 @@
+"""The ``packer`` command line: parse options, call one library function, print.
+
+No logic lives here. Library errors (:class:`PackerError`) become one line on stderr and exit
+code 1 in one place (:func:`_run`); click's usage errors exit with 2. Library modules are
+imported inside the commands so that ``packer --help`` stays fast and never imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from packer import __version__
+from packer.errors import PackerError
+
+
+class Ctx:
+    """Options common to every command."""
+
+    def __init__(self, quiet: bool, as_json: bool, debug: bool) -> None:
+        self.quiet, self.json, self.debug = quiet, as_json, debug
+
+    def log(self, text: str) -> None:
+        """Human output: stdout normally, stderr under --json, nothing under --quiet."""
+        if not self.quiet:
+            click.echo(text, err=self.json)
+
+    def emit(self, summary: dict[str, Any]) -> None:
+        if self.json:
+            click.echo(json.dumps(summary, indent=2, sort_keys=True))
+
+    def progress(self, desc: str) -> Any:
+        """A tqdm bar on stderr, or None when quiet, JSON or stderr is not a terminal."""
+        if self.quiet or self.json or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+
+def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout; logs on stderr.")
+    @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+    @functools.wraps(fn)
+    def wrapper(quiet: bool, as_json: bool, debug: bool, **kwargs: Any) -> None:
+        ctx = Ctx(quiet, as_json, debug)
+        try:
+            fn(ctx, **kwargs)
+        except PackerError as e:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except OSError as e:  # the file system said no: still one line, still exit 1
+            if debug:
+                traceback.print_exc()
+            where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+            click.echo(f"error: {where}{e.strerror or e}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+def _bar_callback(bar: Any) -> Callable[..., None] | None:
+    if bar is None:
+        return None
+
+    def update(*args: Any) -> None:
+        bar.update(args[-2] if len(args) == 3 else args[0])
+
+    return update
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="packer")
+def main() -> None:
+    """packer: build deploy-ready model artifacts so inference servers start in seconds.
+
+    \b
+    Examples:
+      packer build                          # the embedded demo model into ./dist
+      packer build recipes/hf-model.toml -o out
+      packer verify out
+    """
+
+
+@main.command()
+@click.argument("recipe", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("dist"), show_default=True,
+              help="Output directory (replaced atomically when the build succeeds).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, bundle members, layers); write nothing.")
+@_common
+def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool) -> None:
+    """Build RECIPE (default: the embedded demo) into OUT.
+
+    \b
+    Examples:
+      packer build
+      packer build recipes/demo.toml -o out --json
+      packer build recipes/hf-model.toml --dry-run
+    """
+    from packer.build import build as run_build
+    from packer.recipe import demo_recipe, load_recipe
+
+    rec = load_recipe(recipe) if recipe else demo_recipe()
+    bar = ctx.progress("build")
+    try:
+        result = run_build(rec, out, dry_run=dry_run, progress=_bar_callback(bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    for note in result.notes:
+        ctx.log(f"note: {note}")
+    if dry_run:
+        ctx.log(json.dumps(result.manifest, indent=2, sort_keys=True))
+    else:
+        ctx.log(result.timer.table())
+        ctx.log(f"built {rec.name} {rec.version} into {result.out}")
+    ctx.emit(result.summary())
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Directory for the safetensors files.")
+@click.option("--key", help="Key of the nested dict holding the state dict (e.g. state_dict).")
+@click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Prefix to strip from names (repeatable).")
+@click.option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", help="Regex rename (repeatable).")
+@click.option("--dtype", type=click.Choice(["float64", "float32", "float16", "bfloat16"]), help="Cast floats.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help='Decimal size such as "5GB".')
+@click.option("--tie-prefer", multiple=True, help="Name to keep for a tied group (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
+@click.option("--no-sandbox", is_flag=True, help="Read the input in this process (no isolated subprocess).")
+@_common
+def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tuple[str, ...],
+            renames: tuple[str, ...], dtype: str | None, max_shard_size: str,
+            tie_prefer: tuple[str, ...], dry_run: bool, no_sandbox: bool) -> None:  # fmt: skip
+    """Convert pickle checkpoints (or safetensors) in SRC to safetensors in OUT.
+
+    \b
+    Examples:
+      packer convert pytorch_model.bin -o out
+      packer convert ckpt/ -o out --key state_dict --strip-prefix module. --dtype bfloat16
+    """
+    from packer.recipe import recipe_from_dict
+    from packer.weights.sandboxed import convert_cli
+
+    raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
+                           "tie_prefer": list(tie_prefer)}  # fmt: skip
+    if key:
+        raw["key"] = key
+    if dtype:
+        raw["dtype"] = dtype
+    rename_rows = []
+    for r in renames:
+        pattern, sep, repl = r.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{r!r}: expected REGEX=REPLACEMENT", param_hint="--rename")
+        rename_rows.append({"pattern": pattern, "replace": repl})
+    raw["renames"] = rename_rows
+    cfg = recipe_from_dict({"name": "convert", "version": "0", "source": str(src), "weights": raw}).weights
+    result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox)
+    for note in result.notes:
+        ctx.log(f"note: {note}")
+    if dry_run:
+        ctx.log(json.dumps(result.section, indent=2, sort_keys=True))
+    else:
+        for f in result.files:
+            ctx.log(f"{f.sha256}  {out / f.path}  ({f.size} bytes)")
+    ctx.emit({"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),
+              "tensors": len(result.section.get("tensors", {})), "dry_run": dry_run})  # fmt: skip
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_common
+def inspect(ctx: Ctx, file: Path) -> None:
+    """List a checkpoint's tensors and other entries without converting or executing anything.
+
+    \b
+    Examples:
+      packer inspect pytorch_model.bin
+      packer inspect model.safetensors --json
+    """
+    from packer.checkpoint import inspect_checkpoint
+
+    report = inspect_checkpoint(file)
+    if not ctx.json:
+        ctx.log(f"{file}: {report['format']}, {len(report['tensors'])} tensors")
+        for t in report["tensors"]:
+            alias = f"  alias group {t['alias_group']}" if t.get("alias_group") is not None else ""
+            ctx.log(f"  {t['name']}  {t['dtype']}  {list(t['shape'])}  {t['nbytes']} B{alias}")
+        for name in report.get("skipped", []):
+            ctx.log(f"  (not a tensor) {name}")
+    ctx.emit(report)
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Archive to write.")
+@click.option("--include", multiple=True, help="Glob of files to include (repeatable; overrides defaults).")
+@click.option("--exclude", multiple=True, help="Glob of files to exclude (repeatable).")
+@click.option("--dry-run", is_flag=True, help="List the members; write nothing.")
+@_common
+def bundle(ctx: Ctx, src: Path, out: Path, include: tuple[str, ...], exclude: tuple[str, ...], dry_run: bool) -> None:
+    """Bundle SRC's tokenizer and config files into one tar.zst archive.
+
+    \b
+    Examples:
+      packer bundle ./my-model -o bundle.tar.zst
+      packer bundle ./my-model -o b.tar.zst --include '*.json' --dry-run
+    """
+    from packer.bundle import bundle_to_file
+    from packer.recipe import BundleConfig
+
+    section = bundle_to_file(src, out, BundleConfig(include=include, exclude=exclude), dry_run=dry_run)
+    for m in section["members"]:
+        ctx.log(f"{m['name']}  {m['size']}")
+    if not dry_run:
+        ctx.log(f"wrote {out} ({section['size']} bytes, sha256 {section['sha256']})")
+    ctx.emit(section)
+
+
+@main.command()
+@click.argument("archive", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="New directory to extract into.")
+@_common
+def unbundle(ctx: Ctx, archive: Path, out: Path) -> None:
+    """Safely extract a bundle archive into a new directory.
+
+    \b
+    Example:
+      packer unbundle dist/bundle.tar.zst -o /tmp/tokenizer
+    """
+    from packer.bundle import unbundle as run_unbundle
+
+    names = run_unbundle(archive, out)
+    ctx.log(f"extracted {len(names)} files into {out}")
+    ctx.emit({"out": str(out), "files": names})
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@_common
+def verify(ctx: Ctx, out: Path) -> None:
+    """Check every file and image blob in OUT against its manifest.
+
+    \b
+    Example:
+      packer verify dist
+    """
+    from packer.manifest import verify as run_verify
+
+    summary = run_verify(out)
+    ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / 'manifest.json'}")
+    ctx.emit({"ok": True, **summary})
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--verify", "verify_", is_flag=True, help="Also check sha256 of every weight file.")
+@_common
+def profile(ctx: Ctx, out: Path, device: str, verify_: bool) -> None:
+    """Run the emitted loader's self-test in a fresh process and print its stage table.
+
+    \b
+    Example:
+      packer profile dist --device cuda
+    """
+    from packer.profile import profile as run_profile
+
+    result = run_profile(out, device=device, verify=verify_)
+    for s in result["stages"]:
+        ctx.log("  ".join(f"{k}={v}" for k, v in s.items()))
+    if result.get("slow_imports"):
+        ctx.log("slowest imports:")
+        for imp in result["slow_imports"]:
+            ctx.log("  " + "  ".join(str(v) for v in imp.values()))
+    ctx.emit(result)
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("ref")
+@click.option("--tls-verify/--no-tls-verify", default=True, show_default=True)
+@_common
+def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
+    """Push OUT's image to a registry REF (through skopeo).
+
+    \b
+    Example:
+      packer push dist registry.example.com/team/model:1.0
+    """
+    from packer.oci.push import push as run_push
+
+    digest = run_push(out, ref, tls_verify=tls_verify)
+    ctx.log(f"pushed {ref}@{digest}")
+    ctx.emit({"ref": ref, "digest": digest})

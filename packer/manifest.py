@@ -1,0 +1,138 @@
+"""manifest.json: what was built from what, and ``verify`` that proves OUT still matches it.
+
+The manifest has two layers. The *artifact manifest* describes the weights, the bundle and the
+loader; its canonical bytes are also stored inside the OCI image (the image cannot list
+itself). The final ``OUT/manifest.json`` adds the ``image`` section and the ``image_files``
+written by the image stage. Timings never enter it: they go to ``build-timings.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import packer
+from packer.errors import VerifyError
+from packer.fsutil import FileEntry, canonical_json, sha256_file
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical
+_IMAGE_KEYS = ("image", "image_files")
+
+
+def tool_versions() -> dict[str, str | None]:
+    """Versions of the tools that shape the output, read without importing them."""
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "torch": version("torch"),
+            "safetensors": version("safetensors"), "zstandard": version("zstandard")}  # fmt: skip
+
+
+def files_map(entries: Iterable[FileEntry]) -> dict[str, dict[str, Any]]:
+    """``{path: {size, sha256}}`` sorted by path; duplicate paths are a bug."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in sorted(entries, key=lambda e: e.path):
+        if e.path in out:
+            raise ValueError(f"two stages wrote {e.path}")
+        out[e.path] = e.as_json()
+    return out
+
+
+def artifact_manifest(*, recipe: dict[str, Any], source: dict[str, Any], inputs: Iterable[FileEntry],
+                      files: Iterable[FileEntry], sections: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Assemble the artifact manifest (everything but the image)."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "packer_version": packer.__version__,
+        "recipe": recipe,
+        "source": {**source, "files": files_map(inputs)},
+        "files": files_map(files),
+        "tools": tool_versions(),
+        **sections,
+    }
+
+
+def split_artifact(manifest: dict[str, Any]) -> bytes:
+    """The canonical artifact-manifest bytes contained in a final manifest."""
+    return canonical_json({k: v for k, v in manifest.items() if k not in _IMAGE_KEYS})
+
+
+def load_manifest(out: Path) -> dict[str, Any]:
+    """Read ``OUT/manifest.json``.
+
+    Raises:
+        VerifyError: missing, unreadable or not a packer manifest.
+    """
+    path = out / MANIFEST
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError as e:
+        raise VerifyError(f"{path}: missing; is {out} a packer build output?") from e
+    except (OSError, ValueError) as e:
+        raise VerifyError(f"{path}: unreadable: {e}") from e
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION or not isinstance(data.get("files"), dict):
+        raise VerifyError(f"{path}: not a packer manifest of schema {SCHEMA_VERSION}")
+    return data
+
+
+def _check_files(out: Path, listed: dict[str, Any]) -> int:
+    total = 0
+    for rel, want in sorted(listed.items()):
+        path = out / rel
+        if not path.is_file() or path.is_symlink():
+            raise VerifyError(f"{path}: listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise VerifyError(f"{path}: size {size} differs from the manifest's {want['size']}")
+        _, digest = sha256_file(path)
+        if digest != want["sha256"]:
+            raise VerifyError(f"{path}: sha256 {digest[:16]}… differs from the manifest's {want['sha256'][:16]}…")
+        total += size
+    return total
+
+
+def _check_no_extras(out: Path, listed: set[str]) -> None:
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            continue
+        if rel not in listed and rel not in (MANIFEST, TIMINGS):
+            raise VerifyError(f"{path}: not listed in the manifest")
+
+
+def verify(out: Path) -> dict[str, Any]:
+    """Check every file of a build output against its manifest, then each stage's own rules.
+
+    Returns:
+        A summary: files checked and bytes hashed.
+
+    Raises:
+        VerifyError: naming the first mismatch.
+    """
+    manifest = load_manifest(out)
+    listed = {**manifest["files"], **manifest.get("image_files", {})}
+    _check_no_extras(out, set(listed))
+    nbytes = _check_files(out, listed)
+    if manifest.get("weights"):
+        from packer.weights.verify import verify_weights
+
+        verify_weights(out, manifest["weights"])
+    if manifest.get("bundle"):
+        from packer.bundle import verify_bundle
+
+        verify_bundle(out, manifest["bundle"])
+    if manifest.get("image"):
+        from packer.oci.verify import verify_image
+
+        verify_image(out, artifact_manifest=split_artifact(manifest))
+    return {"files": len(listed) + 1, "bytes": nbytes}

@@ -1,0 +1,19 @@
+"""Session-wide test settings: never reach the hub, keep hypothesis quick and deterministic."""
+
+from __future__ import annotations
+
+import os
+
+# Set before huggingface_hub is imported anywhere: tests only ever read a cache on disk.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ.setdefault("PACKER_STARTUP_LOG", "off")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)  # fmt: skip
+settings.register_profile("long", max_examples=2000, deadline=None)
+settings.load_profile(os.environ.get("PACKER_HYPOTHESIS_PROFILE", "ci"))
