@@ -1,0 +1,86 @@
+"""``packer inspect``: what a checkpoint holds, as JSON-able data, converting nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from packer.checkpoint.reader import _open, make_record, walk
+from packer.checkpoint.records import CheckpointContents, TensorRecord
+from packer.checkpoint.tree import TORCH_DTYPES
+
+
+def _alias_key(r: TensorRecord) -> tuple[object, ...]:
+    return (r.storage.path, r.storage.offset, r.storage_offset, r.shape, r.stride, r.dtype)
+
+
+def _describe(
+    records: list[tuple[TensorRecord | None, str, str, tuple[int, ...], int]],
+) -> tuple[list[dict[str, object]], list[list[str]]]:
+    groups: dict[tuple[object, ...], list[str]] = {}
+    for rec, name, *_ in records:
+        if rec is not None:
+            groups.setdefault(_alias_key(rec), []).append(name)
+    alias_groups = [names for names in groups.values() if len(names) > 1]
+    group_of = {n: i for i, names in enumerate(alias_groups) for n in names}
+    tensors: list[dict[str, object]] = [
+        {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": nbytes,
+         "alias_group": group_of.get(name)}
+        for _, name, dtype, shape, nbytes in records
+    ]  # fmt: skip
+    return tensors, alias_groups
+
+
+def inspect_checkpoint(path: Path) -> dict[str, object]:
+    """Describe a checkpoint: tensors, alias groups, non-tensor entries, containers.
+
+    Tensors are listed under their full dotted names from the top of the pickle. A dtype
+    safetensors cannot hold (complex...) is listed with its torch name and
+    ``"supported": false`` rather than failing.
+
+    Args:
+        path: a torch zip, legacy torch or safetensors file.
+
+    Returns:
+        ``{"path", "format", "tensors": [{name, dtype, shape, nbytes, alias_group}],
+        "alias_groups": [[names]], "skipped": [names], "containers": [{name, tensors}],
+        "metadata": {...}}``; alias groups are exact aliases (same storage, storage offset,
+        shape, stride and dtype).
+
+    Raises:
+        UnsafeInputError / CheckpointError: as :func:`read_checkpoint`.
+    """
+    path = Path(path)
+    fmt, loaded = _open(path, verify_crc=False)
+    rows: list[tuple[TensorRecord | None, str, str, tuple[int, ...], int]] = []
+    unsupported: list[str] = []
+    if isinstance(loaded, CheckpointContents):
+        rows = [(r, r.name, r.dtype, r.shape, r.nbytes) for r in loaded.tensors]
+        leaves: list[str] = []
+        containers: list[tuple[str, int]] = []
+        metadata = dict(loaded.metadata)
+    else:
+        refs, leaves, containers = walk(loaded)
+        metadata = {}
+        for name, ref in refs:
+            code, item = TORCH_DTYPES[ref.dtype]
+            if code is None:
+                numel = 1
+                for d in ref.size:
+                    numel *= d
+                rows.append((None, name, ref.dtype, ref.size, numel * item))
+                unsupported.append(name)
+                continue
+            rec = make_record(path, name, ref)
+            rows.append((rec, name, rec.dtype, rec.shape, rec.nbytes))
+    tensors, alias_groups = _describe(rows)
+    for t in tensors:
+        t["supported"] = t["name"] not in unsupported
+    return {
+        "path": str(path),
+        "format": fmt,
+        "tensors": tensors,
+        "alias_groups": alias_groups,
+        "skipped": leaves,
+        "containers": [{"name": n, "tensors": c} for n, c in containers],
+        "metadata": metadata,
+    }

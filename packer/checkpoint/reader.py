@@ -1,0 +1,224 @@
+"""Read any supported checkpoint into tensor records; select a container; inspect.
+
+The format is detected from content, not from the file name. Pickle formats yield a tree of
+plain containers with :class:`TensorRef` leaves; here a flat dict of tensors is chosen from
+it (``key`` selects a nested one) and each tensor is checked against its storage in exact
+integer arithmetic before it becomes a :class:`TensorRecord`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+from packer.checkpoint.legacy import load_legacy
+from packer.checkpoint.records import CheckpointContents, TensorRecord
+from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safetensors
+from packer.checkpoint.torch_zip import load_torch_zip
+from packer.checkpoint.tree import TORCH_DTYPES, TensorRef, children, tensor_counts
+from packer.errors import CheckpointError
+
+_I64 = 2**63
+_COMPLEX = {"complex32", "chalf", "complex64", "cfloat", "complex128", "cdouble"}
+
+
+def _detect(f: BinaryIO, path: Path, size: int) -> str:
+    head = f.read(16)
+    if head[:4] == b"PK\x03\x04":
+        return "torch-zip"
+    if looks_like_safetensors(head):
+        return "safetensors"
+    if head[:1] == b"\x80" or head[:1] == b"L":
+        return "torch-legacy"
+    f.seek(max(0, size - 22))
+    if f.read(4) == b"PK\x05\x06":
+        return "torch-zip"  # the zip parser names what precedes the archive
+    if size >= 262:
+        f.seek(257)
+        if f.read(5) == b"ustar":
+            raise CheckpointError(f"{path}: tar-based torch checkpoint (torch < 0.4) not supported")
+    raise CheckpointError(f"{path}: not a torch zip, legacy torch or safetensors file (first bytes {head[:8]!r})")
+
+
+def _open(path: Path, verify_crc: bool) -> tuple[str, object]:
+    """Return (format, root object) or (format, CheckpointContents) for safetensors."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below in every case
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open: {e.strerror or e}") from e
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        fmt = _detect(f, path, size)
+        if fmt == "safetensors":
+            return fmt, read_safetensors(f, path, size)
+        if fmt == "torch-zip":
+            return fmt, load_torch_zip(f, path, size, verify_crc=verify_crc)
+        return fmt, load_legacy(f, path, size)
+
+
+def make_record(path: Path, name: str, ref: TensorRef) -> TensorRecord:
+    """Check one tensor against its storage (exact integers) and return its record.
+
+    Raises:
+        CheckpointError: an unsupported dtype or a view that does not fit its storage.
+    """
+    place = f"{path}: tensor {name}"
+    code, item = TORCH_DTYPES[ref.dtype]
+    if code is None:
+        kind = "complex " if ref.dtype in _COMPLEX else ""
+        raise CheckpointError(f"{place}: {kind}dtype {ref.dtype} cannot be stored in safetensors")
+    size, stride, offset = ref.size, ref.stride, ref.offset
+    if len(size) != len(stride):
+        raise CheckpointError(f"{place}: shape {size} and stride {stride} differ in rank")
+    if any(d < 0 for d in size) or offset < 0:
+        raise CheckpointError(f"{place}: negative shape {size} or storage offset {offset}")
+    if any(s < 0 for s in stride):
+        raise CheckpointError(f"{place}: negative stride {stride} not supported")
+    numel = 1
+    for d in size:
+        numel *= d
+    nbytes = ref.storage.range.nbytes
+    if numel * item >= _I64 or offset * item >= _I64 or any(s >= _I64 for s in stride):
+        raise CheckpointError(f"{place}: shape {size} / offset overflow int64")
+    if numel == 0:
+        end = offset * item
+    else:
+        last = offset + sum((d - 1) * s for d, s in zip(size, stride, strict=True))
+        if last * item >= _I64:
+            raise CheckpointError(f"{place}: extent of shape {size} stride {stride} overflows int64")
+        end = (last + 1) * item
+    if end > nbytes:
+        raise CheckpointError(
+            f"{place}: view ends at byte {end} past the end of its {nbytes}-byte storage {ref.storage.key}"
+        )
+    return TensorRecord(name, code, size, stride, ref.storage.range, offset)
+
+
+def _resolve(node: object, dotted: str) -> tuple[object] | None:
+    kids = children(node)
+    if kids is None:
+        return None
+    names = dict(kids)
+    if dotted in names:
+        return (names[dotted],)
+    for i, ch in enumerate(dotted):
+        if ch == "." and dotted[:i] in names:
+            found = _resolve(names[dotted[:i]], dotted[i + 1 :])
+            if found is not None:
+                return found
+    return None
+
+
+def _choose_key_error(path: Path, key: str | None, nested: list[tuple[str, int]]) -> CheckpointError:
+    where = f"{path}: " if key is None else f"{path}: key {key}: "
+    prefix = "" if key is None else f"{key}."
+    listed = ", ".join(f"{prefix}{n} ({c} tensor{'s' if c != 1 else ''})" for n, c in nested[:20])
+    more = f", and {len(nested) - 20} more" if len(nested) > 20 else ""
+    return CheckpointError(f"{where}not a flat tensor dict; choose a key: {listed}{more}")
+
+
+def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecord, ...], tuple[str, ...]]:
+    """Pick the flat tensor dict (the root, or ``key``'s) and build its records.
+
+    Args:
+        path: the file, for messages.
+        root: the unpickled tree.
+        key: None for the root, else a dotted path such as ``state_dict`` or ``model.ema``;
+            a key that itself contains dots is matched whole first.
+
+    Returns:
+        The records in the dict's order and the names of skipped non-tensor entries.
+
+    Raises:
+        CheckpointError: key not found, not a dict, or not flat (the message lists keys).
+    """
+    node = root
+    if key is not None:
+        found = _resolve(root, key)
+        if found is None:
+            top = ", ".join(n for n, _ in (children(root) or [])[:20])
+            raise CheckpointError(f"{path}: key {key}: not found; top-level entries: {top or 'none'}")
+        node = found[0]
+    kids = children(node)
+    if kids is None:
+        what = "a single tensor" if isinstance(node, TensorRef) else type(node).__name__
+        where = "top level" if key is None else f"key {key}"
+        raise CheckpointError(f"{path}: {where}: holds {what}, not a dict of tensors")
+    counts = tensor_counts(node)
+    nested = [(n, counts.get(id(v), 0)) for n, v in kids if isinstance(v, dict | list | tuple)]
+    nested = [(n, c) for n, c in nested if c]
+    if nested:
+        raise _choose_key_error(path, key, nested)
+    records, skipped, seen = [], [], set()
+    for name, value in kids:
+        if name in seen:
+            raise CheckpointError(f"{path}: entry {name}: two keys with the same name")
+        seen.add(name)
+        if isinstance(value, TensorRef):
+            records.append(make_record(path, name, value))
+        else:
+            skipped.append(name)
+    return tuple(records), tuple(skipped)
+
+
+def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = False) -> CheckpointContents:
+    """Read a checkpoint's tensor records without executing or importing anything.
+
+    Only the pickle and headers are read (storage bytes are not touched unless
+    ``verify_crc``), so this costs O(metadata).
+
+    Args:
+        path: a torch zip, legacy torch or safetensors file (detected from content).
+        key: dotted path of the nested dict to use (e.g. ``state_dict``); pickle only.
+        verify_crc: for torch zips, also check every storage's CRC-32 (reads all bytes).
+
+    Returns:
+        The records (name, dtype code, shape, stride, storage byte range, offset) and the
+        names of skipped non-tensor entries.
+
+    Raises:
+        UnsafeInputError: the file asks for code to run (a global outside the allowlist...).
+        CheckpointError: malformed input, a lying record, a complex dtype, a bad key.
+    """
+    path = Path(path)
+    fmt, loaded = _open(path, verify_crc)
+    if isinstance(loaded, CheckpointContents):
+        if key is not None:
+            raise CheckpointError(f"{path}: key {key}: safetensors files have no nested dicts")
+        return loaded
+    tensors, skipped = select(path, loaded, key)
+    return CheckpointContents(path, fmt, tensors, skipped)
+
+
+def walk(root: object) -> tuple[list[tuple[str, TensorRef]], list[str], list[tuple[str, int]]]:
+    """All tensors and non-tensor leaves under dotted names, and containers with tensors.
+
+    Each container is expanded once (the first path that reaches it), iteratively.
+    """
+    tensors: list[tuple[str, TensorRef]] = []
+    leaves: list[str] = []
+    containers: list[tuple[str, int]] = []
+    counts = tensor_counts(root)
+    seen: set[int] = set()
+    todo: list[tuple[str, object]] = [("", root)]
+    while todo:
+        name, node = todo.pop()
+        if isinstance(node, TensorRef):
+            tensors.append((name, node))
+            continue
+        kids = children(node)
+        if kids is None:
+            leaves.append(name)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        count = counts.get(id(node), 0)
+        if name and count:
+            containers.append((name, count))
+        elif name and not count:
+            leaves.append(name)
+            continue
+        todo.extend((f"{name}.{k}" if name else k, v) for k, v in reversed(kids))
+    return tensors, leaves, containers

@@ -1,0 +1,117 @@
+"""Existing ``*.safetensors`` inputs: the header parsed and checked here, bytes left in place."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, StorageRange, TensorRecord
+from packer.errors import CheckpointError
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own cap
+_COMPLEX = {"C64", "C128", "C32"}
+
+
+def _fail(path: Path, place: str, reason: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {place}: {reason}")
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def looks_like_safetensors(head: bytes) -> bool:
+    """True when the first bytes are a header length (checked later) followed by ``{``."""
+    return len(head) >= 9 and head[8:9] == b"{"
+
+
+def read_header(f: BinaryIO, path: Path, size: int) -> tuple[dict[str, object], int]:
+    """Return the parsed header and the offset where tensor data begins."""
+    f.seek(0)
+    head = f.read(8)
+    if len(head) != 8:
+        raise _fail(path, "safetensors header", "file shorter than 8 bytes")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or n > size - 8:
+        raise _fail(path, "safetensors header", f"declares {n} bytes (file {size}, cap {MAX_HEADER_BYTES})")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _fail(path, "safetensors header", f"invalid JSON ({str(e)[:80]})") from None
+    if not isinstance(header, dict):
+        raise _fail(path, "safetensors header", "not a JSON object")
+    return header, 8 + n
+
+
+def _metadata(path: Path, value: object) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise _fail(path, "__metadata__", "must map strings to strings")
+    return tuple(sorted(value.items()))
+
+
+def _record(path: Path, name: str, info: object, base: int) -> tuple[TensorRecord, int, int]:
+    place = f"tensor {name}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise _fail(path, place, "entry must have exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype in _COMPLEX:
+        raise _fail(path, place, f"complex dtype {dtype} is not supported")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise _fail(path, place, f"unknown dtype {str(dtype)[:20]}")
+    if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+        raise _fail(path, place, "shape must be a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(type(o) is int and 0 <= o < 2**63 for o in offsets)):  # fmt: skip
+        raise _fail(path, place, "data_offsets must be two non-negative integers")
+    begin, end = offsets
+    numel = 1
+    for d in shape:
+        numel *= d
+    if end < begin or end - begin != numel * DTYPE_SIZES[dtype]:
+        raise _fail(path, place, f"data_offsets {offsets} disagree with dtype and shape")
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    rng = StorageRange(name, path, base + begin, end - begin)
+    rec = TensorRecord(name, dtype, tuple(shape), tuple(reversed(stride)), rng, 0)
+    return rec, begin, end
+
+
+def read_safetensors(f: BinaryIO, path: Path, size: int) -> CheckpointContents:
+    """Parse and check a safetensors file's header; return one record per tensor.
+
+    Offsets must tile the data area exactly (no gaps, overlaps or trailing bytes), as the
+    safetensors library requires.
+
+    Raises:
+        CheckpointError: a malformed header, an unknown or complex dtype, bad offsets.
+    """
+    header, base = read_header(f, path, size)
+    meta: tuple[tuple[str, str], ...] = ()
+    spans: list[tuple[int, int, TensorRecord]] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            meta = _metadata(path, info)
+            continue
+        rec, begin, end = _record(path, name, info, base)
+        spans.append((begin, end, rec))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    expected = 0
+    for begin, end, rec in spans:
+        if begin != expected:
+            what = "overlaps another tensor" if begin < expected else f"leaves a gap at {expected}"
+            raise _fail(path, f"tensor {rec.name}", what)
+        expected = end
+    if base + expected != size:
+        raise _fail(path, "safetensors data", f"{size - base - expected} bytes not covered by tensors")
+    tensors = tuple(s[2] for s in spans)  # file order: sequential reads
+    return CheckpointContents(path, "safetensors", tensors, (), meta)

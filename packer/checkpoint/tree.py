@@ -1,0 +1,239 @@
+"""The inert values a restricted pickle produces, and the few rules that build them.
+
+A torch checkpoint's pickle names a handful of torch functions and classes; here each is
+only a :class:`Global` marker, and ``REDUCE`` on one of them builds a plain description
+(:class:`TensorRef`, a dict, bytes) by rules written in this module. Nothing is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from packer.checkpoint.records import StorageRange
+
+# torch dtype name -> (safetensors code or None when safetensors cannot hold it, item size)
+TORCH_DTYPES: dict[str, tuple[str | None, int]] = {
+    "float64": ("F64", 8), "double": ("F64", 8), "float32": ("F32", 4), "float": ("F32", 4),
+    "float16": ("F16", 2), "half": ("F16", 2), "bfloat16": ("BF16", 2),
+    "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
+    "float8_e4m3fnuz": ("F8_E4M3FNUZ", 1), "float8_e5m2fnuz": ("F8_E5M2FNUZ", 1),
+    "float8_e8m0fnu": ("F8_E8M0", 1),
+    "int64": ("I64", 8), "long": ("I64", 8), "int32": ("I32", 4), "int": ("I32", 4),
+    "int16": ("I16", 2), "short": ("I16", 2), "int8": ("I8", 1),
+    "uint8": ("U8", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8),
+    "bool": ("BOOL", 1),
+    "complex32": (None, 4), "chalf": (None, 4), "complex64": (None, 8), "cfloat": (None, 8),
+    "complex128": (None, 16), "cdouble": (None, 16),
+    "qint8": (None, 1), "quint8": (None, 1), "qint32": (None, 4), "quint4x2": (None, 1),
+    "quint2x4": (None, 1), "float4_e2m1fn_x2": (None, 1),
+}  # fmt: skip
+
+# typed storage class name -> torch dtype name of its elements
+STORAGE_TYPES: dict[str, str] = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64", "QInt8Storage": "qint8", "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+    "UntypedStorage": "uint8",
+}  # fmt: skip
+
+_U = "torch._utils"
+CALLABLES: frozenset[tuple[str, str]] = frozenset({
+    ("collections", "OrderedDict"),
+    (_U, "_rebuild_tensor"), (_U, "_rebuild_tensor_v2"), (_U, "_rebuild_tensor_v3"),
+    (_U, "_rebuild_parameter"), (_U, "_rebuild_parameter_with_state"),
+    ("torch", "Size"), ("_codecs", "encode"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
+    # protocol-2 pickles written by Python 3 spell builtins the Python 2 way
+    ("__builtin__", "set"), ("__builtin__", "frozenset"), ("__builtin__", "bytearray"),
+})  # fmt: skip
+VALUE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {("torch", n) for n in STORAGE_TYPES} | {("torch.storage", "UntypedStorage")} | {("torch", n) for n in TORCH_DTYPES}
+)
+
+
+@dataclass(frozen=True)
+class Global:
+    """An inert reference to ``module.name``; never imported."""
+
+    module: str
+    name: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.module, self.name)
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+@dataclass(eq=False)
+class PickleSet:
+    """A set or frozenset from the pickle, kept as a list so nothing is hashed."""
+
+    items: list[object]
+    frozen: bool
+
+
+class PickleDict(dict[object, object]):
+    """An OrderedDict from the pickle; BUILD state (e.g. ``_metadata``) is kept aside."""
+
+    state: object = None
+
+
+@dataclass(eq=False)
+class StorageRef:
+    """A storage the pickle refers to by persistent id, located in the file by the caller."""
+
+    key: str
+    dtype: str  # torch dtype name of the storage's elements
+    numel: int  # in elements of ``dtype``
+    range: StorageRange
+
+
+@dataclass(eq=False)
+class TensorRef:
+    """A tensor as the pickle describes it: a view of a storage, not yet checked."""
+
+    storage: StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str  # torch dtype name
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list):
+        raise ValueError(f"{what} is not a tuple of integers")
+    if len(value) > 64:
+        raise ValueError(f"{what} has {len(value)} dimensions (at most 64)")
+    for v in value:
+        if type(v) is not int:
+            raise ValueError(f"{what} is not a tuple of integers")
+    return tuple(value)
+
+
+def _tensor(args: tuple[object, ...], dtype: object = None) -> TensorRef:
+    storage, offset, size, stride = args[:4]
+    if not isinstance(storage, StorageRef):
+        raise ValueError("first argument is not a storage")
+    if type(offset) is not int:
+        raise ValueError("storage offset is not an integer")
+    name = storage.dtype
+    if dtype is not None:
+        if not isinstance(dtype, Global) or dtype.module != "torch" or dtype.name not in TORCH_DTYPES:
+            raise ValueError("dtype argument is not a torch dtype")
+        name = dtype.name
+    return TensorRef(storage, offset, _ints(size, "size"), _ints(stride, "stride"), name)
+
+
+def _build_set(args: tuple[object, ...], frozen: bool) -> PickleSet:
+    if not args:
+        return PickleSet([], frozen)
+    if len(args) != 1 or not isinstance(args[0], list | tuple):
+        raise ValueError("expects one list")
+    return PickleSet(list(args[0]), frozen)
+
+
+def _bytearray(args: tuple[object, ...]) -> bytes:
+    if not args:
+        return b""
+    (value,) = args
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, list) and all(type(v) is int and 0 <= v < 256 for v in value):
+        return bytes(value)
+    raise ValueError("expects bytes or a list of byte values")
+
+
+def _ordered_dict(args: tuple[object, ...]) -> PickleDict:
+    d = PickleDict()
+    if not args:
+        return d
+    if len(args) != 1 or not isinstance(args[0], list):
+        raise ValueError("expects no arguments or a list of pairs")
+    for pair in args[0]:
+        if not isinstance(pair, tuple | list) or len(pair) != 2 or not _plain(pair[0]):
+            raise ValueError("expects (str, value) pairs")
+        d[pair[0]] = pair[1]
+    return d
+
+
+def _plain(key: object) -> bool:
+    return isinstance(key, str | int | float | bytes) or key is None
+
+
+def reduce_call(func: Global, args: tuple[object, ...]) -> object:
+    """The value ``func(*args)`` stands for, built by rule; ValueError on bad arguments."""
+    module, name = func.key
+    n = len(args)
+    if name == "OrderedDict":
+        return _ordered_dict(args)
+    if name == "_rebuild_tensor_v2" and n in (6, 7):
+        return _tensor(args)
+    if name == "_rebuild_tensor_v3" and n in (7, 8):
+        return _tensor(args, dtype=args[6])
+    if name == "_rebuild_tensor" and n == 4:
+        return _tensor(args)
+    if name in ("_rebuild_parameter", "_rebuild_parameter_with_state") and n in (3, 4):
+        if not isinstance(args[0], TensorRef):
+            raise ValueError("parameter data is not a tensor")
+        return args[0]  # nn.Parameter unwraps to its tensor
+    if name == "Size" and n == 1:
+        return _ints(args[0], "size")
+    if name == "encode" and n == 2:
+        text, encoding = args
+        if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+            raise ValueError("expects (str, 'latin1')")
+        try:
+            return text.encode("latin-1")
+        except UnicodeEncodeError:
+            raise ValueError("text is not latin-1") from None
+    if name in ("set", "frozenset") and n <= 1:
+        return _build_set(args, frozen=name == "frozenset")
+    if name == "bytearray" and n <= 1:
+        return _bytearray(args)
+    raise ValueError(f"unexpected {n} arguments")
+
+
+def children(node: object) -> list[tuple[str, object]] | None:
+    """Named children of a dict, list or tuple; None for anything else."""
+    if isinstance(node, dict):
+        return [(k if isinstance(k, str) else str(k), v) for k, v in node.items()]
+    if isinstance(node, list | tuple):
+        return [(str(i), v) for i, v in enumerate(node)]
+    return None
+
+
+_COUNT_CAP = 10**12
+
+
+def tensor_counts(root: object) -> dict[int, int]:
+    """Tensors under each container of ``root``, by ``id``, in one iterative pass.
+
+    Shared containers are counted once per path (capped) and cycles are cut, so hostile
+    graphs cost time linear in their size.
+    """
+    counts: dict[int, int] = {}
+    open_: set[int] = set()
+    todo: list[tuple[object, bool]] = [(root, False)]
+    while todo:
+        node, finished = todo.pop()
+        kids = children(node)
+        if kids is None:
+            continue
+        if finished:
+            total = sum(1 if isinstance(v, TensorRef) else counts.get(id(v), 0) for _, v in kids)
+            counts[id(node)] = min(total, _COUNT_CAP)
+            open_.discard(id(node))
+            continue
+        if id(node) in counts or id(node) in open_:
+            continue
+        open_.add(id(node))
+        todo.append((node, True))
+        todo.extend((v, False) for _, v in kids if isinstance(v, dict | list | tuple))
+    return counts
