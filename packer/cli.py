@@ -150,7 +150,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
       packer convert ckpt/ -o out --key state_dict --strip-prefix module. --dtype bfloat16
     """
     from packer.recipe import recipe_from_dict
-    from packer.weights.sandboxed import convert_cli
+    from packer.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
                            "tie_prefer": list(tie_prefer)}  # fmt: skip

@@ -1,0 +1,143 @@
+"""Run the untrusted-input stage (``packer convert``) in an isolated subprocess.
+
+The child gets limits on address space, CPU time and file size, no core dumps, and no
+network: it leaves the network namespace where the kernel allows it and, in any case, an audit
+hook refuses every socket operation. Arguments and results cross the process boundary as JSON,
+never as pickles. A child killed by a limit becomes one clear :class:`PackerError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from packer import errors
+from packer.fsutil import FileEntry
+from packer.recipe import Rename, WeightsConfig
+from packer.stage import StageOutput
+
+_CLONE_NEWNET = 0x40000000
+_GIB = 2**30
+
+
+def _limits(total_input: int) -> dict[str, int]:
+    # Address space includes the read-only maps of the inputs and torch's reservations when a
+    # cast needs it, so the cap grows with the input; anonymous memory stays bounded anyway.
+    return {
+        "as": int(os.environ.get("PACKER_SANDBOX_AS", 16 * _GIB + 2 * total_input)),
+        "cpu": int(os.environ.get("PACKER_SANDBOX_CPU", 3600)),
+        "fsize": int(os.environ.get("PACKER_SANDBOX_FSIZE", 4 * total_input + _GIB)),
+    }
+
+
+def _input_size(src: Path) -> int:
+    if src.is_file():
+        return src.stat().st_size
+    return sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+
+
+def _deny_sockets(event: str, _args: tuple[Any, ...]) -> None:
+    if event.startswith("socket."):
+        raise PermissionError(f"network access is disabled while reading untrusted input ({event})")
+
+
+def _isolate(limits: dict[str, int]) -> None:
+    """Applied in the child before anything reads the input."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:  # needs CAP_SYS_ADMIN or user namespaces; the audit hook covers the rest
+        ctypes.CDLL(libc_name, use_errno=True).unshare(_CLONE_NEWNET)
+    sys.addaudithook(_deny_sockets)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for which, value in ((resource.RLIMIT_AS, limits["as"]), (resource.RLIMIT_CPU, limits["cpu"]),
+                         (resource.RLIMIT_FSIZE, limits["fsize"])):  # fmt: skip
+        soft, hard = resource.getrlimit(which)
+        # never loosen a limit the caller already set (a CI job's own caps stay in force)
+        value = min([value, *(v for v in (soft, hard) if v != resource.RLIM_INFINITY)])
+        resource.setrlimit(which, (value, value))
+
+
+def _cfg_from_json(data: dict[str, Any]) -> WeightsConfig:
+    data = dict(data)
+    data["renames"] = tuple(Rename(**r) for r in data["renames"])
+    for key in ("files", "strip_prefixes", "tie_prefer"):
+        data[key] = tuple(data[key])
+    return WeightsConfig(**data)
+
+
+def _child_main() -> int:
+    request = json.loads(sys.stdin.read())
+    _isolate(request["limits"])
+    from packer.weights.convert import convert
+
+    try:
+        rel_root = Path(request["rel_root"]) if request["rel_root"] else None
+        result = convert(Path(request["src"]), Path(request["out"]), _cfg_from_json(request["cfg"]),
+                         rel_root=rel_root, dry_run=request["dry_run"])  # fmt: skip
+    except errors.PackerError as e:
+        json.dump({"error": str(e), "type": type(e).__name__}, sys.stdout)
+        return 1
+    except MemoryError:
+        json.dump({"error": "out of memory (address-space limit reached)", "type": "CheckpointError"}, sys.stdout)
+        return 1
+    json.dump({"files": [asdict(f) for f in result.files], "section": result.section,
+               "bytes": result.bytes_processed, "notes": list(result.notes)}, sys.stdout)  # fmt: skip
+    return 0
+
+
+def _killed_reason(rc: int) -> str:
+    sig = -rc
+    if sig == signal.SIGXCPU:
+        return "CPU time limit reached (PACKER_SANDBOX_CPU)"
+    if sig == signal.SIGXFSZ:
+        return "output file size limit reached (PACKER_SANDBOX_FSIZE)"
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+    return f"reader process killed by {name}"
+
+
+def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
+                      dry_run: bool = False) -> StageOutput:  # fmt: skip
+    """Run :func:`packer.weights.convert.convert` in an isolated child process.
+
+    Raises:
+        PackerError: the child's own error, or why the child was stopped.
+    """
+    request = {"src": str(src), "out": str(out), "cfg": asdict(cfg), "dry_run": dry_run,
+               "rel_root": str(rel_root) if rel_root else None,
+               "limits": _limits(_input_size(src))}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "packer.sandbox"], input=json.dumps(request),
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if proc.returncode < 0:
+        raise errors.CheckpointError(f"converting {src}: {_killed_reason(proc.returncode)}")
+    try:
+        reply = json.loads(proc.stdout)
+    except ValueError:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise errors.CheckpointError(f"converting {src}: reader process failed: {last}") from None
+    if "error" in reply:
+        cls = getattr(errors, reply["type"], errors.PackerError)
+        raise cls(reply["error"])
+    files = tuple(FileEntry(**f) for f in reply["files"])
+    return StageOutput(files=files, section=reply["section"], bytes_processed=reply["bytes"],
+                       notes=tuple(reply["notes"]))  # fmt: skip
+
+
+def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, dry_run: bool = False, sandbox: bool = True) -> StageOutput:
+    """``packer convert``: isolated by default, in-process with ``sandbox=False``."""
+    if sandbox:
+        return convert_sandboxed(src, out, cfg, dry_run=dry_run)
+    from packer.weights.convert import convert
+
+    return convert(src, out, cfg, dry_run=dry_run)
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

@@ -1,0 +1,219 @@
+"""The build pipeline end to end: outputs, verify, determinism, atomic publish, crash safety."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from packer.build import build
+from packer.errors import PackerError, VerifyError
+from packer.manifest import verify
+from packer.recipe import demo_recipe, recipe_from_dict
+
+EXPECTED = {"manifest.json", "weights/model.safetensors", "bundle.tar.zst", "packer_loader.py", "Dockerfile"}
+
+
+def tree(out: Path) -> dict[str, str]:
+    """sha256 of every file under ``out`` except the timings, by relative path."""
+    return {
+        p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != "build-timings.json"
+    }
+
+
+@pytest.fixture(scope="module")
+def demo_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("demo") / "out"
+    build(demo_recipe(), out)
+    return out
+
+
+def test_demo_build_outputs(demo_out: Path) -> None:
+    files = tree(demo_out)
+    assert set(files) >= EXPECTED
+    assert any(f.startswith("image/blobs/sha256/") for f in files)
+    manifest = json.loads((demo_out / "manifest.json").read_bytes())
+    assert manifest["source"]["kind"] == "demo"
+    assert "pytorch_model.bin" in manifest["source"]["files"]
+    assert manifest["tools"]["python"] and manifest["recipe"]["name"] == "packer-demo"
+    assert manifest["weights"]["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    for rel, entry in manifest["files"].items():
+        assert hashlib.sha256((demo_out / rel).read_bytes()).hexdigest() == entry["sha256"]
+    timings = json.loads((demo_out / "build-timings.json").read_bytes())
+    assert [s["stage"] for s in timings["stages"]][:3] == ["source", "weights", "bundle"]
+    assert not list(demo_out.parent.glob(".out.packer-*"))  # no staging left behind
+
+
+def test_verify_passes_then_names_any_changed_file(demo_out: Path, tmp_path: Path) -> None:
+    assert verify(demo_out)["files"] >= len(EXPECTED)
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
+    for rel in sorted(tree(copy)):
+        path = copy / rel
+        original = path.read_bytes()
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0x01
+        path.unlink()  # layer tarballs are hardlinks of blobs: change this path alone
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(VerifyError) as e:
+            verify(copy)
+        assert rel in str(e.value), (rel, str(e.value))
+        path.unlink()
+        path.write_bytes(original)
+    verify(copy)
+
+
+def test_verify_rejects_extra_and_missing_files(demo_out: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
+    (copy / "weights" / "stray.bin").write_bytes(b"x")
+    with pytest.raises(VerifyError, match="stray.bin: not listed"):
+        verify(copy)
+    (copy / "weights" / "stray.bin").unlink()
+    (copy / "bundle.tar.zst").unlink()
+    with pytest.raises(VerifyError, match="bundle.tar.zst: listed in the manifest but missing"):
+        verify(copy)
+
+
+def test_two_builds_are_byte_identical(demo_out: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    old = os.umask(0o077)
+    try:
+        build(demo_recipe(), tmp_path / "elsewhere" / "out2")
+    finally:
+        os.umask(old)
+    assert tree(tmp_path / "elsewhere" / "out2") == tree(demo_out)
+
+
+def test_rebuild_replaces_previous_build(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    from packer.demo import write_demo
+
+    write_demo(src)
+    recipe = recipe_from_dict({"name": "m", "version": "1", "source": str(src)})
+    out = tmp_path / "out"
+    build(recipe, out)
+    first = tree(out)
+    (src / "config.json").write_text('{"changed": true}\n')
+    build(recipe, out)
+    assert tree(out) != first and tree(out)["manifest.json"] != first["manifest.json"]
+    verify(out)
+
+
+def test_failed_build_leaves_previous_out_untouched(demo_out: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    subprocess.run(["cp", "-a", str(demo_out), str(out)], check=True)
+    before = tree(out)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "pytorch_model.bin").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(PackerError):
+        build(recipe_from_dict({"name": "m", "version": "1", "source": str(bad)}), out)
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "out"]
+
+
+def test_refuses_to_replace_a_directory_that_is_not_a_build(tmp_path: Path) -> None:
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(PackerError, match="not a packer build output"):
+        build(demo_recipe(), tmp_path / "precious")
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    result = build(demo_recipe(), tmp_path / "out", dry_run=True)
+    assert result.dry_run and "weights" in result.manifest
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- crash safety ------------------------------------------------------------------------
+
+# Runs `packer build` and SIGKILLs itself at the Nth rename (every stage ends in one) or once
+# the staging directory holds at least N bytes: kill points inside and between all stages.
+_KILLER = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from pathlib import Path
+    mode, n, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    if mode == "rename":
+        count = [0]
+        def hook(event, args):
+            if event == "os.rename":
+                count[0] += 1
+                if count[0] == n:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        sys.addaudithook(hook)
+    else:
+        def watch():
+            while True:
+                total = 0
+                for d in out.parent.glob("." + out.name + ".packer-staging-*"):
+                    for root, _, files in os.walk(d):
+                        for f in files:
+                            try:
+                                total += os.lstat(os.path.join(root, f)).st_size
+                            except OSError:
+                                pass
+                if total >= n:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.001)
+        threading.Thread(target=watch, daemon=True).start()
+    from packer.cli import main
+    sys.argv = ["packer", "build", "-q", "-o", str(out)]
+    main()
+    """
+)
+
+
+def _killed_build(mode: str, n: int, out: Path) -> int:
+    return subprocess.run([sys.executable, "-c", _KILLER, mode, str(n), str(out)], check=False).returncode
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["fresh", "over-previous"])
+def test_sigkill_at_every_stage_leaves_out_absent_or_previous(demo_out: Path, tmp_path: Path, previous: bool) -> None:
+    out = tmp_path / "out"
+    if previous:
+        subprocess.run(["cp", "-a", str(demo_out), str(out)], check=True)
+    before = tree(out) if previous else None
+    size = sum((demo_out / f).stat().st_size for f in tree(demo_out))
+    # byte thresholds spread over the weights, bundle, loader and image stages; then rename
+    # counts, which land on every stage boundary up to and including the publish.
+    points = [("bytes", int(size * f)) for f in (0.02, 0.3, 0.45, 0.55, 0.8, 0.98)]
+    points += [("rename", n) for n in (1, 3, 6, 10, 15, 25, 40)]
+    killed = 0
+    for mode, n in points:
+        rc = _killed_build(mode, n, out)
+        killed += rc == -signal.SIGKILL
+        if before is None and not out.exists():
+            continue
+        if before is None:  # the build got far enough to publish: it must be complete
+            before = tree(out)
+        assert tree(out) == before, (mode, n)
+        verify(out)
+    assert killed >= len(points) - 3  # most points fall inside the build
+    assert subprocess.run([sys.executable, "-m", "packer", "build", "-q", "-o", str(out)]).returncode == 0
+    verify(out)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.packer-")]
+
+
+def test_full_disk_is_one_clear_error(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (4_000_000, 4_000_000))"
+    code = f"{limit}\nimport sys\nfrom packer.cli import main\nsys.argv=['packer','build','-o',{str(out)!r}]\nmain()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "too large" in lines[0].lower()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,116 @@
+"""The command line contract: exit codes, one-line errors, --json, and no torch for --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def packer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "packer", *args], capture_output=True, text=True,
+                          cwd=cwd, check=False)  # fmt: skip
+
+
+def test_help_does_not_import_torch() -> None:
+    code = "import sys\nfrom packer.cli import main\nsys.argv=['packer','--help']\ntry:\n main()\nexcept SystemExit:\n pass\n"
+    code += "assert 'torch' not in sys.modules, 'torch imported'\nassert 'safetensors' not in sys.modules\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "Examples" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["build", "convert", "inspect", "bundle", "unbundle", "verify", "profile", "push"])
+def test_every_command_has_help_with_examples(command: str) -> None:
+    proc = packer(command, "--help")
+    assert proc.returncode == 0 and "Example" in proc.stdout and "--json" in proc.stdout
+
+
+def test_usage_error_exits_2(tmp_path: Path) -> None:
+    assert packer("build", "--no-such-flag").returncode == 2
+    assert packer("verify").returncode == 2
+    assert packer("frobnicate").returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ('name = "x"\nversion = "1"\nsource = "demo"\ncolour = 1\n', "colour: unknown key"),
+        ('name = "x"\nversion = "1"\nsource = "demo"\n[weights]\nmax_shard_size = 12\n',
+         'weights.max_shard_size: expected a size like "5GB", got 12'),
+        ('name = "x"\nversion = "1"\n', "source: missing required key"),
+        ('name = "x"\nversion = "1"\nsource = "./nowhere"\n', "does not exist"),
+        ('name = "x"\nversion = \n', "line 2"),
+    ],
+    ids=["unknown-key", "wrong-type", "missing-key", "missing-source", "bad-toml"],
+)
+def test_bad_recipe_is_one_line_exit_1_and_writes_nothing(tmp_path: Path, body: str, fragment: str) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(body)
+    proc = packer("build", str(recipe), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.toml"]
+
+
+def test_debug_shows_traceback(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "x"\nversion = "1"\nsource = "demo"\ncolour = 1\n')
+    proc = packer("build", str(recipe), "-o", str(tmp_path / "out"), "--debug")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr
+
+
+def test_build_json_and_verify(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = packer("build", str(REPO / "recipes" / "demo.toml"), "-o", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)  # only JSON on stdout
+    assert summary["out"] == str(out) and summary["files"] >= 5
+    names = [s["stage"] for s in summary["stages"]]
+    assert names[:4] == ["source", "weights", "bundle", "loader"] and "image" in names and "verify" in names
+    assert "stage" in proc.stderr and "total" in proc.stderr  # the stage table went to stderr
+
+    ok = packer("verify", str(out), "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+    loader = out / "packer_loader.py"
+    data = bytearray(loader.read_bytes())
+    data[-2] ^= 1
+    loader.write_bytes(bytes(data))
+    bad = packer("verify", str(out))
+    assert bad.returncode == 1 and "packer_loader.py" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_default_build_goes_to_dist_and_prints_the_stage_table(tmp_path: Path) -> None:
+    proc = packer("build", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "dist" / "manifest.json").is_file()
+    table = proc.stdout
+    for stage in ("source", "weights", "bundle", "loader", "image", "verify", "total"):
+        assert stage in table
+    assert "GB/s" in table
+
+
+def test_quiet_prints_nothing(tmp_path: Path) -> None:
+    proc = packer("build", "-q", "-o", str(tmp_path / "o"))
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+
+
+def test_build_dry_run_prints_plan_and_writes_nothing(tmp_path: Path) -> None:
+    proc = packer("build", "--dry-run", "-o", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr
+    assert "model.embed_tokens.weight" in proc.stdout and "tokenizer.json" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_library_does_not_import_click() -> None:
+    code = ("import sys, packer.build, packer.manifest, packer.recipe, packer.source\n"
+            "assert 'click' not in sys.modules\nassert 'torch' not in sys.modules\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
