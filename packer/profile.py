@@ -1,0 +1,91 @@
+"""``packer profile OUT``: run the emitted loader's self-test in a fresh process.
+
+The loader prints its stage table as one JSON line (``PACKER_STARTUP_LOG=json``) and
+``python -X importtime`` adds one line per import; both arrive on stderr and are parsed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from packer.errors import LoaderError
+
+LOADER_NAME = "packer_loader.py"
+TOP_IMPORTS = 10
+_STAGE_KEYS = ("stage", "seconds", "bytes", "gbps")
+
+
+def parse_stderr(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Split the self-test's stderr into stages, imports and the remaining lines.
+
+    Returns:
+        ``(stages, imports sorted by cumulative time, other lines)``.
+    """
+    stages: list[dict[str, Any]] = []
+    imports: list[dict[str, Any]] = []
+    other: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("import time:"):
+            parts = [p.strip() for p in line[len("import time:"):].split("|")]
+            if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+                imports.append({"module": parts[2], "self_us": int(parts[0]),
+                                "cumulative_us": int(parts[1])})  # fmt: skip
+            continue
+        rec = _json_line(line)
+        if rec is not None and "startup" in rec:
+            stages += [{k: s.get(k) for k in _STAGE_KEYS} for s in rec["startup"]]
+            stages.append({"stage": "total", "seconds": rec.get("total_s"), "bytes": 0, "gbps": None})
+        elif line.strip():
+            other.append(line)
+    imports.sort(key=lambda r: (-r["cumulative_us"], r["module"]))
+    return stages, imports, other
+
+
+def _json_line(line: str) -> dict[str, Any] | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
+            timeout: float = 900.0) -> dict[str, Any]:  # fmt: skip
+    """Run ``OUT/packer_loader.py --selftest`` under ``-X importtime`` and collect its table.
+
+    Args:
+        out_dir: a build output directory.
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        verify: also check sha256 of every file.
+        timeout: seconds before the self-test is given up.
+
+    Returns:
+        ``{"stages": [...], "slow_imports": [top 10 by cumulative us], "returncode": 0}``.
+
+    Raises:
+        LoaderError: no loader in ``out_dir``, or the self-test failed (its last stderr line).
+    """
+    loader = Path(out_dir) / LOADER_NAME
+    if not loader.is_file():
+        raise LoaderError(f"{loader}: missing; build first with `packer build -o {out_dir}`")
+    cmd = [sys.executable, "-X", "importtime", str(loader), "--selftest", "--device", device]
+    if verify:
+        cmd.append("--verify")
+    env = {**os.environ, "PACKER_STARTUP_LOG": "json"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                              cwd=loader.parent, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise LoaderError(f"{loader}: self-test did not finish in {timeout:.0f}s") from None
+    stages, imports, other = parse_stderr(proc.stderr)
+    if proc.returncode != 0:
+        last = other[-1] if other else f"{loader}: self-test exited with {proc.returncode}"
+        raise LoaderError(last)
+    return {"stages": stages, "slow_imports": imports[:TOP_IMPORTS], "returncode": proc.returncode}

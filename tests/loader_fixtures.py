@@ -1,0 +1,122 @@
+"""Build small safetensors artifacts and the embedded manifest the loader expects."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+def _entry(path: Path) -> dict[str, Any]:
+    data = path.read_bytes()
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header: dict[str, Any] = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def write_raw_safetensors(path: Path, tensors: list[tuple[str, str, list[int], bytes]],
+                          pad: int = 0) -> None:  # fmt: skip
+    """A safetensors file laid out exactly as given (no alignment), header padded by ``pad``."""
+    header, data = {}, b""
+    for name, dtype, shape, raw in tensors:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header, separators=(",", ":")).encode() + b" " * pad
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def describe(root: Path, rels: list[str], *, aliases: dict[str, str] | None = None,
+             index: str | None = None, device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+    """The embedded manifest for safetensors files already under ``root``."""
+    tensors: dict[str, Any] = {}
+    for rel in rels:
+        for name, rec in _header(root / rel).items():
+            tensors[name] = {"file": rel, **rec}
+    files = {rel: _entry(root / rel) for rel in [*rels, *([index] if index else [])]}
+    return {"name": "fixture", "version": "1",
+            "files": files,
+            "weights": {"files": rels, "index": index,
+                        "total_size": sum(files[r]["size"] for r in rels), "tensors": tensors,
+                        "aliases": aliases or {}, "skipped": [], "inputs": []},
+            "bundle": None,
+            "runtime": {"device": device, "warmup": []}}  # fmt: skip
+
+
+def make_artifacts(root: Path, shards: list[dict[str, torch.Tensor]], *,
+                   aliases: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Write ``shards`` with safetensors the Hugging Face way and describe them."""
+    (root / "weights").mkdir(parents=True, exist_ok=True)
+    if len(shards) == 1:
+        rels = ["weights/model.safetensors"]
+    else:
+        rels = [f"weights/model-{i:05d}-of-{len(shards):05d}.safetensors"
+                for i in range(1, len(shards) + 1)]  # fmt: skip
+    weight_map = {}
+    for rel, tensors in zip(rels, shards, strict=True):
+        save_file(tensors, str(root / rel))
+        weight_map.update({k: Path(rel).name for k in tensors})
+    index = None
+    if len(shards) > 1:
+        index = "weights/model.safetensors.index.json"
+        (root / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return describe(root, rels, aliases=aliases, index=index)
+
+
+def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A handful of dtypes and shapes, including a scalar and an empty tensor."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=g),
+        "layer.0.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16),
+        "layer.0.bias": torch.randn(32, generator=g).to(torch.float16),
+        "positions": torch.arange(17, dtype=torch.int64),
+        "mask": torch.rand(5, 3, generator=g) > 0.5,
+        "scale": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "bytes": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),
+    }
+
+
+def make_bundle(path: Path, members: dict[str, bytes]) -> dict[str, Any]:
+    """A tar.zst of ``members`` (written with tarfile and zstandard) and its manifest section."""
+    import zstandard
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in sorted(members.items()):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    blob = zstandard.ZstdCompressor(level=3).compress(raw.getvalue())
+    path.write_bytes(blob)
+    return {"file": path.name, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+            "members": [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+                        for n, d in sorted(members.items())]}  # fmt: skip
+
+
+def make_out(out: Path, *, bundle: bool = True) -> dict[str, Any]:
+    """A small build output: two shards with an alias, a bundle, and the emitted loader."""
+    from packer.stub import emit_loader
+
+    big = {"big.weight": torch.randn(300, 70), "big.bias": torch.randn(70).to(torch.bfloat16)}
+    m = make_artifacts(out, [sample_tensors(), big], aliases={"lm_head.weight": "embed.weight"})
+    m["name"] = "tiny-\u00e9t\u00e9 'model'"  # quotes and non-ASCII survive embedding
+    if bundle:
+        m["bundle"] = make_bundle(out / "bundle.tar.zst", {"config.json": b'{"a":1}', "tok/vocab.txt": b"a\nb\n"})
+        m["files"]["bundle.tar.zst"] = {k: m["bundle"][k] for k in ("size", "sha256")}
+    emit_loader(out, m)
+    return m

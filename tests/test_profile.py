@@ -1,0 +1,56 @@
+"""packer.profile: the self-test in a fresh process, its stage table and slowest imports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from packer.errors import LoaderError
+from packer.profile import parse_stderr, profile
+from tests.loader_fixtures import make_out
+
+
+def test_profile_reports_stages_and_slowest_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    out.mkdir()
+    m = make_out(out)
+    result = profile(out, device="cpu", verify=True)
+    assert result["returncode"] == 0
+    names = [s["stage"] for s in result["stages"]]
+    assert names[0] == "import torch" and names[-1] == "total"
+    assert {"headers", "verify sha256", "map", "bundle", "check"} <= set(names)
+    verify = next(s for s in result["stages"] if s["stage"] == "verify sha256")
+    assert verify["bytes"] == sum(m["files"][r]["size"] for r in m["weights"]["files"])
+    imports = result["slow_imports"]
+    assert len(imports) == 10 and imports[0]["module"] == "torch"
+    cum = [i["cumulative_us"] for i in imports]
+    assert cum == sorted(cum, reverse=True) and all(i["self_us"] >= 0 for i in imports)
+
+    rel = m["weights"]["files"][0]
+    (out / rel).write_bytes((out / rel).read_bytes()[:-1])
+    with pytest.raises(LoaderError, match=rf"^packer_loader: self-test failed: {rel}: \d+ bytes, the manifest says"):
+        profile(out, device="cpu")
+
+
+def test_profile_without_a_loader(tmp_path: Path) -> None:
+    with pytest.raises(LoaderError, match="packer_loader.py: missing; build first"):
+        profile(tmp_path)
+
+
+def test_parse_stderr() -> None:
+    text = "\n".join([
+        "import time: self [us] | cumulative | imported package",
+        "import time:       120 |        120 |   _io",
+        "import time:      5000 |    1200000 | torch",
+        "import time:        30 |        300 |     json.decoder",
+        '{"startup": [{"stage": "headers", "seconds": 0.01, "bytes": 100, "gbps": 0.01, "lane": 0}],'
+        ' "total_s": 0.5}',
+        "packer_loader: self-test passed (3 tensors on cpu)",
+    ])  # fmt: skip
+    stages, imports, other = parse_stderr(text)
+    assert stages == [{"stage": "headers", "seconds": 0.01, "bytes": 100, "gbps": 0.01},
+                      {"stage": "total", "seconds": 0.5, "bytes": 0, "gbps": None}]  # fmt: skip
+    assert [i["module"] for i in imports] == ["torch", "json.decoder", "_io"]
+    assert other == ["packer_loader: self-test passed (3 tensors on cpu)"]
