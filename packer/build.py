@@ -23,8 +23,6 @@ from packer.source import Snapshot, resolve_source
 from packer.stage import StageOutput
 from packer.timing import StageTimer
 
-Progress = Callable[[str, int, int], None]  # (stage, done bytes, total bytes)
-
 
 @dataclass
 class BuildResult:
@@ -62,17 +60,17 @@ def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | N
 
 
 def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer,
-                progress: Progress | None, dry_run: bool) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+                dry_run: bool, sandbox: bool, progress: Callable[[int], None] | None,
+                ) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
     from packer.bundle import run_bundle
     from packer.oci import build_image
+    from packer.sandbox import convert_cli
     from packer.stub import emit_loader
-    from packer.weights.convert import convert
 
     notes: list[str] = []
     with timer.stage("weights") as t:
-        cb = (lambda n: progress("weights", n, 0)) if progress else None
-        weights = convert(snap.weights, staging / "weights", recipe.weights, rel_root=staging,
-                          progress=cb, dry_run=dry_run)  # fmt: skip
+        weights = convert_cli(snap.weights, staging / "weights", recipe.weights, rel_root=staging,
+                              dry_run=dry_run, sandbox=sandbox, progress=progress)  # fmt: skip
         t.nbytes = weights.bytes_processed
     bundle: StageOutput | None = None
     if not snap.single_file:
@@ -102,7 +100,8 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
     atomic_write_bytes(staging / MANIFEST, artifact)
     with timer.stage("image") as t:
         image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
-                            source=snap.identity(), artifact_files=files, artifact_manifest=artifact)  # fmt: skip
+                            source=snap.identity(), artifact_files=files, artifact_manifest=artifact,
+                            verify=False)  # the build verifies everything once, below; fmt: skip
         t.nbytes = image.bytes_processed
     manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
     atomic_write_bytes(staging / MANIFEST, canonical_json(manifest))
@@ -112,13 +111,14 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
     return manifest, notes
 
 
-def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False,
-          progress: Progress | None = None, cache_dir: Path | None = None) -> BuildResult:  # fmt: skip
+def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bool = True,
+          cache_dir: Path | None = None, progress: Callable[[int], None] | None = None) -> BuildResult:  # fmt: skip
     """Build ``recipe`` into ``out``.
 
-    The build runs in a staging directory beside ``out`` and is renamed into place only when
-    every stage and the final verification passed; a failed or killed build leaves ``out`` as
-    it was.
+    The weights stage, which reads untrusted checkpoints, runs in an isolated child process
+    unless ``sandbox`` is false; ``progress`` receives the weight bytes written so far. The
+    build runs in a staging directory beside ``out`` and is renamed into place only when every
+    stage and the final verification passed; a failed or killed build leaves ``out`` as it was.
 
     Raises:
         PackerError: any stage failed; ``out`` is untouched.
@@ -132,7 +132,7 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False,
         with contextlib.ExitStack() as stack:
             with timer.stage("source"):
                 snap = stack.enter_context(resolve_source(recipe, cache_dir=cache_dir))
-            manifest, notes = _run_stages(recipe, snap, staging, timer, progress, dry_run)
+            manifest, notes = _run_stages(recipe, snap, staging, timer, dry_run, sandbox, progress)
         if dry_run:
             return BuildResult(out, manifest, timer, notes, dry_run=True)
         with timer.stage("verify") as t:

@@ -1,0 +1,205 @@
+"""The image stage: plan the layers, write them, the layout, the tarballs and the Dockerfile."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from packer.errors import ImageError
+from packer.fsutil import FileEntry, file_entry
+from packer.oci.base import BaseImage, link_blobs, resolve_base
+from packer.oci.dockerfile import (
+    LAYERS_DIR,
+    Standalone,
+    link_tarball,
+    tarball_name,
+    write_docker_files,
+)
+from packer.oci.layer import MEDIA_TYPES, Layer, LayerJob, write_layers
+from packer.oci.layout import rfc3339, write_layout
+from packer.oci.plan import MANIFEST, ImagePlan, PlannedLayer, plan_layers
+from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
+from packer.recipe import ImageConfig
+from packer.stage import StageOutput
+
+Progress = Callable[[str, int], None]  # (layer name, bytes written so far in the stage)
+
+
+def source_date_epoch() -> int:
+    """``SOURCE_DATE_EPOCH`` as an int (0 when unset).
+
+    Raises:
+        ImageError: the variable is set but not a non-negative integer.
+    """
+    raw = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ImageError(f"SOURCE_DATE_EPOCH: expected a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+def plan_image(
+    *,
+    cfg: ImageConfig,
+    name: str,
+    version: str,
+    artifact_files: Sequence[FileEntry],
+    artifact_manifest: bytes,
+) -> ImagePlan:
+    """The layer plan only (what ``--dry-run`` prints); reads nothing from disk."""
+    digest = hashlib.sha256(artifact_manifest).hexdigest()
+    manifest = FileEntry(MANIFEST, len(artifact_manifest), digest)
+    files = [f for f in artifact_files if f.path != MANIFEST]
+    return plan_layers(files, cfg, name=name, version=version, manifest=manifest)
+
+
+def _annotations(name: str, version: str, source: dict[str, Any], created: str) -> dict[str, str]:
+    out = {
+        "org.opencontainers.image.created": created,
+        "org.opencontainers.image.title": name,
+        "org.opencontainers.image.version": version,
+        "org.opencontainers.image.source": str(source.get("uri") or source.get("kind") or ""),
+    }
+    if source.get("revision"):
+        out["org.opencontainers.image.revision"] = str(source["revision"])
+    return out
+
+
+def _write_layers(
+    out_dir: Path, plan: ImagePlan, manifest: bytes, mtime: int, progress: Progress | None
+) -> tuple[list[Layer], list[Standalone]]:
+    blobs = out_dir / "image" / "blobs" / "sha256"
+    jobs, rels = [], []
+    for i, planned in enumerate(plan.layers):
+        sources = [
+            SourceFile(f.dest, f.size, data=manifest) if f.rel_path == MANIFEST
+            else SourceFile(f.dest, f.size, source=out_dir / f.rel_path)
+            for f in planned.files
+        ]  # fmt: skip
+        members = tar_members(sources, owner=plan.owner, prefix=plan.prefix)
+        rels.append(f"{LAYERS_DIR}/{tarball_name(i, planned)}")
+        tee = out_dir / rels[-1] if planned.compression == "zstd" else None
+        jobs.append(LayerJob(tar_pieces(members, mtime=mtime), planned.compression, tee))
+    done = 0
+
+    def report(i: int) -> None:
+        nonlocal done
+        done += plan.layers[i].size
+        if progress:
+            progress(plan.layers[i].name, done)
+
+    try:
+        layers = write_layers(jobs, blobs, on_done=report)
+    except OSError as e:
+        raise ImageError(f"writing the image layers in {blobs}: {e}") from e
+    tarballs = []
+    for rel, layer, planned in zip(rels, layers, plan.layers, strict=True):
+        if planned.compression != "zstd":
+            link_tarball(out_dir, rel, layer)
+        media = MEDIA_TYPES["gzip" if planned.compression == "gzip" else "none"]
+        tarballs.append(Standalone(rel, media, layer, planned))
+    return layers, tarballs
+
+
+def _layer_section(layer: Layer, planned: PlannedLayer) -> dict[str, Any]:
+    return {"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
+            "media_type": layer.media_type, "files": [f.rel_path for f in planned.files]}
+
+
+def _entries(out_dir: Path, layers: Sequence[Layer], tarballs: Sequence[Standalone],
+             base: BaseImage | None) -> list[FileEntry]:
+    """FileEntry for every file written, without re-reading the large ones."""
+    entries: dict[str, FileEntry] = {}
+    blob_descs = [la.descriptor() for la in layers] + list(base.layers if base else ())
+    for d in blob_descs:
+        hexd = d["digest"].removeprefix("sha256:")
+        rel = f"image/blobs/sha256/{hexd}"
+        entries[rel] = FileEntry(rel, d["size"], hexd)
+    for t in tarballs:
+        if t.rel_path.endswith(".gz") or t.layer.media_type == MEDIA_TYPES["none"]:
+            entries[t.rel_path] = FileEntry(t.rel_path, t.layer.size, t.layer.digest[7:])
+        else:  # the uncompressed tee of a zstd layer: its sha256 is the diff_id
+            size = (out_dir / t.rel_path).stat().st_size
+            entries[t.rel_path] = FileEntry(t.rel_path, size, t.layer.diff_id[7:])
+    for p in (out_dir / "image").rglob("*"):
+        rel = p.relative_to(out_dir).as_posix()
+        if p.is_file() and rel not in entries:  # the small JSON files
+            entries[rel] = file_entry(out_dir, p)
+    entries["Dockerfile"] = file_entry(out_dir, out_dir / "Dockerfile")
+    return [entries[k] for k in sorted(entries)]
+
+
+def build_image(
+    out_dir: Path,
+    *,
+    cfg: ImageConfig,
+    name: str,
+    version: str,
+    source: dict[str, Any],
+    artifact_files: list[FileEntry],
+    artifact_manifest: bytes,
+    dry_run: bool = False,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> StageOutput:
+    """Write ``OUT/image`` (OCI layout), standalone layer tarballs and ``OUT/Dockerfile``.
+
+    Args:
+        out_dir: the staging output directory holding the artifact files.
+        cfg: the recipe's ``[image]`` section.
+        name, version: the model's name and version (tag, annotations).
+        source: ``{"kind", "uri", "revision"}`` of the model source (annotations).
+        artifact_files: the artifact files (relative to ``out_dir``) with size and sha256.
+        artifact_manifest: the artifact manifest bytes; stored as ``<prefix>/manifest.json``.
+        dry_run: only plan; the section is the plan and nothing is written.
+        verify: re-read the written image with :func:`verify_image` (checks every byte).
+        progress: called after each layer with its name and the bytes done so far.
+
+    Returns:
+        The files written and the manifest's ``image`` section.
+
+    Raises:
+        ImageError: bad config, unreadable base, a file changed while written.
+        VerifyError: ``verify`` found the written image inconsistent.
+    """
+    plan = plan_image(cfg=cfg, name=name, version=version, artifact_files=artifact_files,
+                      artifact_manifest=artifact_manifest)
+    if dry_run:
+        return StageOutput(section={"plan": plan.as_json()})
+    epoch = source_date_epoch()
+    created = rfc3339(epoch)
+    image_dir = out_dir / "image"
+    if image_dir.exists():
+        shutil.rmtree(image_dir)  # our own output from an earlier try in this staging dir
+    (image_dir / "blobs" / "sha256").mkdir(parents=True)
+    (out_dir / LAYERS_DIR).mkdir()
+    base = resolve_base(cfg.base, platform=cfg.platform) if cfg.base else None
+    base_bytes = link_blobs(base, image_dir / "blobs" / "sha256") if base else 0
+    layers, tarballs = _write_layers(out_dir, plan, artifact_manifest, epoch, progress)
+    annotations = _annotations(name, version, source, created)
+    digests = write_layout(
+        image_dir, plan, layers, base=base, created=created, annotations=annotations
+    )
+    write_docker_files(out_dir, plan, tarballs, annotations)
+    if verify:
+        from packer.oci.verify import verify_image
+
+        verify_image(out_dir, artifact_manifest=artifact_manifest)
+    section = {
+        "tag": plan.tag, "index_digest": digests.index, "manifest_digest": digests.manifest,
+        "config_digest": digests.config, "compression": plan.compression, "prefix": plan.prefix,
+        "owner": str(plan.owner), "weights": plan.weights,
+        "layers": [_layer_section(la, p) for la, p in zip(layers, plan.layers, strict=True)],
+        "base": None if base is None else {
+            "name": base.reference, "digest": base.manifest_digest, "layers": len(base.layers)},
+    }  # fmt: skip
+    return StageOutput(
+        files=tuple(_entries(out_dir, layers, tarballs, base)),
+        section=section,
+        bytes_processed=base_bytes + sum(la.size for la in layers),
+    )

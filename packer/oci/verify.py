@@ -1,0 +1,305 @@
+"""``verify_image``: check an OCI layout written by packer, blob by blob and entry by entry.
+
+Every blob's digest and size, every layer's diff_id (by decompressing it, streamed), the
+index -> manifest -> config walk and media types. Packer's own layers (history entries whose
+``created_by`` starts with ``packer:``) are also read entry by entry against the tar rules;
+with the artifact manifest, their files must equal the artifact files byte for byte.
+"""
+
+from __future__ import annotations
+
+import calendar
+import gzip
+import hashlib
+import json
+import os
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, cast
+
+from packer.errors import VerifyError
+from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
+from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
+from packer.oci.layout import (
+    ANNOTATION_OWNER,
+    ANNOTATION_PREFIX,
+    ANNOTATION_WEIGHTS,
+    OCI_LAYOUT,
+    PACKER_PREFIX,
+)
+from packer.oci.tar_reader import TarReader
+from packer.oci.tar_writer import ALLOWED_PAX, DIR_MODE, EXEC_MODE, FILE_MODE, Owner
+
+CHUNK = 16 * 2**20
+Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
+
+
+class _HashingReader:
+    """A read-only stream that hashes and counts everything read through it."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self.hash, self.size = raw, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.hash.update(data)
+        self.size += len(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def drain(self) -> None:
+        while self.read(CHUNK):
+            pass
+
+
+def _fail(where: str, what: str) -> VerifyError:
+    return VerifyError(f"{where}: {what}")
+
+
+def _blob_path(image: Path, digest: str) -> Path:
+    algo, _, hexd = str(digest).partition(":")
+    if algo != "sha256" or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd):
+        raise _fail(str(image), f"malformed digest {digest!r}")
+    return image / "blobs" / "sha256" / hexd
+
+
+def _check_json_blob(image: Path, desc: dict[str, Any], media: str) -> dict[str, Any]:
+    if desc.get("mediaType") != media:
+        got = desc.get("mediaType")
+        raise _fail(str(image), f"{desc.get('digest')}: media type {got!r}, expected {media}")
+    path = _blob_path(image, desc.get("digest", ""))
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise _fail(str(path), f"missing blob ({e.strerror})") from e
+    _check_digest(path, desc, len(raw), "sha256:" + hashlib.sha256(raw).hexdigest())
+    data = json.loads(raw)
+    if data.get("mediaType", media) != media:
+        raise _fail(str(path), f"mediaType {data.get('mediaType')!r}, expected {media}")
+    return data
+
+
+def _check_digest(path: Path, desc: dict[str, Any], size: int, digest: str) -> None:
+    if size != desc.get("size") or digest != desc.get("digest"):
+        raise _fail(str(path), f"blob does not match its descriptor: size {size}, {digest} "
+                               f"(expected {desc.get('size')}, {desc.get('digest')})")
+
+
+def _decompressed(reader: _HashingReader, media: str) -> IO[bytes]:
+    kind = COMPRESSION_OF[media]
+    if kind == "gzip":
+        return cast(IO[bytes], gzip.GzipFile(fileobj=cast(IO[bytes], reader), mode="rb"))
+    if kind == "zstd":
+        import zstandard
+
+        dctx = zstandard.ZstdDecompressor()
+        return cast(IO[bytes], dctx.stream_reader(cast(IO[bytes], reader), read_across_frames=True))
+    return cast(IO[bytes], reader)
+
+
+class _DiffHasher:
+    """Wraps the decompressed stream so the uncompressed bytes are hashed as read.
+
+    For an uncompressed layer the blob's own hash is the diff_id: pass ``hasher`` to share it.
+    """
+
+    def __init__(self, inner: IO[bytes], hasher: Any = None) -> None:
+        self.inner, self.own = inner, hasher is None
+        self.hash = hashlib.sha256() if hasher is None else hasher
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.inner.read(n)
+        if self.own:
+            self.hash.update(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(CHUNK):
+            pass
+
+
+def _check_entry(
+    m: tarfile.TarInfo, where: str, rules: dict[str, Any], seen: set[str], last: str
+) -> str:
+    name = m.name.rstrip("/")
+    p = PurePosixPath(name)
+    if not name or p.is_absolute() or ".." in p.parts:
+        raise _fail(where, f"entry {m.name!r}: unsafe path")
+    if name <= last:
+        raise _fail(where, f"entry {m.name!r}: not sorted after {last!r}")
+    if p.parent.as_posix() != "." and p.parent.as_posix() not in seen:
+        raise _fail(where, f"entry {m.name!r}: parent directory not written before it")
+    if m.type not in (tarfile.REGTYPE, tarfile.DIRTYPE):
+        raise _fail(where, f"entry {m.name!r}: type {m.type!r} (only files and directories)")
+    allowed = (DIR_MODE,) if m.isdir() else (FILE_MODE, EXEC_MODE)
+    if m.mode not in allowed:
+        want = " or ".join(map(oct, allowed))
+        raise _fail(where, f"entry {m.name!r}: mode {oct(m.mode)}, expected {want}")
+    prefix = rules["prefix"]
+    in_prefix = not prefix or name == prefix or name.startswith(prefix + "/")
+    owner = rules["owner"] if in_prefix else Owner()
+    if (m.uid, m.gid) != (owner.uid, owner.gid) or m.uname or m.gname:
+        got = f"{m.uid}:{m.gid} ({m.uname!r}:{m.gname!r})"
+        raise _fail(where, f"entry {m.name!r}: owner {got}, expected {owner} with empty names")
+    if m.mtime != rules["mtime"]:
+        raise _fail(where, f"entry {m.name!r}: mtime {m.mtime}, expected {rules['mtime']}")
+    extra = set(m.pax_headers) - ALLOWED_PAX
+    if extra:
+        raise _fail(where, f"entry {m.name!r}: unexpected PAX records {sorted(extra)}")
+    seen.add(name)
+    return name
+
+
+def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files: bool) -> Expected:
+    seen: set[str] = set()
+    last = ""
+    found: Expected = {}
+    reader = TarReader(stream)
+    for m in reader:
+        last = _check_entry(m, where, rules, seen, last)
+        if m.isfile() and hash_files:
+            h = hashlib.sha256()
+            for chunk in reader.chunks():
+                h.update(chunk)
+            found["/" + last] = (m.size, h.hexdigest())
+    return found
+
+
+def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[str, Any] | None,
+                 hash_files: bool) -> Expected:
+    media = desc.get("mediaType")
+    path = _blob_path(image, desc.get("digest", ""))
+    if media not in COMPRESSION_OF:
+        known = ", ".join(sorted(MEDIA_TYPES.values()))
+        raise _fail(str(path), f"layer media type {media!r} is not one of {known}")
+    found: Expected = {}
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 - closed in finally, read again on error
+    except OSError as e:
+        raise _fail(str(path), f"missing blob ({e.strerror})") from e
+    reader = _HashingReader(raw)
+    try:
+        plain = COMPRESSION_OF[media] == "none"
+        stream = _DiffHasher(_decompressed(reader, media), reader.hash if plain else None)
+        if rules is not None:
+            found = _walk_tar(stream, str(path), rules, hash_files)
+        stream.drain()
+        reader.drain()
+    except (OSError, EOFError, tarfile.TarError, ValueError, VerifyError) as e:
+        # a damaged blob explains any read error: name the digest mismatch first
+        reader.drain()
+        _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
+        if isinstance(e, VerifyError):
+            raise
+        raise _fail(str(path), f"cannot read layer: {e}") from e
+    finally:
+        raw.close()
+    _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
+    if "sha256:" + stream.hash.hexdigest() != diff_id:
+        raise _fail(str(path), f"diff_id sha256:{stream.hash.hexdigest()} != config's {diff_id}")
+    return found
+
+
+def _packer_layers(config: dict[str, Any]) -> list[bool]:
+    return [str(h.get("created_by", "")).startswith(PACKER_PREFIX)
+            for h in config.get("history") or [] if not h.get("empty_layer")]
+
+
+def _epoch(created: str) -> int:
+    try:
+        return calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
+    except (TypeError, ValueError) as e:
+        raise _fail("config", f"created {created!r} is not RFC 3339 UTC") from e
+
+
+def _check_manifest(image: Path, desc: dict[str, Any], found: Expected,
+                    hash_files: bool) -> dict[str, Any]:
+    manifest = _check_json_blob(image, desc, OCI_MANIFEST)
+    config = _check_json_blob(image, manifest.get("config") or {}, OCI_CONFIG)
+    diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
+    layers = manifest.get("layers") or []
+    if len(diff_ids) != len(layers):
+        raise _fail(str(image), f"{len(layers)} layers but {len(diff_ids)} diff_ids in the config")
+    ours = _packer_layers(config)
+    if len(ours) != len(layers):
+        raise _fail(str(image), f"{len(layers)} layers but {len(ours)} non-empty history entries")
+    ann = manifest.get("annotations") or {}
+    rules = {"prefix": str(ann.get(ANNOTATION_PREFIX, "/opt/model")).strip("/"),
+             "owner": Owner.parse(str(ann.get(ANNOTATION_OWNER, "0:0"))),
+             "mtime": _epoch(config.get("created", ""))}
+    # layers are independent: check them concurrently (hashing releases the GIL), then
+    # report the first problem in layer order so the message does not depend on timing
+    workers = max(1, min(len(layers), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="packer-verify") as pool:
+        futures = [pool.submit(_check_layer, image, ldesc, diff_id, rules if mine else None,
+                               hash_files)
+                   for ldesc, diff_id, mine in zip(layers, diff_ids, ours, strict=True)]
+        for fut in futures:
+            found.update(fut.result())
+    return manifest
+
+
+def _check_artifacts(
+    found: Expected, artifact_manifest: bytes, ann: dict[str, Any], where: str
+) -> None:
+    prefix = str(ann.get(ANNOTATION_PREFIX, "/opt/model")).strip("/")
+    external = ann.get(ANNOTATION_WEIGHTS) == "external"
+    try:
+        files = json.loads(artifact_manifest)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise _fail(where, "the artifact manifest is not JSON with a 'files' map") from e
+    root = f"/{prefix}/" if prefix else "/"
+    expected: Expected = {f"{root}manifest.json": (len(artifact_manifest),
+                                                  hashlib.sha256(artifact_manifest).hexdigest())}
+    manifest_paths = set(expected)
+    for rel, entry in files.items():
+        expected[f"{root}{rel}"] = (entry["size"], entry["sha256"])
+    # the artifact files first: a changed file is a more useful message than the manifest's
+    for path, got in sorted(found.items(), key=lambda kv: (kv[0] in manifest_paths, kv[0])):
+        if path not in expected:
+            raise _fail(where, f"{path}: in the image but not an artifact file")
+        if got != expected[path]:
+            want = expected[path]
+            raise _fail(where, f"{path}: size/sha256 {got} differ from the artifact's {want}")
+    for path in sorted(set(expected) - set(found)):
+        if not (external and path.startswith(f"{root}weights/")):
+            raise _fail(where, f"{path}: artifact file missing from the image")
+
+
+def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> None:
+    """Check ``OUT/image`` completely; raise on the first problem.
+
+    Args:
+        out_dir: the output directory holding ``image/``.
+        artifact_manifest: when given, the image's files must equal the artifact files
+            listed in its ``files`` map and its ``manifest.json`` must equal these bytes.
+
+    Raises:
+        VerifyError: naming the blob or entry and what is wrong.
+    """
+    image = Path(out_dir) / "image"
+    try:
+        if (image / "oci-layout").read_bytes() != OCI_LAYOUT:
+            raise _fail(str(image / "oci-layout"), "not an OCI image layout 1.0.0 marker")
+        index = json.loads((image / "index.json").read_bytes())
+    except (OSError, ValueError) as e:
+        raise _fail(str(image), f"not a readable OCI layout: {e}") from e
+    if index.get("schemaVersion") != 2 or index.get("mediaType", OCI_INDEX) != OCI_INDEX:
+        raise _fail(str(image / "index.json"), "not an OCI image index (schemaVersion 2)")
+    manifests = index.get("manifests") or []
+    if not manifests:
+        raise _fail(str(image / "index.json"), "lists no manifest")
+    for desc in manifests:
+        if not (desc.get("annotations") or {}).get(REF_NAME):
+            where = str(image / "index.json")
+            raise _fail(where, f"manifest {desc.get('digest')} has no {REF_NAME}")
+        found: Expected = {}
+        manifest = _check_manifest(image, desc, found, artifact_manifest is not None)
+        if artifact_manifest is not None:
+            ann = manifest.get("annotations") or {}
+            _check_artifacts(found, artifact_manifest, ann, str(image))
+

@@ -1,0 +1,224 @@
+"""The one OCI layout validator every image test calls, plus fixture builders.
+
+``validate_layout`` re-derives everything from the bytes on disk with the standard library
+(and zstandard), independent of ``packer.oci.verify``: oci-layout marker, index, manifest,
+config, every blob's digest and size, every diff_id, and returns what it read so tests can
+assert on entries. ``make_out`` writes a small fake packer OUT directory; ``make_base``
+writes a small base image layout (OCI or Docker media types, optionally multi-platform).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from packer.fsutil import FileEntry, canonical_json, file_entry
+
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+LAYER_TYPES = {
+    "application/vnd.oci.image.layer.v1.tar": "none",
+    "application/vnd.oci.image.layer.v1.tar+gzip": "gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd": "zstd",
+}
+REF = "org.opencontainers.image.ref.name"
+
+
+@dataclass
+class LayerInfo:
+    descriptor: dict[str, Any]
+    diff_id: str
+    members: list[tarfile.TarInfo] = field(default_factory=list)
+    contents: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class Layout:
+    index: dict[str, Any]
+    manifest_digest: str
+    manifest: dict[str, Any]
+    config: dict[str, Any]
+    layers: list[LayerInfo]
+
+
+def require_tool(name: str) -> str:
+    """Path of an external tool, or skip the test saying which one is missing."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (apt-get install {name})")
+    return path
+
+
+def _blob(image: Path, desc: dict[str, Any]) -> bytes:
+    algo, hexd = desc["digest"].split(":")
+    assert algo == "sha256"
+    data = (image / "blobs" / "sha256" / hexd).read_bytes()
+    assert len(data) == desc["size"], f"{desc['digest']}: size {len(data)} != {desc['size']}"
+    assert hashlib.sha256(data).hexdigest() == hexd, f"{desc['digest']}: digest mismatch"
+    return data
+
+
+def _decompress(data: bytes, kind: str) -> bytes:
+    if kind == "gzip":
+        return gzip.decompress(data)
+    if kind == "zstd":
+        import zstandard
+
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+            return r.read()
+    return data
+
+
+def validate_layout(image: Path, tag: str | None = None, *, packer: bool = True) -> Layout:
+    """Check an OCI image layout; return what it holds (layers read fully: keep them small).
+
+    ``packer=True`` also demands packer's conventions: canonical JSON for index, manifest and
+    config; ``False`` checks any layout (one written by skopeo, say).
+    """
+    assert json.loads((image / "oci-layout").read_bytes()) == {"imageLayoutVersion": "1.0.0"}
+    raw_index = (image / "index.json").read_bytes()
+    index = json.loads(raw_index)
+    assert not packer or raw_index == canonical_json(index), "index.json is not canonical JSON"
+    assert index["schemaVersion"] == 2 and index.get("mediaType", OCI_INDEX) == OCI_INDEX
+    assert not packer or index["mediaType"] == OCI_INDEX
+    descs = index["manifests"]
+    if tag is not None:
+        descs = [d for d in descs if d.get("annotations", {}).get(REF) == tag]
+    assert len(descs) == 1, f"expected one manifest tagged {tag!r}, got {len(descs)}"
+    mraw = _blob(image, descs[0])
+    assert descs[0]["mediaType"] == OCI_MANIFEST
+    manifest = json.loads(mraw)
+    assert not packer or mraw == canonical_json(manifest)
+    assert manifest["schemaVersion"] == 2 and manifest["mediaType"] == OCI_MANIFEST
+    assert manifest["config"]["mediaType"] == OCI_CONFIG
+    craw = _blob(image, manifest["config"])
+    config = json.loads(craw)
+    assert not packer or craw == canonical_json(config)
+    diff_ids = config["rootfs"]["diff_ids"]
+    assert config["rootfs"]["type"] == "layers" and len(diff_ids) == len(manifest["layers"])
+    non_empty = [h for h in config["history"] if not h.get("empty_layer")]
+    assert len(non_empty) == len(diff_ids)
+    layers = []
+    for desc, diff_id in zip(manifest["layers"], diff_ids, strict=True):
+        assert desc["mediaType"] in LAYER_TYPES, desc["mediaType"]
+        tar = _decompress(_blob(image, desc), LAYER_TYPES[desc["mediaType"]])
+        assert "sha256:" + hashlib.sha256(tar).hexdigest() == diff_id
+        info = LayerInfo(desc, diff_id)
+        with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as tf:
+            for m in tf.getmembers():
+                info.members.append(m)
+                if m.isfile():
+                    f = tf.extractfile(m)
+                    assert f is not None
+                    info.contents[m.name] = f.read()
+        layers.append(info)
+    return Layout(index, descs[0]["digest"], manifest, config, layers)
+
+
+def all_files(layout: Layout) -> dict[str, bytes]:
+    """Every regular file of every layer, by path (upper layers win)."""
+    out: dict[str, bytes] = {}
+    for la in layout.layers:
+        out.update(la.contents)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# fixtures
+
+
+def make_out(out: Path, *, shards: int = 2, seed: int = 0) -> tuple[list[FileEntry], bytes]:
+    """A fake packer OUT: weights, bundle, loader; returns (artifact files, artifact manifest)."""
+    rnd = hashlib.sha256(str(seed).encode()).digest()
+    (out / "weights").mkdir(parents=True, exist_ok=True)
+    if shards == 1:
+        (out / "weights" / "model.safetensors").write_bytes(rnd * 300)
+    else:
+        for i in range(1, shards + 1):
+            name = f"model-{i:05d}-of-{shards:05d}.safetensors"
+            (out / "weights" / name).write_bytes(rnd * (100 * i) + bytes([i]))
+        (out / "weights" / "model.safetensors.index.json").write_bytes(b'{"weight_map":{}}\n')
+    (out / "bundle.tar.zst").write_bytes(rnd[::-1] * 20)
+    (out / "packer_loader.py").write_bytes(b"def load():\n    return 1\n")
+    files = [file_entry(out, p) for p in sorted(out.rglob("*")) if p.is_file()]
+    files = [f for f in files if not f.path.startswith(("image/", "Dockerfile"))]
+    manifest = canonical_json({"files": {f.path: f.as_json() for f in files}, "name": "demo"})
+    return files, manifest
+
+
+def _tar_bytes(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in sorted(files.items()):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            ti.mode = 0o644
+            tf.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _put(image: Path, data: bytes) -> str:
+    hexd = hashlib.sha256(data).hexdigest()
+    (image / "blobs" / "sha256" / hexd).write_bytes(data)
+    return f"sha256:{hexd}"
+
+
+def make_base(image: Path, *, tag: str = "base", docker_types: bool = False,
+              platforms: tuple[str, ...] = ()) -> dict[str, str]:
+    """A small base image layout; returns {platform: manifest digest}."""
+    (image / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+    (image / "oci-layout").write_bytes(b'{"imageLayoutVersion":"1.0.0"}')
+    mt_manifest = "application/vnd.docker.distribution.manifest.v2+json" if docker_types else OCI_MANIFEST
+    mt_config = "application/vnd.docker.container.image.v1+json" if docker_types else OCI_CONFIG
+    mt_layer = ("application/vnd.docker.image.rootfs.diff.tar.gzip" if docker_types
+                else "application/vnd.oci.image.layer.v1.tar+gzip")
+    digests: dict[str, str] = {}
+    descs = []
+    for plat in platforms or ("linux/amd64",):
+        os_, arch = plat.split("/")[:2]
+        tar = _tar_bytes({"etc/base-release": f"base {plat}\n".encode()})
+        blob = gzip.compress(tar, mtime=0)
+        layer = {"mediaType": mt_layer, "digest": _put(image, blob), "size": len(blob)}
+        config = {"architecture": arch, "os": os_,
+                  "config": {"Env": ["PATH=/usr/bin", "BASE=1"], "Cmd": ["/bin/true"], "User": "1000"},
+                  "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(tar).hexdigest()]},
+                  "history": [{"created_by": "base layer"}]}
+        craw = json.dumps(config).encode()
+        manifest = {"schemaVersion": 2, "mediaType": mt_manifest,
+                    "config": {"mediaType": mt_config, "digest": _put(image, craw), "size": len(craw)},
+                    "layers": [layer]}
+        mraw = json.dumps(manifest).encode()
+        digests[plat] = _put(image, mraw)
+        descs.append({"mediaType": mt_manifest, "digest": digests[plat], "size": len(mraw),
+                      "platform": {"os": os_, "architecture": arch}})
+    if platforms:
+        mt_index = ("application/vnd.docker.distribution.manifest.list.v2+json" if docker_types
+                    else OCI_INDEX)
+        iraw = json.dumps({"schemaVersion": 2, "mediaType": mt_index, "manifests": descs}).encode()
+        top = {"mediaType": mt_index, "digest": _put(image, iraw), "size": len(iraw)}
+    else:
+        top = {k: v for k, v in descs[0].items() if k != "platform"}
+    top["annotations"] = {REF: tag}
+    index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [top]}
+    (image / "index.json").write_bytes(json.dumps(index).encode())
+    return digests
+
+
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run a tool; on failure, fail the test with its stderr."""
+    env = {**os.environ, **kw.pop("env", {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, **kw)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}"
+    return proc

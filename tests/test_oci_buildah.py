@@ -1,0 +1,49 @@
+"""buildah (vfs storage, chroot isolation, no daemon) builds the generated OUT/Dockerfile."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from packer.fsutil import FileEntry
+from packer.oci import build_image
+from packer.recipe import ImageConfig
+from tests.oci_validate import all_files, make_base, make_out, require_tool, run, validate_layout
+
+
+def _build_out(out: Path, compression: str) -> list[FileEntry]:
+    files, manifest = make_out(out)
+    build_image(out, cfg=ImageConfig(compression=compression), name="demo", version="1.0",
+                source={"kind": "demo", "uri": "demo", "revision": None},
+                artifact_files=files, artifact_manifest=manifest)
+    return files
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+def test_buildah_builds_generated_dockerfile(tmp_path: Path, compression: str) -> None:
+    buildah = require_tool("buildah")
+    umoci = require_tool("umoci")
+    out, base = tmp_path / "out", tmp_path / "base"
+    files = _build_out(out, compression)
+    make_base(base, tag="v1")
+    store = [buildah, "--root", str(tmp_path / "storage"), "--runroot", str(tmp_path / "run"),
+             "--storage-driver", "vfs"]
+    env = {"BUILDAH_ISOLATION": "chroot", "TMPDIR": str(tmp_path)}
+    try:
+        run([*store, "build", "--isolation", "chroot", "--build-arg", f"BASE_IMAGE=oci:{base}:v1",
+             "-f", str(out / "Dockerfile"), "-t", "localhost/model:test", str(out)], env=env)
+        run([*store, "push", "--quiet", "localhost/model:test", f"oci:{tmp_path / 'built'}:t"],
+            env=env)
+    finally:
+        run([*store, "rmi", "--all", "--force"], env=env)
+    layout = validate_layout(tmp_path / "built", "t", packer=False)
+    got = all_files(layout)
+    assert got["etc/base-release"] == b"base linux/amd64\n"
+    for f in files:
+        assert got[f"opt/model/{f.path}"] == (out / f.path).read_bytes(), f.path
+    assert layout.config["config"]["Env"][-1] == "PACKER_MODEL_DIR=/opt/model"
+    run([umoci, "unpack", "--image", f"{tmp_path / 'built'}:t", str(tmp_path / "bundle")])
+    loader = (tmp_path / "bundle/rootfs/opt/model/packer_loader.py").stat()
+    assert stat.S_IMODE(loader.st_mode) == 0o644 and loader.st_uid == 0

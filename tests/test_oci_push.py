@@ -1,0 +1,82 @@
+"""packer push to a local registry (the distribution's docker-registry), digests compared."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from packer.errors import ImageError
+from packer.oci import build_image, push
+from packer.recipe import ImageConfig
+from tests.oci_validate import make_out, require_tool, run, validate_layout
+
+REGISTRY = "/usr/bin/docker-registry"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[str]:
+    if not Path(REGISTRY).exists():
+        pytest.skip(f"{REGISTRY} is not installed (apt-get install docker-registry)")
+    port = _free_port()
+    config = tmp_path / "registry.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {tmp_path / 'registry-data'}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+    )
+    proc = subprocess.Popen([REGISTRY, "serve", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    pytest.fail(f"docker-registry did not start: {err[-500:]}")
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_push_digest_matches_local(tmp_path: Path, registry: str) -> None:
+    skopeo = require_tool("skopeo")
+    out = tmp_path / "out"
+    files, manifest = make_out(out)
+    result = build_image(out, cfg=ImageConfig(), name="demo", version="1.0",
+                         source={"kind": "demo", "uri": "demo", "revision": None},
+                         artifact_files=files, artifact_manifest=manifest)
+    digest = push(out, f"{registry}/models/demo:1.0", tls_verify=False)
+    local = validate_layout(out / "image").manifest_digest
+    assert digest == local == result.section["manifest_digest"]
+    remote = json.loads(run([skopeo, "inspect", "--tls-verify=false",
+                             f"docker://{registry}/models/demo:1.0"]).stdout)
+    assert remote["Digest"] == local
+    raw = run([skopeo, "inspect", "--raw", "--tls-verify=false",
+               f"docker://{registry}/models/demo@{local}"]).stdout
+    assert json.loads(raw)["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
+
+
+def test_push_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ImageError, match="cannot read the image index"):
+        push(tmp_path, "127.0.0.1:1/x:y")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no skopeo on PATH
+    with pytest.raises(ImageError, match="skopeo is not installed"):
+        push(tmp_path, "127.0.0.1:1/x:y")
