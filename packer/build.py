@@ -99,9 +99,10 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
     artifact = canonical_json(manifest)
     atomic_write_bytes(staging / MANIFEST, artifact)
     with timer.stage("image") as t:
+        # verify=False: the build verifies the whole output once, before publishing
         image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
                             source=snap.identity(), artifact_files=files, artifact_manifest=artifact,
-                            verify=False)  # the build verifies everything once, below; fmt: skip
+                            verify=False)  # fmt: skip
         t.nbytes = image.bytes_processed
     manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
     atomic_write_bytes(staging / MANIFEST, canonical_json(manifest))

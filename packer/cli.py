@@ -7,11 +7,12 @@ imported inside the commands so that ``packer --help`` stays fast and never impo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,20 @@ class Ctx:
         if self.json:
             click.echo(json.dumps(summary, indent=2, sort_keys=True))
 
-    def progress(self, desc: str) -> Any:
-        """A tqdm bar on stderr, or None when quiet, JSON or stderr is not a terminal."""
+    @contextlib.contextmanager
+    def progress(self, desc: str) -> Iterator[Callable[[int], None] | None]:
+        """A tqdm bar on stderr fed with running byte totals; None when quiet, JSON or not a terminal."""
         if self.quiet or self.json or not sys.stderr.isatty():
-            return None
+            yield None
+            return
         from tqdm import tqdm
 
-        return tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+        with tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False) as bar:
+
+            def update(total: int) -> None:
+                bar.update(total - bar.n)
+
+            yield update
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,16 +77,6 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _bar_callback(bar: Any) -> Callable[..., None] | None:
-    if bar is None:
-        return None
-
-    def update(*args: Any) -> None:
-        bar.update(args[-2] if len(args) == 3 else args[0])
-
-    return update
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="packer")
 def main() -> None:
@@ -97,8 +95,9 @@ def main() -> None:
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("dist"), show_default=True,
               help="Output directory (replaced atomically when the build succeeds).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bundle members, layers); write nothing.")
+@click.option("--no-sandbox", is_flag=True, help="Read checkpoints in this process (no isolated subprocess).")
 @_common
-def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool) -> None:
+def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: bool) -> None:
     """Build RECIPE (default: the embedded demo) into OUT.
 
     \b
@@ -111,12 +110,8 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool) -> None:
     from packer.recipe import demo_recipe, load_recipe
 
     rec = load_recipe(recipe) if recipe else demo_recipe()
-    bar = ctx.progress("build")
-    try:
-        result = run_build(rec, out, dry_run=dry_run, progress=_bar_callback(bar))
-    finally:
-        if bar is not None:
-            bar.close()
+    with ctx.progress("weights") as bar:
+        result = run_build(rec, out, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     for note in result.notes:
         ctx.log(f"note: {note}")
     if dry_run:
@@ -129,7 +124,7 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool) -> None:
 
 @main.command()
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
-@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Directory for the safetensors files.")
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--key", help="Key of the nested dict holding the state dict (e.g. state_dict).")
 @click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Prefix to strip from names (repeatable).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", help="Regex rename (repeatable).")
@@ -166,7 +161,8 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
         rename_rows.append({"pattern": pattern, "replace": repl})
     raw["renames"] = rename_rows
     cfg = recipe_from_dict({"name": "convert", "version": "0", "source": str(src), "weights": raw}).weights
-    result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox)
+    with ctx.progress("convert") as bar:
+        result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     for note in result.notes:
         ctx.log(f"note: {note}")
     if dry_run:

@@ -110,8 +110,31 @@ def _check_no_extras(out: Path, listed: set[str]) -> None:
             raise VerifyError(f"{path}: not listed in the manifest")
 
 
+def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
+    """Blame manifest.json itself when it disagrees with the redundancy the build left."""
+    path = out / MANIFEST
+    if raw != canonical_json(manifest):
+        raise VerifyError(f"{path}: not in canonical form (edited after the build?)")
+    image_files = manifest.get("image_files", {})
+    for rel, entry in image_files.items():  # blobs are named by their digest
+        if rel.startswith("image/blobs/sha256/") and entry["sha256"] != rel.rsplit("/", 1)[1]:
+            raise VerifyError(f"{path}: records sha256 {entry['sha256'][:16]}… for the blob {rel}")
+    section = manifest.get("image") or {}
+    index = image_files.get("image/index.json")
+    if section and (index is None or "sha256:" + index["sha256"] != section.get("index_digest")):
+        raise VerifyError(f"{path}: image.index_digest disagrees with image_files")
+    for digest in [section.get("manifest_digest"), section.get("config_digest"),
+                   *(layer.get("digest") for layer in section.get("layers", []))]:  # fmt: skip
+        if digest and f"image/blobs/sha256/{digest.removeprefix('sha256:')}" not in image_files:
+            raise VerifyError(f"{path}: image section names {digest}, which is not in image_files")
+
+
 def verify(out: Path) -> dict[str, Any]:
     """Check every file of a build output against its manifest, then each stage's own rules.
+
+    The image is checked first on its own (its blobs are content-addressed); it holds a copy
+    of the artifact manifest, so a manifest.json edited after the build is named as such
+    rather than blaming the file whose recorded digest was changed.
 
     Returns:
         A summary: files checked and bytes hashed.
@@ -120,8 +143,17 @@ def verify(out: Path) -> dict[str, Any]:
         VerifyError: naming the first mismatch.
     """
     manifest = load_manifest(out)
+    _check_self(out, (out / MANIFEST).read_bytes(), manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
     _check_no_extras(out, set(listed))
+    if manifest.get("image"):
+        from packer.oci.verify import verify_image
+
+        verify_image(out)
+        try:
+            verify_image(out, artifact_manifest=split_artifact(manifest))
+        except VerifyError as e:
+            raise VerifyError(f"{out / MANIFEST}: differs from the copy built into the image ({e})") from e
     nbytes = _check_files(out, listed)
     if manifest.get("weights"):
         from packer.weights.verify import verify_weights
@@ -131,8 +163,4 @@ def verify(out: Path) -> dict[str, Any]:
         from packer.bundle import verify_bundle
 
         verify_bundle(out, manifest["bundle"])
-    if manifest.get("image"):
-        from packer.oci.verify import verify_image
-
-        verify_image(out, artifact_manifest=split_artifact(manifest))
     return {"files": len(listed) + 1, "bytes": nbytes}

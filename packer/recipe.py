@@ -8,12 +8,11 @@ expected, e.g. ``weights.max_shard_size: expected a size like "5GB", got 12``.
 from __future__ import annotations
 
 import re
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from packer.errors import RecipeError
 

@@ -8,6 +8,7 @@ never as pickles. A child killed by a limit becomes one clear :class:`PackerErro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -16,6 +17,8 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from packer.recipe import Rename, WeightsConfig
 from packer.stage import StageOutput
 
 _CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
 _GIB = 2**30
 
 
@@ -53,8 +57,10 @@ def _deny_sockets(event: str, _args: tuple[Any, ...]) -> None:
 def _isolate(limits: dict[str, int]) -> None:
     """Applied in the child before anything reads the input."""
     libc_name = ctypes.util.find_library("c")
-    if libc_name:  # needs CAP_SYS_ADMIN or user namespaces; the audit hook covers the rest
-        ctypes.CDLL(libc_name, use_errno=True).unshare(_CLONE_NEWNET)
+    if libc_name:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the build that started us
+        libc.unshare(_CLONE_NEWNET)  # needs CAP_SYS_ADMIN or user namespaces; the hook covers the rest
     sys.addaudithook(_deny_sockets)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for which, value in ((resource.RLIMIT_AS, limits["as"]), (resource.RLIMIT_CPU, limits["cpu"]),
@@ -103,8 +109,32 @@ def _killed_reason(rc: int) -> str:
     return f"reader process killed by {name}"
 
 
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _run_child(request: str, out: Path, progress: Callable[[int], None] | None) -> subprocess.CompletedProcess[str]:
+    """Run the child; while it works, report the bytes it has written under ``out``."""
+    with subprocess.Popen([sys.executable, "-m", "packer.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        result: list[tuple[str, str]] = []
+        talker = threading.Thread(target=lambda: result.append(proc.communicate(request)), daemon=True)
+        talker.start()
+        while talker.is_alive():
+            talker.join(0.2)
+            if progress is not None:
+                progress(_dir_bytes(out))
+        stdout, stderr = result[0]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
-                      dry_run: bool = False) -> StageOutput:  # fmt: skip
+                      dry_run: bool = False, progress: Callable[[int], None] | None = None) -> StageOutput:  # fmt: skip
     """Run :func:`packer.weights.convert.convert` in an isolated child process.
 
     Raises:
@@ -113,8 +143,7 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
     request = {"src": str(src), "out": str(out), "cfg": asdict(cfg), "dry_run": dry_run,
                "rel_root": str(rel_root) if rel_root else None,
                "limits": _limits(_input_size(src))}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "packer.sandbox"], input=json.dumps(request),
-                          capture_output=True, text=True, check=False)  # fmt: skip
+    proc = _run_child(json.dumps(request), out, progress)
     if proc.returncode < 0:
         raise errors.CheckpointError(f"converting {src}: {_killed_reason(proc.returncode)}")
     try:
@@ -130,13 +159,17 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
                        notes=tuple(reply["notes"]))  # fmt: skip
 
 
-def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, dry_run: bool = False, sandbox: bool = True) -> StageOutput:
-    """``packer convert``: isolated by default, in-process with ``sandbox=False``."""
+def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None, dry_run: bool = False,
+                sandbox: bool = True, progress: Callable[[int], None] | None = None) -> StageOutput:  # fmt: skip
+    """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
+
+    ``progress`` receives the bytes written so far (a total, not an increment).
+    """
     if sandbox:
-        return convert_sandboxed(src, out, cfg, dry_run=dry_run)
+        return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress)
     from packer.weights.convert import convert
 
-    return convert(src, out, cfg, dry_run=dry_run)
+    return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run)
 
 
 if __name__ == "__main__":

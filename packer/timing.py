@@ -58,9 +58,8 @@ class StageTimer:
                          f"{s.gbps:.2f}" if s.gbps else ""))  # fmt: skip
         rows.append(("total", f"{self.total if total is None else total:.3f}", "", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False)))
-                 for r in rows]  # fmt: skip
-        return "\n".join(lines)
+        cells = ([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))] for r in rows)
+        return "\n".join("  ".join(row) for row in cells)
 
 
 def _human(n: int) -> str:

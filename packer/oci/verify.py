@@ -283,11 +283,15 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> No
     """
     image = Path(out_dir) / "image"
     try:
-        if (image / "oci-layout").read_bytes() != OCI_LAYOUT:
-            raise _fail(str(image / "oci-layout"), "not an OCI image layout 1.0.0 marker")
+        marker = (image / "oci-layout").read_bytes()
+    except OSError as e:
+        raise _fail(str(image), f"not a readable OCI layout: {e}") from e
+    if marker != OCI_LAYOUT:
+        raise _fail(str(image / "oci-layout"), "not an OCI image layout 1.0.0 marker")
+    try:
         index = json.loads((image / "index.json").read_bytes())
     except (OSError, ValueError) as e:
-        raise _fail(str(image), f"not a readable OCI layout: {e}") from e
+        raise _fail(str(image / "index.json"), f"unreadable: {e}") from e
     if index.get("schemaVersion") != 2 or index.get("mediaType", OCI_INDEX) != OCI_INDEX:
         raise _fail(str(image / "index.json"), "not an OCI image index (schemaVersion 2)")
     manifests = index.get("manifests") or []
