@@ -1,0 +1,152 @@
+"""The weights stage: find inputs, read records, plan, stream-write, verify, publish.
+
+Nothing is renamed into place until every shard is written and verified; on any failure the
+temporary files (and ``dest_dir``, when this call created it) are removed, so nothing is
+left under the output names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from packer.checkpoint.records import CheckpointContents
+from packer.errors import PackerError, WeightsError
+from packer.fsutil import FileEntry, umask
+from packer.recipe import WeightsConfig
+from packer.stage import StageOutput
+from packer.weights.inputs import InputSet, check_index, find_inputs
+from packer.weights.plan import INDEX_NAME, WeightsPlan, plan_weights
+from packer.weights.verify import verify_written
+from packer.weights.writer import Sources, StagedFiles, write_shard
+
+
+def read_inputs(inputs: InputSet, key: str | None) -> list[CheckpointContents]:
+    """Read every input file's records with the safe checkpoint reader.
+
+    Raises:
+        CheckpointError: from the reader, naming the file.
+    """
+    from packer.checkpoint.reader import read_checkpoint
+
+    return [read_checkpoint(path, key=key) for path in inputs.files]
+
+
+def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str]:
+    notes = check_index(inputs, {c.path: [r.name for r in c.tensors] for c in contents})
+    for c in contents:
+        if c.skipped:
+            shown = ", ".join(c.skipped[:10]) + (", ..." if len(c.skipped) > 10 else "")
+            notes.append(f"{inputs.rel(c.path)}: skipped {len(c.skipped)} non-tensor "
+                         f"entries: {shown}")
+    return notes
+
+
+def _section(plan: WeightsPlan, prefix: str, inputs: InputSet,
+             contents: Sequence[CheckpointContents]) -> dict[str, Any]:
+    section = plan.section(prefix)
+    section["skipped"] = sorted({s for c in contents for s in c.skipped})
+    section["inputs"] = [{"path": inputs.rel(c.path), "format": c.format} for c in contents]
+    return section
+
+
+def _check_dest(dest_dir: Path, plan: WeightsPlan) -> None:
+    ours = {s.filename for s in plan.shards} | {INDEX_NAME}
+    stale = sorted(p.name for p in dest_dir.glob("model*.safetensors*") if p.name not in ours)
+    if stale:
+        raise WeightsError(f"{dest_dir}: holds {stale[0]} from another conversion; remove it "
+                           "or choose an empty directory")
+
+
+def _write_all(
+    plan: WeightsPlan, dest_dir: Path, staged: StagedFiles, *, verify: bool,
+    progress: Callable[[int], None] | None,
+) -> list[tuple[str, int, str]]:
+    written: list[tuple[str, int, str]] = []
+    sources = Sources()
+    try:
+        paths: dict[str, Path] = {}
+        checked: set[str] = set()
+        for shard in plan.shards:
+            tmp = staged.temp_for(shard.filename)
+            try:
+                out = write_shard(shard, tmp, sources, verify=verify, progress=progress)
+            except OSError as e:
+                raise WeightsError(f"{dest_dir / shard.filename}: cannot write: "
+                                   f"{e.strerror or e}") from e
+            paths[shard.filename], checked = tmp, checked | out.checked
+            written.append((shard.filename, out.size, out.sha256))
+        if verify:
+            verify_written(plan, paths, sources, skip=checked)
+    finally:
+        sources.close()
+    if plan.index is not None:
+        tmp = staged.temp_for(INDEX_NAME)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(plan.index)
+        written.append((INDEX_NAME, len(plan.index), hashlib.sha256(plan.index).hexdigest()))
+    return written
+
+
+def convert(
+    src: Path,
+    dest_dir: Path,
+    cfg: WeightsConfig,
+    *,
+    rel_root: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+    dry_run: bool = False,
+    verify: bool = True,
+) -> StageOutput:
+    """Convert the checkpoint(s) in ``src`` to canonical safetensors in ``dest_dir``.
+
+    Args:
+        src: a checkpoint file or a directory (see :mod:`packer.weights.inputs`).
+        dest_dir: where the shards and index go (created if missing).
+        cfg: the recipe's weights section.
+        rel_root: what file paths in the result are relative to (default ``dest_dir``).
+        progress: called with byte counts as tensor data is written.
+        dry_run: plan only; ``section`` describes what would be written.
+        verify: re-parse the outputs and compare every tensor's bytes with its source.
+
+    Returns:
+        The files written, the manifest section, bytes processed and notes.
+
+    Raises:
+        PackerError: WeightsError, CheckpointError or VerifyError with a one-line reason.
+    """
+    src, dest_dir = Path(src), Path(dest_dir)
+    root = Path(rel_root) if rel_root is not None else dest_dir
+    prefix = dest_dir.relative_to(root).as_posix() + "/" if dest_dir != root else ""
+    inputs = find_inputs(src, cfg.files, pickles_first=cfg.key is not None)
+    contents = read_inputs(inputs, cfg.key)
+    notes = _notes(inputs, contents)
+    plan = plan_weights(contents, cfg)
+    section = _section(plan, prefix, inputs, contents)
+    if dry_run:
+        return StageOutput(section=section, notes=tuple(notes))
+    created = not dest_dir.exists()
+    staged = StagedFiles(dest_dir)
+    try:
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        _check_dest(dest_dir, plan)
+        written = _write_all(plan, dest_dir, staged, verify=verify, progress=progress)
+        staged.commit()
+    except BaseException as e:
+        staged.discard()
+        if created:
+            with contextlib.suppress(OSError):
+                dest_dir.rmdir()
+        if isinstance(e, OSError):
+            raise WeightsError(f"{dest_dir}: cannot write: {e.strerror or e}") from e
+        if isinstance(e, PackerError) and not str(e).startswith(str(src)):
+            raise e.with_context(f"converting {src}") from e.__cause__
+        raise
+    files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)
+    return StageOutput(files=files, section=section,
+                       bytes_processed=sum(f.size for f in files), notes=tuple(notes))

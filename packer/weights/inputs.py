@@ -1,0 +1,148 @@
+"""Find the checkpoint files in a source: one file, a directory, sharded checkpoints, globs.
+
+Auto-detection in a directory, first match wins (safetensors first: they need no pickle
+parsed at all and hold the same tensors when a repository ships both):
+
+1. ``model.safetensors.index.json`` with its shards, 2. ``model.safetensors``,
+3. ``pytorch_model.bin.index.json`` with its shards, 4. ``pytorch_model.bin``,
+5. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
+
+``WeightsConfig.files`` globs (relative to the source) replace auto-detection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from packer.errors import WeightsError
+
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLES = ("model.safetensors", "pytorch_model.bin")
+_LONE = ("*.safetensors", "*.pt", "*.pth", "*.ckpt", "*.bin")
+
+
+@dataclass(frozen=True)
+class InputSet:
+    """The checkpoint files to convert, in order, and the index that listed them (if any)."""
+
+    root: Path  # what relative input paths start from (the source dir, or the file's dir)
+    files: tuple[Path, ...]
+    index: Path | None = None
+    weight_map: tuple[tuple[str, str], ...] = ()  # (tensor name, shard file name) from the index
+
+    def rel(self, path: Path) -> str:
+        """``path`` relative to the source, for the manifest."""
+        return path.relative_to(self.root).as_posix()
+
+
+def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = False) -> InputSet:
+    """Find the checkpoint files of ``src``.
+
+    Args:
+        src: a checkpoint file or a directory holding one or a sharded set.
+        globs: recipe ``weights.files`` patterns relative to ``src``; replace auto-detection.
+        pickles_first: prefer ``pytorch_model.bin`` files (a ``weights.key`` only means
+            something for pickles).
+
+    Returns:
+        The input files in order (index order for shards, sorted for globs).
+
+    Raises:
+        WeightsError: nothing found, several candidates, a bad index or a missing shard.
+    """
+    if not src.exists():
+        raise WeightsError(f"{src}: no such file or directory")
+    if src.is_file():
+        if globs:
+            raise WeightsError(f"{src}: weights.files needs a directory source, got a file")
+        return InputSet(src.parent, (src,))
+    if globs:
+        return _from_globs(src, globs)
+    order = -1 if pickles_first else 1
+    for name in INDEXES[::order]:
+        if (src / name).is_file():
+            return _from_index(src, src / name)
+    for name in SINGLES[::order]:
+        if (src / name).is_file():
+            return InputSet(src, (src / name,))
+    candidates = sorted({p for pattern in _LONE for p in src.glob(pattern) if p.is_file()})
+    if len(candidates) == 1:
+        return InputSet(src, tuple(candidates))
+    if not candidates:
+        raise WeightsError(f"{src}: no checkpoint found (looked for {', '.join(SINGLES)}, "
+                           f"an index or a single {'/'.join(_LONE)} file)")
+    names = ", ".join(p.name for p in candidates[:6])
+    raise WeightsError(f"{src}: several checkpoint files ({names}); choose with weights.files")
+
+
+def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
+    found: set[Path] = set()
+    for pattern in globs:
+        matches = [p for p in src.glob(pattern) if p.is_file()]
+        if not matches:
+            raise WeightsError(f"{src}: weights.files pattern {pattern!r} matches no file")
+        found.update(matches)
+    index = [p for p in found if p.name.endswith(".index.json")]
+    if len(index) == 1 and len(found) == 1:
+        return _from_index(src, index[0])
+    if index:
+        raise WeightsError(f"{src}: weights.files selects an index with other files; "
+                           "select the index alone or the shards alone")
+    return InputSet(src, tuple(sorted(found)))
+
+
+def _from_index(src: Path, index: Path) -> InputSet:
+    try:
+        data = json.loads(index.read_bytes())
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("weight_map is not an object of strings")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightsError(f"{index}: not a checkpoint index: {e}") from e
+    shards: list[Path] = []
+    for name in dict.fromkeys(sorted(weight_map.values())):
+        path = (index.parent / name).resolve()
+        if index.parent.resolve() not in path.parents:
+            raise WeightsError(f"{index}: shard {name!r} lies outside the index's directory")
+        if not path.is_file():
+            raise WeightsError(f"{index}: lists shard {name!r}, which does not exist")
+        shards.append(index.parent / name)
+    return InputSet(src, tuple(shards), index, tuple(sorted(weight_map.items())))
+
+
+def check_index(inputs: InputSet, found: Mapping[Path, Sequence[str]]) -> list[str]:
+    """Check the tensors found in each shard against the index; return notes on extras.
+
+    Args:
+        inputs: the input set with its index.
+        found: shard path -> names of the tensors the reader found in it.
+
+    Returns:
+        One note per shard holding tensors the index does not list (they are converted).
+
+    Raises:
+        WeightsError: an indexed tensor missing from the shard the index names.
+    """
+    if inputs.index is None:
+        return []
+    base = inputs.index.parent
+    by_path = {p: set(names) for p, names in found.items()}
+    listed: dict[Path, set[str]] = {}
+    for tensor, shard in inputs.weight_map:
+        listed.setdefault(base / shard, set()).add(tensor)
+        if tensor not in by_path.get(base / shard, set()):
+            raise WeightsError(f"{inputs.index}: tensor {tensor!r} is indexed in {shard!r}, "
+                               "which does not hold it")
+    notes = []
+    for path, names in sorted(by_path.items()):
+        extra = sorted(names - listed.get(path, set()))
+        if extra:
+            shown = ", ".join(extra[:5]) + (", ..." if len(extra) > 5 else "")
+            notes.append(f"{path.name}: {len(extra)} tensors not in {inputs.index.name} "
+                         f"(converted anyway): {shown}")
+    return notes

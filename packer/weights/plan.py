@@ -1,0 +1,268 @@
+"""Plan a conversion: output names, exact-alias dedupe, casts, shards and headers.
+
+:func:`plan_weights` is pure: it reads tensor records, never files, and returns a frozen
+:class:`WeightsPlan` that fixes every output byte except the tensor data itself (headers,
+offsets, shard names, the index). The writer only has to move bytes where the plan says.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, TensorRecord
+from packer.errors import WeightsError
+from packer.fsutil import canonical_json
+from packer.recipe import WeightsConfig
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+ALIASES_KEY = "packer.aliases"
+CAST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+FLOAT_CODES = frozenset(CAST_DTYPES.values())
+# Kept-name ranking in a tied group: input embeddings first, output projections last, so the
+# name transformers loads (embed_tokens, wte...) survives and lm_head becomes the alias.
+_INPUT_EMBED = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embed_in|"
+                          r"shared|embeddings?)(\.|$)")
+_OUTPUT_PROJ = re.compile(r"(^|\.)(lm_head|decoder|output|embed_out)(\.|$)")
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One output tensor: its name, the record it comes from and where its bytes go."""
+
+    name: str
+    record: TensorRecord
+    dtype: str  # output dtype code; differs from record.dtype when cast
+    begin: int  # data offsets inside the shard's data section
+    end: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.record.shape
+
+    @property
+    def cast(self) -> bool:
+        return self.dtype != self.record.dtype
+
+    @property
+    def contiguous(self) -> bool:
+        return is_contiguous(self.record)
+
+    @property
+    def source_offset(self) -> int:
+        """Byte offset of the first element in the input file."""
+        r = self.record
+        return r.storage.offset + r.storage_offset * DTYPE_SIZES[r.dtype]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One output file: its name, the exact header bytes and its tensors in file order."""
+
+    filename: str
+    header: bytes  # 8-byte little-endian length + padded JSON
+    tensors: tuple[PlannedTensor, ...]
+
+    @property
+    def data_size(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_size
+
+
+@dataclass(frozen=True)
+class WeightsPlan:
+    """The whole output: shards, the index (None for one file) and the alias map."""
+
+    shards: tuple[ShardPlan, ...]
+    index: bytes | None
+    aliases: tuple[tuple[str, str], ...]  # (removed alias, kept name), sorted
+    total_size: int
+
+    @cached_property
+    def tensors(self) -> dict[str, tuple[str, PlannedTensor]]:
+        """Output name -> (shard filename, tensor)."""
+        return {t.name: (s.filename, t) for s in self.shards for t in s.tensors}
+
+    def section(self, prefix: str = "") -> dict[str, Any]:
+        """The manifest section's file and tensor parts, paths prefixed with ``prefix``."""
+        return {
+            "files": [prefix + s.filename for s in self.shards],
+            "index": prefix + INDEX_NAME if self.index is not None else None,
+            "total_size": self.total_size,
+            "tensors": {
+                name: {"file": prefix + f, "dtype": t.dtype, "shape": list(t.shape),
+                       "data_offsets": [t.begin, t.end]}
+                for name, (f, t) in sorted(self.tensors.items())
+            },
+            "aliases": dict(self.aliases),
+        }
+
+
+def is_contiguous(r: TensorRecord) -> bool:
+    """True when the record's elements lie in row-major order with no gaps."""
+    if 0 in r.shape:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(r.shape), reversed(r.stride), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_bounds(r: TensorRecord, where: Path | str) -> None:
+    """Raise WeightsError unless every element of the view lies inside its storage."""
+    size = DTYPE_SIZES.get(r.dtype)
+    if size is None:
+        raise WeightsError(f"{where}: tensor {r.name!r}: dtype {r.dtype} cannot be written")
+    if len(r.shape) != len(r.stride) or min((*r.shape, *r.stride, r.storage_offset, 0)) < 0:
+        raise WeightsError(f"{where}: tensor {r.name!r}: invalid shape {r.shape}/stride {r.stride}")
+    if r.numel == 0:
+        return
+    last = r.storage_offset + sum((n - 1) * s for n, s in zip(r.shape, r.stride, strict=True))
+    if (last + 1) * size > r.storage.nbytes:
+        raise WeightsError(
+            f"{where}: tensor {r.name!r}: view ends at byte {(last + 1) * size}, past its "
+            f"storage {r.storage.key!r} of {r.storage.nbytes} bytes"
+        )
+
+
+def map_name(name: str, cfg: WeightsConfig) -> str:
+    """Apply ``strip_prefixes`` (repeatedly) then ``renames`` in recipe order."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in cfg.strip_prefixes:
+            if prefix and name.startswith(prefix) and len(name) > len(prefix):
+                name, changed = name[len(prefix):], True
+    for rename in cfg.renames:
+        name = re.sub(rename.pattern, rename.replace, name)
+    return name
+
+
+def _rank(name: str, prefer: Sequence[str]) -> tuple[int, int, str]:
+    for i, pattern in enumerate(prefer):
+        if name == pattern or fnmatch.fnmatchcase(name, pattern):
+            return (0, i, name)
+    if _INPUT_EMBED.search(name) and not _OUTPUT_PROJ.search(name):
+        return (1, 0, name)
+    return (3, 0, name) if _OUTPUT_PROJ.search(name) else (2, 0, name)
+
+
+def _alias_key(r: TensorRecord) -> tuple[Any, ...]:
+    return (str(r.storage.path), r.storage.key, r.storage.offset, r.storage_offset,
+            r.shape, r.stride, r.dtype)
+
+
+def _rename_all(
+    contents: Sequence[CheckpointContents], cfg: WeightsConfig
+) -> dict[str, TensorRecord]:
+    out: dict[str, TensorRecord] = {}
+    origin: dict[str, str] = {}
+    for c in contents:
+        for r in c.tensors:
+            check_bounds(r, c.path)
+            name = map_name(r.name, cfg)
+            here = f"{c.path.name}:{r.name}"
+            if not name or name == "__metadata__":
+                raise WeightsError(f"{here}: tensor name {name!r} cannot be written to "
+                                   "safetensors; rename it with weights.renames")
+            if name in out:
+                raise WeightsError(
+                    f"tensor name collision: {origin[name]} and {here} both become {name!r}; "
+                    "fix weights.renames / strip_prefixes or select one checkpoint"
+                )
+            out[name], origin[name] = r, here
+    return out
+
+
+def _dedupe(
+    tensors: dict[str, TensorRecord], prefer: Sequence[str]
+) -> tuple[dict[str, TensorRecord], dict[str, str]]:
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name, r in tensors.items():
+        # Empty tensors hold no bytes to share; keeping them all is simpler for loaders.
+        key = _alias_key(r) if r.numel else ("empty", name)
+        groups.setdefault(key, []).append(name)
+    kept: dict[str, TensorRecord] = {}
+    aliases: dict[str, str] = {}
+    for names in groups.values():
+        keep = min(names, key=lambda n: _rank(n, prefer))
+        kept[keep] = tensors[keep]
+        aliases.update({n: keep for n in names if n != keep})
+    return kept, aliases
+
+
+def _out_dtype(r: TensorRecord, cfg: WeightsConfig) -> str:
+    if cfg.dtype is None or r.dtype not in FLOAT_CODES:
+        return r.dtype
+    return CAST_DTYPES[cfg.dtype]
+
+
+def _split(sizes: dict[str, int], max_shard_size: int) -> list[tuple[str, list[str]]]:
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    if not sizes:
+        return [(SINGLE_NAME, [])]
+    split = split_state_dict_into_shards_factory(
+        sizes, get_storage_size=lambda n: n, filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
+    return sorted((f, sorted(names)) for f, names in split.filename_to_tensors.items())
+
+
+def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str]) -> bytes:
+    meta = {"format": "pt"}
+    if aliases:
+        meta[ALIASES_KEY] = canonical_json(aliases).decode().rstrip("\n")
+    table: dict[str, Any] = {"__metadata__": meta}
+    for t in tensors:
+        table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+    text = json.dumps(table, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # data then starts 8-aligned, as safetensors itself pads
+    return len(text).to_bytes(8, "little") + text
+
+
+def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig) -> WeightsPlan:
+    """Plan the safetensors output for the tensors of one or more input files.
+
+    Args:
+        contents: what the reader found in each input file (shards in order).
+        cfg: names, tie preference, cast dtype and maximum shard size.
+
+    Returns:
+        The frozen plan: shards with exact headers, the index bytes when sharded, aliases.
+
+    Raises:
+        WeightsError: out-of-bounds views, unsupported dtypes, name collisions after renaming.
+    """
+    kept, aliases = _dedupe(_rename_all(contents, cfg), cfg.tie_prefer)
+    dtypes = {n: _out_dtype(r, cfg) for n, r in kept.items()}
+    sizes = {n: kept[n].numel * DTYPE_SIZES[dtypes[n]] for n in sorted(kept)}
+    shards = []
+    for filename, names in _split(sizes, cfg.max_shard_size):
+        planned, pos = [], 0
+        for n in names:
+            planned.append(PlannedTensor(n, kept[n], dtypes[n], pos, pos + sizes[n]))
+            pos += sizes[n]
+        mine = {a: k for a, k in aliases.items() if k in names}
+        shards.append(ShardPlan(filename, _header(planned, mine), tuple(planned)))
+    total = sum(sizes.values())
+    index = None
+    if len(shards) > 1:
+        meta: dict[str, Any] = {"total_size": total}
+        if aliases:
+            meta[ALIASES_KEY] = dict(sorted(aliases.items()))
+        weight_map = {t.name: s.filename for s in shards for t in s.tensors}
+        index = canonical_json({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))})
+    return WeightsPlan(tuple(shards), index, tuple(sorted(aliases.items())), total)

@@ -1,0 +1,201 @@
+"""Check written safetensors: re-parsed by the safetensors library, bytes against the sources.
+
+Two entry points: :func:`verify_written` runs right after a conversion (it has the plan and
+the open inputs, and compares tensor bytes bytewise, streaming), :func:`verify_weights` runs
+from ``packer verify`` with only the output and its manifest section (structure only; the
+manifest's sha256s pin the bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from packer.errors import VerifyError
+from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
+from packer.weights.writer import CHUNK, Sources, tensor_chunks
+
+_MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+
+
+def read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Parse a safetensors header without the library: ``(data start, header dict)``.
+
+    Raises:
+        VerifyError: unreadable file or malformed header.
+    """
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < n <= _MAX_HEADER:
+                raise VerifyError(f"{path}: not a safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise VerifyError(f"{path}: cannot read safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise VerifyError(f"{path}: safetensors header is not a JSON object")
+    return 8 + n, header
+
+
+def library_table(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
+    """Open ``path`` with the safetensors library: ``({name: (dtype, shape)}, metadata)``.
+
+    Raises:
+        VerifyError: the library rejects the file.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            table = {}
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                part = f.get_slice(name)
+                table[name] = (part.get_dtype(), list(part.get_shape()))
+            return table, dict(f.metadata() or {})
+    except Exception as e:  # the library raises its own untyped errors
+        raise VerifyError(f"{path}: the safetensors library rejects it: {e}") from e
+
+
+def _first_difference(got: Mapping[str, Any], want: Mapping[str, Any]) -> str:
+    return sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))[0]
+
+
+def _check_table(path: Path, shard: ShardPlan, label: Path) -> None:
+    try:
+        table, _ = library_table(path)
+    except VerifyError as e:
+        raise VerifyError(str(e).replace(str(path), str(label), 1)) from e
+    want = {t.name: (t.dtype, list(t.shape)) for t in shard.tensors}
+    if table != want:
+        first = _first_difference(table, want)
+        raise VerifyError(f"{label}: tensor {first!r} differs from the plan: "
+                          f"{table.get(first)} != {want.get(first)}")
+    _, header = read_header(path)
+    for t in shard.tensors:
+        if header[t.name]["data_offsets"] != [t.begin, t.end]:
+            raise VerifyError(f"{label}: tensor {t.name!r}: data_offsets differ from the plan")
+
+
+def _compare_bytes(
+    path: Path, shard: ShardPlan, sources: Sources, skip: Collection[str], label: Path
+) -> None:
+    with open(path, "rb") as f:
+        if f.seek(0, 2) != shard.size:
+            raise VerifyError(f"{label}: size {f.tell()} != planned {shard.size}")
+        if not shard.data_size:
+            return
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = memoryview(mm)[len(shard.header):]
+        for t in shard.tensors:
+            if t.name not in skip:
+                _compare_tensor(label, t, data, sources)
+        data.release()
+        mm.close()  # on errors the traceback holds views; the mmap goes with it
+
+
+def _compare_tensor(path: Path, t: Any, out: memoryview, sources: Sources) -> None:
+    _, data = sources.get(t.record.storage.path)
+    pos = t.begin
+    expected: Iterable[bytes | memoryview]
+    if t.contiguous and not t.cast:
+        src = t.source_offset
+        expected = (data[src + i:src + min(i + CHUNK, t.end - t.begin)]
+                    for i in range(0, t.end - t.begin, CHUNK))
+    else:
+        expected = tensor_chunks(t, data)
+    for chunk in expected:
+        want = memoryview(chunk)
+        if bytearray(out[pos:pos + len(want)]) != want:  # memcmp: NaN payloads compare too
+            raise VerifyError(f"{path}: tensor {t.name!r}: bytes at data offset {pos} differ "
+                              f"from {t.record.storage.path.name}:{t.record.name}")
+        pos += len(want)
+    if pos != t.end:
+        raise VerifyError(f"{path}: tensor {t.name!r}: {pos - t.begin} bytes, planned "
+                          f"{t.end - t.begin}")
+
+
+def verify_written(
+    plan: WeightsPlan, paths: Mapping[str, Path], sources: Sources, *, skip: Collection[str] = ()
+) -> None:
+    """Re-parse each written shard with the safetensors library and compare its bytes.
+
+    Args:
+        plan: the plan the shards were written from.
+        paths: shard filename -> where it was written (temporary names are fine).
+        sources: the open input files.
+        skip: tensors whose bytes were already compared while writing.
+
+    Raises:
+        VerifyError: naming the file, the tensor and the first difference.
+    """
+    for shard in plan.shards:
+        path = paths[shard.filename]
+        label = path.parent / shard.filename  # name the file as it will be, not the temp
+        _check_table(path, shard, label)
+        _compare_bytes(path, shard, sources, skip, label)
+
+
+def verify_weights(out_dir: Path, section: dict[str, Any]) -> None:
+    """Check shards and index under ``out_dir`` against a manifest ``weights`` section.
+
+    Args:
+        out_dir: the directory the section's relative paths start from (OUT).
+        section: the manifest's weights section, as :func:`packer.weights.convert` wrote it.
+
+    Raises:
+        VerifyError: a header the library rejects, or a table or index that differs.
+    """
+    tensors: dict[str, Any] = section.get("tensors", {})
+    aliases = section.get("aliases", {})
+    seen: set[str] = set()
+    for rel in section.get("files", []):
+        path = out_dir / rel
+        table, meta = library_table(path)
+        start, header = read_header(path)
+        mine = {n: v for n, v in tensors.items() if v["file"] == rel}
+        want = {n: (v["dtype"], list(v["shape"])) for n, v in mine.items()}
+        if table != want:
+            first = _first_difference(table, want)
+            raise VerifyError(f"{path}: tensor {first!r} differs from the manifest: "
+                              f"{table.get(first)} != {want.get(first)}")
+        for n, v in mine.items():
+            if header[n]["data_offsets"] != list(v["data_offsets"]):
+                raise VerifyError(f"{path}: tensor {n!r}: data_offsets differ from the manifest")
+        file_aliases = {a: k for a, k in aliases.items() if k in mine}
+        if json.loads(meta.get(ALIASES_KEY, "{}")) != file_aliases:
+            raise VerifyError(f"{path}: metadata {ALIASES_KEY} differs from the manifest")
+        end = max((v["data_offsets"][1] for v in mine.values()), default=0)
+        if path.stat().st_size != start + end:
+            raise VerifyError(f"{path}: size {path.stat().st_size} != {start + end} expected")
+        seen.update(mine)
+    if seen != set(tensors):
+        raise VerifyError(f"{out_dir}: tensor {sorted(set(tensors) - seen)[0]!r} is in no file")
+    _verify_index(out_dir, section)
+
+
+def _verify_index(out_dir: Path, section: dict[str, Any]) -> None:
+    rel = section.get("index")
+    if rel is None:
+        if len(section.get("files", [])) != 1:
+            raise VerifyError(f"{out_dir}: {len(section.get('files', []))} shards but no index")
+        return
+    path = out_dir / rel
+    try:
+        index = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise VerifyError(f"{path}: cannot read index: {e}") from e
+    base = str(Path(rel).parent)
+    want_map = {n: str(Path(v["file"]).relative_to(base) if base != "." else v["file"])
+                for n, v in section["tensors"].items()}
+    if not isinstance(index, dict) or index.get("weight_map") != want_map:
+        raise VerifyError(f"{path}: weight_map differs from the manifest")
+    meta = index.get("metadata") or {}
+    if meta.get("total_size") != section.get("total_size"):
+        raise VerifyError(f"{path}: metadata.total_size {meta.get('total_size')} != "
+                          f"{section.get('total_size')}")
+    if meta.get(ALIASES_KEY, {}) != section.get("aliases", {}):
+        raise VerifyError(f"{path}: metadata {ALIASES_KEY} differs from the manifest")

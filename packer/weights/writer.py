@@ -1,0 +1,299 @@
+"""Stream a planned shard to disk: kernel copies for contiguous tensors, hashing on a 2nd core.
+
+The main thread moves bytes: ``os.copy_file_range`` from the input file for contiguous tensors
+(falling back to ``pread``/``pwrite``), a numpy strided gather over an mmap for other views,
+and a chunked torch cast only when a dtype cast is asked for (torch is imported there and
+nowhere else). With ``verify`` each span is read back from the output right after it lands
+and compared bytewise (memcmp) with what it should hold; a hasher thread follows behind in
+file order, so the sha256 runs on the second core while the first copies (hashlib releases
+the GIL). Memory stays bounded by a few chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import mmap
+import os
+import queue
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
+from packer.errors import WeightsError
+from packer.fsutil import umask
+from packer.weights.plan import PlannedTensor, ShardPlan
+
+CHUNK = 8 * 2**20  # small enough that read-back and hashing find the bytes still in cache
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    """A shard written to ``path`` (a temporary name until committed)."""
+
+    path: Path
+    size: int
+    sha256: str
+    checked: frozenset[str]  # tensors whose written bytes were compared with the input
+
+
+class Sources:
+    """Open input files, each once: a file descriptor and a read-only mmap."""
+
+    def __init__(self) -> None:
+        self._open: dict[Path, tuple[int, mmap.mmap | None]] = {}
+
+    def get(self, path: Path) -> tuple[int, memoryview]:
+        if path not in self._open:
+            fd = os.open(path, os.O_RDONLY)
+            size = os.fstat(fd).st_size
+            self._open[path] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None)
+        fd, mm = self._open[path]
+        return fd, memoryview(mm) if mm is not None else memoryview(b"")
+
+    def __enter__(self) -> Sources:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every file (an mmap still viewed elsewhere closes when it is collected)."""
+        for fd, mm in self._open.values():
+            if mm is not None:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+            os.close(fd)
+        self._open.clear()
+
+
+def uint_view(r: TensorRecord, data: memoryview) -> Any:
+    """The record's view as unsigned integers over ``data`` (bit patterns: NaN-safe)."""
+    import numpy as np
+
+    size = DTYPE_SIZES[r.dtype]
+    base = np.frombuffer(data, dtype=f"<u{size}", count=r.storage.nbytes // size,
+                         offset=r.storage.offset)
+    return np.lib.stride_tricks.as_strided(
+        base[r.storage_offset:], shape=r.shape, strides=[s * size for s in r.stride],
+        writeable=False,
+    )
+
+
+def tensor_chunks(t: PlannedTensor, data: memoryview) -> Iterator[bytes | memoryview]:
+    """The output bytes of a gathered or cast tensor, in row-major chunks of about CHUNK."""
+    if t.record.numel:
+        for block in _blocks(uint_view(t.record, data)):
+            yield _out_bytes(t, block)
+
+
+def _blocks(view: Any) -> Iterator[Any]:
+    if view.ndim == 0 or view.nbytes <= CHUNK:
+        yield view
+        return
+    row = view.nbytes // view.shape[0]
+    if row > CHUNK and view.ndim > 1:
+        for i in range(view.shape[0]):
+            yield from _blocks(view[i])
+        return
+    step = max(1, CHUNK // row)
+    for i in range(0, view.shape[0], step):
+        yield view[i:i + step]
+
+
+def _out_bytes(t: PlannedTensor, part: Any) -> bytes | memoryview:
+    import numpy as np
+
+    dense = np.ascontiguousarray(part)
+    if not t.cast:
+        return dense.data.cast("B")
+    import torch  # only the cast path pays for torch
+
+    with warnings.catch_warnings():  # read-only input: torch warns, but we never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.from_numpy(dense.reshape(-1))
+    src = src.view(getattr(torch, _TORCH_DTYPES[t.record.dtype]))
+    out = src.to(getattr(torch, _TORCH_DTYPES[t.dtype])).contiguous()
+    return out.view(torch.uint8).numpy().tobytes()
+
+
+class _Hasher(threading.Thread):
+    """sha256 of the output in file order, on its own core (hashlib releases the GIL)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.jobs: queue.Queue[Any] = queue.Queue(maxsize=4)  # bounds memory to a few chunks
+        self.sha = hashlib.sha256()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        # Always drain the queue: a hasher that stopped would block the writer forever.
+        while (data := self.jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    self.sha.update(data)
+                except Exception as e:  # noqa: BLE001 - re-raised by the writer thread
+                    self.error = e
+
+
+class _Output:
+    """The shard being written: bytes land at a position, are read back if verifying, hashed."""
+
+    def __init__(self, path: Path, label: Path, verify: bool) -> None:
+        self.label = label
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
+        self.ro = os.open(path, os.O_RDONLY) if verify else -1
+        self.buf = bytearray(CHUNK if verify else 0)
+        self.hasher = _Hasher()
+        self.hasher.start()
+
+    def landed(self, pos: int, expected: Any, name: str) -> None:
+        """``expected`` now lies at ``pos``: compare it with the file (verify), then hash it."""
+        if self.ro >= 0:
+            view = memoryview(self.buf)
+            for i in range(0, len(expected), CHUNK):
+                want = expected[i:i + CHUNK]
+                n = os.preadv(self.ro, [view[:len(want)]], pos + i)
+                got = self.buf if n == CHUNK else self.buf[:n]  # bytearray == buffer: memcmp
+                if n != len(want) or got != want:
+                    raise WeightsError(f"{self.label}: tensor {name!r}: bytes read back at "
+                                       f"offset {pos + i} differ from what was written")
+        self.hasher.jobs.put(expected)
+
+    def close(self) -> str:
+        """Stop hashing, close the file and return the sha256 (hex)."""
+        self.hasher.jobs.put(None)
+        self.hasher.join()
+        os.close(self.fd)
+        if self.ro >= 0:
+            os.close(self.ro)
+        if self.hasher.error is not None:
+            raise WeightsError(f"{self.label}: hashing failed: {self.hasher.error}")
+        return self.hasher.sha.hexdigest()
+
+
+def _kernel_copy(src_fd: int, dst_fd: int, src_pos: int, dst_pos: int, n: int) -> int:
+    try:
+        return os.copy_file_range(src_fd, dst_fd, n, src_pos, dst_pos)
+    except OSError as e:
+        if e.errno not in _NO_KERNEL_COPY:
+            raise
+    data = os.pread(src_fd, n, src_pos)  # file systems without copy_file_range
+    return os.pwrite(dst_fd, data, dst_pos) if data else 0
+
+
+Progress = Callable[[int], None] | None
+
+
+def _copy_span(t: PlannedTensor, fd: int, data: memoryview, out: _Output, pos: int,
+               progress: Progress) -> None:
+    src, end = t.source_offset, t.source_offset + (t.end - t.begin)
+    while src < end:
+        n = min(CHUNK, end - src)
+        done = _kernel_copy(fd, out.fd, src, pos, n)
+        if done <= 0:
+            raise WeightsError(f"{t.record.storage.path}: tensor {t.record.name!r}: input "
+                               f"ends at byte {src}, before the tensor's data ends; truncated?")
+        out.landed(pos, data[src:src + done], t.name)
+        src, pos = src + done, pos + done
+        if progress is not None:
+            progress(done)
+
+
+def _write_span(t: PlannedTensor, data: memoryview, out: _Output, pos: int,
+                progress: Progress) -> None:
+    start = pos
+    for chunk in tensor_chunks(t, data):
+        view = memoryview(chunk)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(out.fd, view[done:], pos + done)
+        out.landed(pos, view, t.name)
+        pos += len(view)
+        if progress is not None:
+            progress(len(view))
+    if pos - start != t.end - t.begin:  # a plan/gather mismatch would corrupt every offset after
+        raise WeightsError(f"tensor {t.name!r}: wrote {pos - start} bytes, planned {t.end - t.begin}")
+
+
+def write_shard(
+    shard: ShardPlan,
+    path: Path,
+    sources: Sources,
+    *,
+    verify: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> WrittenShard:
+    """Write one planned shard to ``path`` (created; must not exist) and hash it on the way.
+
+    Args:
+        shard: the planned shard (header bytes and tensors in file order).
+        path: where to write; the caller renames it into place when all shards are done.
+        sources: the open input files.
+        verify: read every span back and compare it with what it should hold.
+        progress: called with the number of tensor bytes written after each chunk.
+
+    Returns:
+        The written shard with its size and sha256.
+
+    Raises:
+        WeightsError: a truncated input or a read-back mismatch.
+        OSError: the output cannot be written.
+    """
+    out = _Output(path, path.parent / shard.filename, verify)
+    checked: set[str] = set()
+    try:
+        os.pwrite(out.fd, shard.header, 0)
+        out.landed(0, memoryview(shard.header), "(header)")
+        pos = len(shard.header)
+        for t in shard.tensors:
+            fd, data = sources.get(t.record.storage.path)
+            if t.contiguous and not t.cast:
+                _copy_span(t, fd, data, out, pos, progress)
+                checked.add(t.name)
+            else:
+                _write_span(t, data, out, pos, progress)
+            pos += t.end - t.begin
+    except BaseException:
+        with contextlib.suppress(Exception):
+            out.close()
+        raise
+    digest = out.close()
+    return WrittenShard(path, pos, digest, frozenset(checked if verify else ()))
+
+
+class StagedFiles:
+    """Temporary files in one directory, renamed to their final names together or removed."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.pending: list[tuple[Path, Path]] = []
+
+    def temp_for(self, name: str) -> Path:
+        """A fresh, not yet existing temporary path for the final name ``name``."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.directory)
+        os.close(fd)
+        os.unlink(tmp)  # write_shard creates it with O_EXCL and the umask's mode
+        self.pending.append((Path(tmp), self.directory / name))
+        return Path(tmp)
+
+    def commit(self) -> None:
+        """Rename every temporary file into place."""
+        for tmp, final in self.pending:
+            os.replace(tmp, final)
+        self.pending.clear()
+
+    def discard(self) -> None:
+        """Remove every temporary file not yet committed."""
+        for tmp, _ in self.pending:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self.pending.clear()

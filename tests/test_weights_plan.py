@@ -1,0 +1,168 @@
+"""Planning: names, exact-alias dedupe and the kept name, casts, shards, headers, index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, StorageRange, TensorRecord
+from packer.errors import WeightsError
+from packer.recipe import Rename, WeightsConfig
+from packer.weights.plan import is_contiguous, map_name, plan_weights
+
+SRC = Path("/nonexistent/ck.pt")  # planning never opens files
+
+
+def rec(name: str, shape: tuple[int, ...], *, dtype: str = "F32", stride: tuple[int, ...] | None = None,
+        key: str = "s0", nbytes: int | None = None, offset: int = 0, path: Path = SRC) -> TensorRecord:
+    if stride is None:
+        stride, acc = [], 1
+        for d in reversed(shape):
+            stride.insert(0, acc)
+            acc *= d
+    numel = 1
+    for d in shape:
+        numel *= d
+    size = nbytes if nbytes is not None else (offset + numel) * DTYPE_SIZES[dtype]
+    return TensorRecord(name, dtype, shape, tuple(stride), StorageRange(key, path, 64, size), offset)
+
+
+def contents(*records: TensorRecord, path: Path = SRC) -> CheckpointContents:
+    return CheckpointContents(path, "torch-zip", records)
+
+
+def test_order_offsets_and_single_file() -> None:
+    plan = plan_weights([contents(rec("b", (2, 3)), rec("a", (4,), key="s1"))], WeightsConfig())
+    assert [s.filename for s in plan.shards] == ["model.safetensors"] and plan.index is None
+    assert [(t.name, t.begin, t.end) for t in plan.shards[0].tensors] == [("a", 0, 16), ("b", 16, 40)]
+    assert plan.total_size == 40
+    header = plan.shards[0].header
+    n = int.from_bytes(header[:8], "little")
+    assert n == len(header) - 8 and n % 8 == 0
+    table = json.loads(header[8:])
+    assert table == {"__metadata__": {"format": "pt"},
+                     "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                     "b": {"dtype": "F32", "shape": [2, 3], "data_offsets": [16, 40]}}
+    assert plan == plan_weights([contents(rec("b", (2, 3)), rec("a", (4,), key="s1"))], WeightsConfig())
+
+
+def test_tied_embeddings_keep_the_input_embedding() -> None:
+    # alphabetically lm_head comes first: the reference tools would keep it
+    tied = [rec("lm_head.weight", (8, 4)), rec("model.embed_tokens.weight", (8, 4))]
+    plan = plan_weights([contents(*tied)], WeightsConfig())
+    assert list(plan.tensors) == ["model.embed_tokens.weight"]
+    assert plan.aliases == (("lm_head.weight", "model.embed_tokens.weight"),)
+    meta = json.loads(plan.shards[0].header[8:])["__metadata__"]
+    assert json.loads(meta["packer.aliases"]) == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+@pytest.mark.parametrize("names, kept", [
+    (("transformer.wte.weight", "lm_head.weight"), "transformer.wte.weight"),
+    (("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
+     "bert.embeddings.word_embeddings.weight"),
+    (("z.weight", "a.weight"), "a.weight"),
+])  # fmt: skip
+def test_kept_name_ranking(names: tuple[str, str], kept: str) -> None:
+    plan = plan_weights([contents(*(rec(n, (2, 2)) for n in names))], WeightsConfig())
+    assert list(plan.tensors) == [kept]
+
+
+def test_tie_prefer_overrides() -> None:
+    tied = [rec("lm_head.weight", (8, 4)), rec("model.embed_tokens.weight", (8, 4))]
+    plan = plan_weights([contents(*tied)], WeightsConfig(tie_prefer=("lm_head.*",)))
+    assert list(plan.tensors) == ["lm_head.weight"]
+
+
+def test_only_exact_aliases_are_deduped() -> None:
+    records = [
+        rec("full", (4, 6), nbytes=96),
+        rec("part", (2, 6), offset=6, nbytes=96),  # overlaps "full" partly: its own tensor
+        rec("t1", (6, 4), stride=(1, 6), nbytes=96),  # transposed views, exact aliases
+        rec("t2", (6, 4), stride=(1, 6), nbytes=96),
+        rec("other_dtype", (4, 6), dtype="I32", nbytes=96),
+        rec("e1", (0, 3), nbytes=96), rec("e2", (0, 3), nbytes=96),  # empty: both kept
+    ]
+    plan = plan_weights([contents(*records)], WeightsConfig())
+    assert sorted(plan.tensors) == ["e1", "e2", "full", "other_dtype", "part", "t1"]
+    assert dict(plan.aliases) == {"t2": "t1"}
+    assert not plan.tensors["t1"][1].contiguous and plan.tensors["part"][1].contiguous
+
+
+def test_same_key_in_other_file_is_not_an_alias() -> None:
+    a = contents(rec("x", (2,)), path=Path("/a.bin"))
+    b = contents(rec("y", (2,), path=Path("/b.bin")), path=Path("/b.bin"))
+    assert sorted(plan_weights([a, b], WeightsConfig()).tensors) == ["x", "y"]
+
+
+def test_names_prefixes_renames() -> None:
+    cfg = WeightsConfig(strip_prefixes=("module.", "_orig_mod."),
+                        renames=(Rename(r"^gamma$", "weight"), Rename(r"\.gamma$", ".weight")))
+    assert map_name("_orig_mod.module.ln.gamma", cfg) == "ln.weight"
+    assert map_name("module.", cfg) == "module."  # never strip a whole name to nothing
+    plan = plan_weights([contents(rec("module.a.gamma", (1,)))], cfg)
+    assert list(plan.tensors) == ["a.weight"]
+
+
+def test_collision_after_renaming_names_both_sources() -> None:
+    cfg = WeightsConfig(strip_prefixes=("module.",))
+    records = [rec("module.w", (1,)), rec("w", (1,), key="s1")]
+    with pytest.raises(WeightsError, match=r"ck.pt:module.w and ck.pt:w both become 'w'"):
+        plan_weights([contents(*records)], cfg)
+
+
+def test_out_of_bounds_view_is_refused() -> None:
+    with pytest.raises(WeightsError, match=r"tensor 'w': view ends at byte 100, past its storage"):
+        plan_weights([contents(rec("w", (5, 5), nbytes=96))], WeightsConfig())
+
+
+def test_cast_floats_only() -> None:
+    records = [rec("f", (4,)), rec("i", (4,), dtype="I64", key="s1"), rec("h", (4,), dtype="F16", key="s2")]
+    plan = plan_weights([contents(*records)], WeightsConfig(dtype="bfloat16"))
+    got = {n: (t.dtype, t.end - t.begin, t.cast) for n, (_, t) in plan.tensors.items()}
+    assert got == {"f": ("BF16", 8, True), "h": ("BF16", 8, True), "i": ("I64", 32, False)}
+
+
+def test_sharding_and_index() -> None:
+    records = [rec(f"layer.{i}", (10,), key=f"s{i}") for i in range(5)]  # 40 bytes each
+    records.append(rec("embed_tokens.weight", (10,), key="s0"))
+    plan = plan_weights([contents(*records)], WeightsConfig(max_shard_size=100))
+    assert [s.filename for s in plan.shards] == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors"]
+    assert [[t.name for t in s.tensors] for s in plan.shards] == [
+        ["embed_tokens.weight", "layer.1"], ["layer.2", "layer.3"], ["layer.4"]]
+    assert plan.index is not None
+    index = json.loads(plan.index)
+    assert index["metadata"] == {"total_size": 200, "packer.aliases": {"layer.0": "embed_tokens.weight"}}
+    assert list(index["weight_map"]) == sorted(index["weight_map"])
+    assert index["weight_map"]["layer.3"] == "model-00002-of-00003.safetensors"
+    section = plan.section("weights/")
+    assert section["index"] == "weights/model.safetensors.index.json"
+    assert section["tensors"]["layer.4"] == {"file": "weights/model-00003-of-00003.safetensors",
+                                             "dtype": "F32", "shape": [10], "data_offsets": [0, 40]}
+
+
+def test_oversized_tensor_gets_its_own_shard() -> None:
+    records = [rec("a", (10,)), rec("b", (100,), key="s1"), rec("c", (10,), key="s2")]
+    plan = plan_weights([contents(*records)], WeightsConfig(max_shard_size=100))
+    assert sorted(tuple(t.name for t in s.tensors) for s in plan.shards) == [("a", "c"), ("b",)]
+
+
+def test_empty_checkpoint_plans_one_file() -> None:
+    plan = plan_weights([contents()], WeightsConfig())
+    assert [s.filename for s in plan.shards] == ["model.safetensors"] and plan.total_size == 0
+
+
+@pytest.mark.parametrize("shape, stride, expected", [
+    ((2, 3), (3, 1), True), ((3, 2), (1, 3), False), ((1, 4), (99, 1), True),
+    ((4, 1), (1, 7), True), ((0, 3), (5, 7), True), ((), (), True), ((2, 3), (6, 2), False),
+])  # fmt: skip
+def test_is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], expected: bool) -> None:
+    assert is_contiguous(rec("x", shape, stride=stride, nbytes=10**6)) is expected
+
+
+def test_reserved_name_is_refused() -> None:
+    with pytest.raises(WeightsError, match=r"tensor name '__metadata__' cannot be written"):
+        plan_weights([contents(rec("__metadata__", (1,)))], WeightsConfig())
