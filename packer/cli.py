@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -66,6 +67,9 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug:
                 traceback.print_exc()
             click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
         except OSError as e:  # the file system said no: still one line, still exit 1
             if debug:
@@ -187,7 +191,7 @@ def inspect(ctx: Ctx, file: Path) -> None:
     """
     from packer.checkpoint import inspect_checkpoint
 
-    report = inspect_checkpoint(file)
+    report: dict[str, Any] = inspect_checkpoint(file)
     if not ctx.json:
         ctx.log(f"{file}: {report['format']}, {len(report['tensors'])} tensors")
         for t in report["tensors"]:

@@ -219,3 +219,39 @@ def test_full_disk_is_one_clear_error(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "too large" in lines[0].lower()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_source_builds_offline_from_the_cache(tmp_path: Path) -> None:
+    from packer.demo import write_demo
+    from tests.hf_cache import populate_cache
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_demo(src)
+    cache = tmp_path / "cache"
+    populate_cache(cache, "acme/demo", {p.name: p.read_bytes() for p in src.iterdir()}, commit="c0ffee" * 6 + "abcd")
+    recipe = recipe_from_dict({"name": "m", "version": "1", "source": "hf://acme/demo@main"})
+    build(recipe, tmp_path / "out", cache_dir=cache)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    assert manifest["source"] | {"files": None} == {"kind": "hf", "uri": "hf://acme/demo@main",
+                                                    "revision": "c0ffee" * 6 + "abcd", "files": None}  # fmt: skip
+    assert manifest["source"]["files"]["tokenizer.json"]["sha256"] == hashlib.sha256(
+        (src / "tokenizer.json").read_bytes()).hexdigest()  # fmt: skip
+    local = recipe_from_dict({"name": "m", "version": "1", "source": str(src)})
+    build(local, tmp_path / "local")
+    assert tree(tmp_path / "out")["weights/model.safetensors"] == tree(tmp_path / "local")["weights/model.safetensors"]
+    verify(tmp_path / "out")
+
+
+def test_input_mtimes_do_not_change_the_output(tmp_path: Path) -> None:
+    from packer.demo import write_demo
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_demo(src)
+    recipe = recipe_from_dict({"name": "m", "version": "1", "source": "src"}, base_dir=tmp_path)
+    build(recipe, tmp_path / "a")
+    for i, p in enumerate(sorted(src.iterdir())):
+        os.utime(p, (1_000_000 + i, 2_000_000_000 + i))
+    build(recipe, tmp_path / "b")
+    assert tree(tmp_path / "a") == tree(tmp_path / "b")

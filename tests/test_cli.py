@@ -18,7 +18,8 @@ def packer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[s
 
 
 def test_help_does_not_import_torch() -> None:
-    code = "import sys\nfrom packer.cli import main\nsys.argv=['packer','--help']\ntry:\n main()\nexcept SystemExit:\n pass\n"
+    code = ("import sys\nfrom packer.cli import main\nsys.argv=['packer','--help']\n"
+            "try:\n main()\nexcept SystemExit:\n pass\n")  # fmt: skip
     code += "assert 'torch' not in sys.modules, 'torch imported'\nassert 'safetensors' not in sys.modules\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
