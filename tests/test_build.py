@@ -255,3 +255,12 @@ def test_input_mtimes_do_not_change_the_output(tmp_path: Path) -> None:
         os.utime(p, (1_000_000 + i, 2_000_000_000 + i))
     build(recipe, tmp_path / "b")
     assert tree(tmp_path / "a") == tree(tmp_path / "b")
+
+
+def test_plain_build_never_imports_torch(tmp_path: Path) -> None:
+    # torch alone takes over a second to import: longer than converting the demo
+    code = ("import sys\nfrom packer.build import build\nfrom packer.recipe import demo_recipe\n"
+            f"build(demo_recipe(), {str(tmp_path / 'out')!r}, sandbox=False)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
