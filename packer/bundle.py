@@ -388,7 +388,8 @@ def _plan_section(plan: BundlePlan) -> dict[str, Any]:
 def _notes(plan: BundlePlan) -> tuple[str, ...]:
     by_reason: dict[str, list[str]] = {}
     for name, reason in plan.skipped:
-        by_reason.setdefault(reason, []).append(name)
+        if not reason.startswith("weights"):  # the weights stage converts those: no news
+            by_reason.setdefault(reason, []).append(name)
     return tuple(f"bundle: skipped ({reason}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
                  for reason, names in sorted(by_reason.items()))  # fmt: skip
 
