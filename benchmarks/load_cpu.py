@@ -76,7 +76,7 @@ def manifest(st: Path) -> dict[str, Any]:
 
 def module_like(m: dict[str, Any]) -> torch.nn.Module:
     """A module whose state dict has the weights' names, shapes and dtypes (memory touched)."""
-    from packer.runtime.loader import _DTYPES
+    from packer.runtime.env import _DTYPES
 
     root = torch.nn.Module()
     for name, rec in m["weights"]["tensors"].items():

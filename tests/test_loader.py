@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from packer.runtime import loader as L
+from packer.runtime.env import _ENV
 from tests.loader_fixtures import make_artifacts, make_bundle, sample_tensors, write_raw_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -440,7 +441,7 @@ def test_chrome_trace(two_shards: tuple[Path, dict[str, Any]], tmp_path: Path) -
 
 
 def run_py(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in L._ENV}
+    base = {k: v for k, v in os.environ.items() if k not in _ENV}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, cwd=ROOT, env={**base, **(env or {})})  # fmt: skip
 

@@ -1,0 +1,99 @@
+"""The loader's surroundings: the embedded build, the CUDA start-up variables, shared basics.
+
+Holds what every other runtime module needs: the build's manifest and bundle reader source
+(embedded here by ``packer.stub``), the environment the loader applies before CUDA starts,
+``PACKER_*`` tunables, the safetensors dtype codes and :class:`ArtifactMismatchError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+# >>> packer:embedded (replaced by packer.stub when the loader is emitted)
+_EMBEDDED_JSON: str | None = None
+_BUNDLE_READER_SOURCE: str | None = None
+# <<< packer:embedded
+
+MIB = 2**20
+DEFAULT_SLOTS = 4
+DEFAULT_CHUNK = 64 * MIB
+MAX_RING_BYTES = 512 * MIB
+MAX_HEADER = 100 * MIB
+_ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+_DTYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1), "I64": ("int64", 8), "I32": ("int32", 4),
+    "I16": ("int16", 2), "I8": ("int8", 1), "U64": ("uint64", 8), "U32": ("uint32", 4),
+    "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+}  # fmt: skip
+
+
+class ArtifactMismatchError(RuntimeError):
+    """The artifacts on disk do not match the manifest embedded in this loader."""
+
+
+def _apply_env() -> None:
+    """Set the CUDA start-up variables unless the user did; warn when it is already too late."""
+    unset = [k for k in _ENV if k not in os.environ]
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if unset and cuda is not None and cuda.is_initialized():
+        warnings.warn(f"packer_loader: CUDA was initialised before the loader was imported; "
+                      f"{', '.join(unset)} cannot take effect (import the loader first)",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+    for key in unset:
+        os.environ[key] = _ENV[key]
+
+
+_apply_env()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def _dtype(code: str, where: str) -> tuple[Any, int]:
+    if code not in _DTYPES:
+        raise ArtifactMismatchError(f"{where}: dtype {code!r} is not supported by this loader")
+    name, size = _DTYPES[code]
+    dt = getattr(sys.modules["torch"], name, None)
+    if dt is None:
+        raise ArtifactMismatchError(f"{where}: dtype {code} needs a newer torch ({name})")
+    return dt, size
+
+
+def manifest() -> dict[str, Any]:
+    """The manifest embedded in this loader.
+
+    Raises:
+        RuntimeError: this is the package copy, which has none.
+    """
+    if _EMBEDDED_JSON is None:
+        raise RuntimeError("packer.runtime.loader has no embedded manifest: use the "
+                           "packer_loader.py a build emitted, or Loader(manifest, root)")  # fmt: skip
+    data: dict[str, Any] = json.loads(_EMBEDDED_JSON)
+    return data
+
+
+def bundle_reader() -> Any:
+    """The bundle reader module: the copy inlined at emit time, else the package's."""
+    if _BUNDLE_READER_SOURCE is None:
+        import importlib
+
+        return importlib.import_module("packer.runtime.bundle_reader")
+    name = "packer_loader_bundle_reader"
+    if name not in sys.modules:
+        import types
+
+        mod = types.ModuleType(name)
+        mod.__file__ = __file__
+        sys.modules[name] = mod  # dataclasses look their module up while the class is built
+        exec(compile(_BUNDLE_READER_SOURCE, f"{__file__}:bundle_reader", "exec"), mod.__dict__)
+    return sys.modules[name]

@@ -1,0 +1,113 @@
+"""``load_into``: the module's own parameters and buffers as the destinations of the load.
+
+Stored tensors map to the module's tensors (tied aliases folded onto one stored name); bytes
+go straight into a destination whose dtype and layout match, through a mapped view or a
+staging tensor on the device where they do not. Nothing crosses to the host twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packer.runtime.cpu import map_shards, read_into
+from packer.runtime.engines import _host_view
+from packer.runtime.env import _dtype
+from packer.runtime.shards import Shard, shard_tensors, tensor_view
+from packer.runtime.timeline import Timeline
+
+Later = tuple[list[Any], Any, str, list[int], str]  # (targets, source, dtype code, shape, name)
+
+
+def module_targets(module: Any, table: dict[str, Any],
+                   aliases: dict[str, str]) -> tuple[dict[str, list[Any]], list[str], list[str]]:  # fmt: skip
+    """Module tensors per stored tensor name (aliases folded), missing and unexpected keys.
+
+    Raises:
+        RuntimeError: a module tensor's shape differs from the stored one.
+    """
+    state = module.state_dict(keep_vars=True)
+    names = set(table) | set(aliases)
+    targets: dict[str, list[Any]] = {}
+    for key, t in state.items():
+        if key in names:
+            want = table[aliases.get(key, key)]["shape"]
+            if list(t.shape) != list(want):
+                raise RuntimeError(f"load_into: size mismatch for {key}: the weights have shape "
+                                   f"{want}, the module {list(t.shape)}")  # fmt: skip
+            targets.setdefault(aliases.get(key, key), []).append(t)
+    return targets, sorted(set(state) - names), sorted(names - set(state))
+
+
+def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None) -> Any:
+    """The one device the module's tensors live on (``device`` or cpu when it has none).
+
+    Raises:
+        RuntimeError: the module spans devices, lives on another kind, or not on ``device``.
+    """
+    devices = {t.device for ts in targets.values() for t in ts}
+    if len(devices) > 1:
+        raise RuntimeError(f"load_into: the module spans devices {sorted(map(str, devices))}")
+    dev = devices.pop() if devices else torch.device(device or "cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"load_into: the module's tensors are on {dev}; allocate them on "
+                           "cpu or cuda first (e.g. module.to_empty(device='cuda'))")  # fmt: skip
+    if device is not None and torch.device(device).type != dev.type:
+        raise RuntimeError(f"load_into: the module lives on {dev}, not {device}; move it first")
+    return dev
+
+
+def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], readers: int,
+             timeline: Timeline) -> None:  # fmt: skip
+    """preadv straight into the parameters; a mapped view only where dtypes differ."""
+    reads, rest = [], []
+    with timeline.stage("read into module") as box:
+        for s in shards:
+            for name, code, _, begin, end in s.tensors:
+                ts = targets.get(name, [])
+                if ts and ts[0].dtype == _dtype(code, name)[0] and ts[0].is_contiguous():
+                    reads.append((s.fd, s.data_start + begin, _host_view(ts[0].detach())))
+                    box["bytes"] += end - begin
+                    rest += [(t, ts[0]) for t in ts[1:] if t.data_ptr() != ts[0].data_ptr()]
+                elif ts:
+                    rest += [(t, name) for t in ts]
+        read_into(reads, readers)
+        views = shard_tensors(torch, shards, map_shards(torch, shards, timeline), None, {}) if rest else {}
+        for t, src in rest:  # ties and dtype casts, from memory already read or mapped
+            t.copy_(views[src] if isinstance(src, str) else src)
+
+
+def plan_into(torch: Any, engine: Any, shards: list[Shard],
+              targets: dict[str, list[Any]]) -> tuple[list[tuple[int, int, int, Any]], list[Later]]:  # fmt: skip
+    """Ring segments straight into the parameters (a staging tensor where dtypes differ).
+
+    Returns:
+        ``(segments for plan_chunks, copies to make once the ring is done)``.
+    """
+    segs: list[tuple[int, int, int, Any]] = []
+    later: list[Later] = []
+    for i, s in enumerate(shards):
+        for name, code, shape, begin, end in s.tensors:
+            ts = targets.get(name)
+            if not ts or end == begin:
+                continue
+            first = ts[0].detach()
+            if first.dtype == _dtype(code, name)[0] and first.is_contiguous():
+                segs.append((i, s.data_start + begin, end - begin,
+                             first.view(-1).view(torch.uint8)))  # fmt: skip
+                rest = [t for t in ts[1:] if t.data_ptr() != first.data_ptr()]
+                if rest:
+                    later.append((rest, first, "", [], name))
+            else:
+                tmp = engine.device_buffer(end - begin)
+                segs.append((i, s.data_start + begin, end - begin, tmp))
+                later.append((ts, tmp, code, shape, name))
+    return segs, later
+
+
+def finish_into(torch: Any, later: list[Later]) -> None:
+    """The ties and dtype casts :func:`plan_into` left, copied on the device."""
+    for ts, src, code, shape, name in later:
+        if code:
+            src = tensor_view(torch, src, 0, src.numel(), code, shape, name)
+        for t in ts:
+            t.copy_(src)  # device-side cast or tie: never through the host again

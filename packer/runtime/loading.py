@@ -1,0 +1,269 @@
+"""The :class:`Loader`: a build's artifacts under a root, checked against its manifest.
+
+It drives the other runtime modules: shard checks (``shards``), the CPU target (``cpu``),
+the staging ring and its engines (``ring``, ``engines``), ``load_into`` (``into``) and the
+bundle reader, recording every stage on a :class:`Timeline`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from packer.runtime.cpu import map_shards, prefetch_files, read_shards
+from packer.runtime.engines import make_engine
+from packer.runtime.env import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, ArtifactMismatchError, _env_int, bundle_reader
+from packer.runtime.into import finish_into, into_cpu, module_targets, plan_into, target_device
+from packer.runtime.ring import Chunk, RingStats, plan_chunks, run_ring
+from packer.runtime.shards import Shard, _check_sha, open_shard, sha256_fd, shard_tensors
+from packer.runtime.timeline import TIMELINE, Timeline, _torch
+
+
+class Loader:
+    """A build's artifacts under ``root``, checked against ``manifest``; the loader's verbs.
+
+    Args:
+        manifest: the embedded manifest (files, weights tensor table, aliases, bundle).
+        root: artifact root; weight files resolve under ``weights_dir`` when given.
+        weights_dir: directory that holds the ``model*.safetensors`` files (mounted weights).
+        timeline: where stage timings go (the process-wide one by default).
+    """
+
+    def __init__(self, manifest: dict[str, Any], root: str | Path, *,
+                 weights_dir: str | Path | None = None,
+                 timeline: Timeline | None = None) -> None:  # fmt: skip
+        self.manifest = manifest
+        self.root = Path(root)
+        self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.timeline = timeline or TIMELINE
+        self.last_stats: RingStats | None = None
+        self.auto_flush = True  # print the stage table after each verb (the self-test prints once)
+        self.slots = _env_int("PACKER_RING_SLOTS", DEFAULT_SLOTS)
+        self.chunk = _env_int("PACKER_CHUNK_MB", DEFAULT_CHUNK // MIB) * MIB
+        self.readers = _env_int("PACKER_READERS", min(8, os.cpu_count() or 1))
+
+    def path(self, rel: str) -> Path:
+        """Where the artifact ``rel`` (a manifest path) is on this machine."""
+        if self.weights_dir is not None and rel.startswith("weights/"):
+            return self.weights_dir / rel[len("weights/"):]
+        return self.root / rel
+
+    def open_shards(self, verify: bool = False) -> list[Shard]:
+        """Open and check every weight file (size, header; sha256 when ``verify``)."""
+        w = self.manifest["weights"]
+        files = self.manifest["files"]
+        shards: list[Shard] = []
+        with self.timeline.stage("headers") as box:
+            try:
+                for rel in w["files"]:
+                    shards.append(open_shard(rel, self.path(rel), files[rel], w["tensors"]))
+                    box["bytes"] += shards[-1].data_start
+                if w.get("index"):
+                    self._check_plain(w["index"], verify)
+            except BaseException:
+                for s in shards:
+                    s.close()
+                raise
+        return shards
+
+    def _check_plain(self, rel: str, verify: bool) -> None:
+        path, meta = self.path(rel), self.manifest["files"].get(rel) or self.manifest["bundle"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
+        if size != meta["size"]:
+            raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}")
+        if verify:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                _check_sha(rel, sha256_fd(fd, size), meta["sha256"])
+            finally:
+                os.close(fd)
+
+    def _verify_shards(self, shards: list[Shard]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self.timeline.stage("verify sha256") as box, ThreadPoolExecutor(self.readers) as ex:
+            # hashlib releases the GIL: shards hash in parallel
+            digests = list(ex.map(lambda s: sha256_fd(s.fd, s.size), shards))
+            for s, digest in zip(shards, digests, strict=True):
+                _check_sha(s.rel, digest, self.manifest["files"][s.rel]["sha256"])
+                box["bytes"] += s.size
+
+    def load_weights(self, device: str = "cuda", *, dtype: Any = None, verify: bool = False,
+                     pipeline: bool | None = None, copy: bool = False) -> dict[str, Any]:  # fmt: skip
+        """Load every tensor; aliases of tied tensors are the same tensor object.
+
+        Args:
+            device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+            dtype: cast floating-point tensors to this torch dtype (on the device).
+            verify: also check every file's sha256 (a full read).
+            pipeline: use the staging ring (default: only for CUDA); on CPU this runs the
+                CUDA scheduling against the CPU engine.
+            copy: CPU only: private materialised tensors read with parallel preadv instead
+                of views of a mapping.
+
+        Returns:
+            ``{name: tensor}`` including the alias names.
+
+        Raises:
+            ArtifactMismatchError: a file is missing, has another size, header or sha256.
+        """
+        torch = _torch(self.timeline)
+        dev = self._device(torch, device)
+        use_ring = dev.type != "cpu" if pipeline is None else pipeline
+        shards = self.open_shards(verify=verify)
+        try:
+            if dev.type == "cpu" and not use_ring:
+                if verify:
+                    self._verify_shards(shards)
+                bufs = (read_shards(torch, shards, self.readers, self.timeline) if copy
+                        else map_shards(torch, shards, self.timeline))  # fmt: skip
+            else:
+                bufs = self._ringed(torch, dev, shards, verify)
+            out = self._tensors(torch, shards, bufs, dtype)
+        finally:
+            for s in shards:
+                s.close()
+        if self.auto_flush:
+            self.timeline.flush()
+        return out
+
+    def _device(self, torch: Any, device: str) -> Any:
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"packer_loader: device {device!r}: only 'cpu', 'cuda' and 'cuda:N'")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"packer_loader: device {device!r} asked for but CUDA is not available "
+                               "(torch.cuda.is_available() is False); use device='cpu'")  # fmt: skip
+        if dev.type == "cuda" and not torch.cuda.is_initialized():
+            with self.timeline.stage("CUDA init"):
+                torch.cuda.init()
+                torch.empty(0, device=dev)
+        return dev
+
+
+    def _ringed(self, torch: Any, dev: Any, shards: list[Shard],
+                verify: bool) -> list[tuple[Any, int]]:  # fmt: skip
+        engine = make_engine(dev)
+        start = time.perf_counter()
+        bufs = [engine.device_buffer(s.size - s.data_start) for s in shards]
+        segs = [(i, s.data_start, s.size - s.data_start, bufs[i]) for i, s in enumerate(shards)]
+        hashers = None
+        if verify:
+            hashers = {i: hashlib.sha256(s.head) for i, s in enumerate(shards)}
+        self._run_ring(shards, plan_chunks(segs, self.chunk), engine, hashers, start)
+        if hashers is not None:
+            for i, s in enumerate(shards):
+                _check_sha(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
+        return [(b, 0) for b in bufs]
+
+
+    def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: Any,
+                  hashers: dict[int, Any] | None, start: float) -> None:  # fmt: skip
+        self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=self.chunk,
+                                   readers=self.readers, hashers=hashers, start=start,
+                                   timeline=self.timeline)  # fmt: skip
+
+    def _tensors(self, torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]],
+                 dtype: Any) -> dict[str, Any]:  # fmt: skip
+        return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}))
+
+    def load_into(self, module: Any, *, device: str | None = None, strict: bool = True,
+                  verify: bool = False, pipeline: bool | None = None) -> tuple[list[str], list[str]]:  # fmt: skip
+        """Copy the weights straight into ``module``'s parameters and buffers.
+
+        Args:
+            module: a ``torch.nn.Module`` already on its target device.
+            device: accepted for symmetry; must match where the module's tensors live.
+            strict: raise when keys are missing or unexpected (as ``load_state_dict``).
+            verify: also check every file's sha256.
+            pipeline: force (or refuse) the staging ring; CUDA always uses it.
+
+        Returns:
+            ``(missing, unexpected)`` key lists.
+
+        Raises:
+            ArtifactMismatchError: artifacts that do not match; RuntimeError: key or shape
+            mismatch between the weights and the module.
+        """
+        torch = _torch(self.timeline)
+        w = self.manifest["weights"]
+        targets, missing, unexpected = module_targets(module, w["tensors"], w.get("aliases", {}))
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_into: missing keys {missing[:8]}, unexpected keys "
+                               f"{unexpected[:8]} (pass strict=False to load the rest)")  # fmt: skip
+        dev = target_device(torch, targets, device)
+        shards = self.open_shards(verify=verify)
+        try:
+            if verify:
+                self._verify_shards(shards)
+            with torch.no_grad():
+                if dev.type == "cpu" and not pipeline:
+                    into_cpu(torch, shards, targets, self.readers, self.timeline)
+                else:
+                    self._into_ring(torch, dev, shards, targets)
+        finally:
+            for s in shards:
+                s.close()
+        if self.auto_flush:
+            self.timeline.flush()
+        return missing, unexpected
+
+
+    def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],
+                   targets: dict[str, list[Any]]) -> None:  # fmt: skip
+        """Stream straight into the parameters; a staging tensor only where dtypes differ."""
+        engine = make_engine(dev)
+        start = time.perf_counter()
+        segs, later = plan_into(torch, engine, shards, targets)
+        self._run_ring(shards, plan_chunks(segs, self.chunk), engine, None, start)
+        finish_into(torch, later)
+
+    def bundle_dir(self) -> Path:
+        """Extract the bundle once (content-addressed cache) and return its directory.
+
+        Raises:
+            ArtifactMismatchError: no bundle in this build, or it does not match.
+        """
+        b = self.manifest.get("bundle")
+        if not b:
+            raise ArtifactMismatchError("this build has no bundle (no tokenizer/config files)")
+        rel = b["file"]
+        self._check_plain(rel, verify=False)
+        reader = bundle_reader()
+        with self.timeline.stage("bundle", b["size"]):
+            try:
+                out = reader.extract_cached(self.path(rel), os.environ.get("PACKER_BUNDLE_CACHE"),
+                                            expected_sha256=b["sha256"])  # fmt: skip
+            except (reader.BundleFormatError, OSError) as e:
+                raise ArtifactMismatchError(f"{rel}: {e}") from None
+        if self.auto_flush:
+            self.timeline.flush()
+        return Path(out)
+
+    def prefetch(self, *, background: bool = True) -> threading.Thread | None:
+        """Warm the page cache with the weight files (fadvise WILLNEED, then parallel reads).
+
+        Returns:
+            the background thread (``join()`` it to wait), or None when run in the foreground.
+        """
+        paths = [self.path(rel) for rel in self.manifest["weights"]["files"]]
+        if not background:
+            prefetch_files(paths, self.readers, self.timeline)
+            return None
+        t = threading.Thread(target=prefetch_files, args=(paths, self.readers, self.timeline),
+                             name="packer-prefetch", daemon=True)  # fmt: skip
+        t.start()
+        return t
+
+    def report(self, trace: str | Path | None = None) -> list[dict[str, Any]]:
+        """The stage timings so far; with ``trace``, also a Chrome trace-event JSON file."""
+        if trace is not None:
+            self.timeline.chrome_trace(trace)
+        return [dict(s) for s in self.timeline.stages]

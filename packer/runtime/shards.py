@@ -1,0 +1,138 @@
+"""Weight files: headers checked against the embedded table, sha256, tensors out of buffers.
+
+Each safetensors shard is opened once; its size and header must match the manifest exactly
+(the loader refuses anything else), and its tensors become views of whatever buffer holds
+its data section (a mapping, a private copy or one device allocation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from packer.runtime.env import MAX_HEADER, MIB, ArtifactMismatchError, _dtype
+
+
+class Shard:
+    """One safetensors file, its header checked against the manifest, its fd open."""
+
+    def __init__(self, rel: str, path: Path, fd: int, size: int, head: bytes,
+                 tensors: list[tuple[str, str, list[int], int, int]]) -> None:  # fmt: skip
+        self.rel, self.path, self.fd, self.size, self.head = rel, path, fd, size, head
+        self.data_start = len(head)
+        self.tensors = tensors  # (name, dtype code, shape, begin, end), sorted by begin
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _pread_exact(fd: int, n: int, offset: int, rel: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise ArtifactMismatchError(f"{rel}: truncated at byte {offset + len(data)}")
+    return data
+
+
+def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]) -> Shard:
+    """Open ``path`` and check its size and safetensors header against the manifest.
+
+    Raises:
+        ArtifactMismatchError: missing file, wrong size, or a header that differs.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ArtifactMismatchError(f"{rel}: missing (looked for {path}); set PACKER_ARTIFACTS "
+                                    "or PACKER_WEIGHTS_DIR to where the build put it") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != meta["size"]:
+            raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}; "
+                                        "these weights are not from this build")  # fmt: skip
+        n = struct.unpack("<Q", _pread_exact(fd, 8, 0, rel))[0]
+        if n > min(size - 8, MAX_HEADER):
+            raise ArtifactMismatchError(f"{rel}: header length {n} is impossible for {size} bytes")
+        raw = _pread_exact(fd, n, 8, rel)
+        tensors = _check_header(rel, raw, size - 8 - n, table)
+        return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_header(rel: str, raw: bytes, data_len: int,
+                  table: dict[str, Any]) -> list[tuple[str, str, list[int], int, int]]:  # fmt: skip
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise ArtifactMismatchError(f"{rel}: safetensors header is not JSON ({e})") from None
+    header.pop("__metadata__", None)
+    want = {k: v for k, v in table.items() if v["file"] == rel}
+    if set(header) != set(want):
+        extra, gone = sorted(set(header) - set(want)), sorted(set(want) - set(header))
+        raise ArtifactMismatchError(f"{rel}: header tensors differ from the manifest "
+                                    f"(unexpected {extra[:3]}, missing {gone[:3]})")  # fmt: skip
+    out = []
+    for name, rec in want.items():
+        got = header[name]
+        for key in ("dtype", "shape", "data_offsets"):
+            if list(got.get(key, [])) != list(rec[key]) if key != "dtype" else got.get(key) != rec[key]:
+                raise ArtifactMismatchError(f"{rel}: tensor {name!r} {key} is {got.get(key)}, "
+                                            f"the manifest says {rec[key]}")  # fmt: skip
+        begin, end = rec["data_offsets"]
+        if not 0 <= begin <= end <= data_len:
+            raise ArtifactMismatchError(f"{rel}: tensor {name!r} lies outside the data section")
+        out.append((name, rec["dtype"], list(rec["shape"]), begin, end))
+    out.sort(key=lambda t: (t[3], t[0]))
+    return out
+
+
+def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB) -> str:
+    """sha256 of the first ``size`` bytes of an open file, read with preadv."""
+    h, buf, off = hashlib.sha256(), bytearray(bufsize), 0
+    view = memoryview(buf)
+    while off < size:
+        n = os.preadv(fd, [view[: min(bufsize, size - off)]], off)
+        if n <= 0:
+            raise ArtifactMismatchError(f"short read at byte {off}")
+        h.update(view[:n])
+        off += n
+    return h.hexdigest()
+
+
+def _check_sha(rel: str, got: str, want: str) -> None:
+    if got != want:
+        raise ArtifactMismatchError(f"{rel}: sha256 {got[:16]}..., the manifest says "
+                                    f"{want[:16]}...; the file is corrupt or from another build")  # fmt: skip
+
+
+def tensor_view(torch: Any, buf: Any, begin: int, end: int, code: str, shape: list[int],
+                where: str) -> Any:  # fmt: skip
+    """A tensor of ``buf[begin:end]`` (a uint8 buffer); misaligned bytes get a same-device copy."""
+    dt, size = _dtype(code, where)
+    raw = buf[begin:end]
+    if begin % size:
+        raw = raw.clone()  # view(dtype) needs element alignment; the copy stays on the device
+    return raw.view(dt).view(tuple(shape))
+
+
+def shard_tensors(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], dtype: Any,
+                  aliases: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """Every tensor of ``shards`` as a view of its buffer (cast to ``dtype``), plus ``aliases``."""
+    out: dict[str, Any] = {}
+    for s, (buf, base) in zip(shards, bufs, strict=True):
+        for name, code, shape, begin, end in s.tensors:
+            t = tensor_view(torch, buf, base + begin, base + end, code, shape,
+                            f"{s.rel}: tensor {name!r}")  # fmt: skip
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out[name] = t
+    for alias, kept in sorted(aliases.items()):
+        out[alias] = out[kept]
+    return out

@@ -1,0 +1,100 @@
+"""Start-up stage timing: ``[startup]`` lines, one JSON log line, a Chrome trace file.
+
+Every verb of the loader records its stages (bytes and throughput where they apply) on a
+:class:`Timeline`; ``PACKER_STARTUP_LOG`` picks the printed form (``text``, ``json``, ``off``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class Timeline:
+    """Start-up stages with bytes and throughput; prints ``[startup] name: 1.02s`` lines."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.stages: list[dict[str, Any]] = []
+        self._printed = 0
+        self._lock = threading.Lock()
+
+    def add(self, name: str, start: float, end: float, nbytes: int = 0, lane: int = 0) -> None:
+        """Record a stage that ran from ``start`` to ``end`` (``time.perf_counter`` values)."""
+        secs = max(end - start, 0.0)
+        rec = {"stage": name, "start_s": round(start - self.t0, 6), "seconds": round(secs, 6),
+               "bytes": nbytes, "gbps": round(nbytes / secs / 1e9, 3) if nbytes and secs else None,
+               "lane": lane}  # fmt: skip
+        with self._lock:
+            self.stages.append(rec)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, nbytes: int = 0) -> Iterator[dict[str, int]]:
+        """Time a block; the block may set ``box["bytes"]``."""
+        box = {"bytes": nbytes}
+        start = time.perf_counter()
+        try:
+            yield box
+        finally:
+            self.add(name, start, time.perf_counter(), box["bytes"])
+
+    def flush(self, stream: Any = None) -> None:
+        """Print the stages recorded since the last flush and a total (``PACKER_STARTUP_LOG``)."""
+        mode = os.environ.get("PACKER_STARTUP_LOG", "text").lower()
+        with self._lock:
+            new, self._printed = self.stages[self._printed:], len(self.stages)
+        if not new or mode in ("off", "0", "none", "false"):
+            return
+        total = max(s["start_s"] + s["seconds"] for s in new) - min(s["start_s"] for s in new)
+        out = stream or sys.stderr
+        if mode == "json":
+            out.write(json.dumps({"startup": new, "total_s": round(total, 6)}) + "\n")
+        else:
+            for s in [*new, {"stage": "total", "seconds": total, "bytes": 0}]:
+                out.write(f"[startup] {s['stage']}: {_fmt_stage(s)}\n")
+        out.flush()
+
+    def chrome_trace(self, path: str | Path) -> None:
+        """Write the stages as a Chrome trace-event file (Perfetto, chrome://tracing)."""
+        events = [{"name": s["stage"], "ph": "X", "pid": os.getpid(), "tid": s["lane"],
+                   "ts": round(s["start_s"] * 1e6, 3), "dur": round(s["seconds"] * 1e6, 3),
+                   "args": {"bytes": s["bytes"], "gbps": s["gbps"]}} for s in self.stages]  # fmt: skip
+        lanes = {0: "loader", 1: "reader threads", 2: "copy engine", 3: "prefetch"}
+        events += [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid,
+                    "args": {"name": name}} for tid, name in lanes.items()]  # fmt: skip
+        data = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(data + "\n")
+        os.replace(tmp, path)
+
+
+def _fmt_stage(s: dict[str, Any]) -> str:
+    text = f"{s['seconds']:.2f}s"
+    if s.get("bytes"):
+        n = s["bytes"]
+        text += f", {n / 1e9:.2f} GB" if n >= 1e8 else f", {n / 1e6:.2f} MB" if n >= 1e5 else f", {n} B"
+        if s.get("gbps"):
+            text += f", {s['gbps']:.2f} GB/s"
+    return text
+
+
+TIMELINE = Timeline()
+
+
+def _torch(timeline: Timeline | None = None) -> Any:
+    """Import torch, timing the import when this call is the one that pays for it."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"]
+    start = time.perf_counter()
+    import torch
+
+    (timeline or TIMELINE).add("import torch", start, time.perf_counter())
+    return torch
