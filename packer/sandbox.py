@@ -25,8 +25,10 @@ from typing import Any
 
 from packer import errors
 from packer.fsutil import FileEntry
-from packer.recipe import Rename, WeightsConfig
+from packer.recipe import ImageConfig, Rename, WeightsConfig
 from packer.stage import StageOutput
+
+LayerFraming = Callable[[str, int], tuple[bytes, bytes]]
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
@@ -79,6 +81,15 @@ def _cfg_from_json(data: dict[str, Any]) -> WeightsConfig:
     return WeightsConfig(**data)
 
 
+def _framing(image: ImageConfig | None, mtime: int | None) -> LayerFraming | None:
+    """The weight layers' framing for :func:`convert` (packer.oci is imported only then)."""
+    if image is None:
+        return None
+    from packer.oci.plan import weight_layer_framing
+
+    return lambda rel_path, size: weight_layer_framing(image, rel_path, size, mtime=mtime)
+
+
 def _child_main() -> int:
     request = json.loads(sys.stdin.read())
     _isolate(request["limits"])
@@ -86,8 +97,10 @@ def _child_main() -> int:
 
     try:
         rel_root = Path(request["rel_root"]) if request["rel_root"] else None
+        image = ImageConfig(**request["image"]) if request.get("image") else None
         result = convert(Path(request["src"]), Path(request["out"]), _cfg_from_json(request["cfg"]),
-                         rel_root=rel_root, dry_run=request["dry_run"])  # fmt: skip
+                         rel_root=rel_root, dry_run=request["dry_run"],
+                         layer_framing=_framing(image, request.get("mtime")))  # fmt: skip
     except errors.PackerError as e:
         json.dump({"error": str(e), "type": type(e).__name__}, sys.stdout)
         return 1
@@ -95,7 +108,8 @@ def _child_main() -> int:
         json.dump({"error": "out of memory (address-space limit reached)", "type": "CheckpointError"}, sys.stdout)
         return 1
     json.dump({"files": [asdict(f) for f in result.files], "section": result.section,
-               "bytes": result.bytes_processed, "notes": list(result.notes)}, sys.stdout)  # fmt: skip
+               "bytes": result.bytes_processed, "notes": list(result.notes),
+               "digests": result.digests}, sys.stdout)  # fmt: skip
     return 0
 
 
@@ -133,15 +147,29 @@ def _run_child(request: str, out: Path, progress: Callable[[int], None] | None) 
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+def _layer_mtime(image: ImageConfig | None) -> int | None:
+    if image is None:
+        return None
+    from packer.oci.stage import source_date_epoch  # the image stage's own reading of it
+
+    return source_date_epoch()
+
+
 def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
-                      dry_run: bool = False, progress: Callable[[int], None] | None = None) -> StageOutput:  # fmt: skip
+                      dry_run: bool = False, progress: Callable[[int], None] | None = None,
+                      layer_image: ImageConfig | None = None) -> StageOutput:  # fmt: skip
     """Run :func:`packer.weights.convert.convert` in an isolated child process.
+
+    ``layer_image``: also compute each weight file's image-layer digest while writing it
+    (see :func:`packer.oci.plan.weight_layer_framing`); they come back in ``digests``.
 
     Raises:
         PackerError: the child's own error, or why the child was stopped.
     """
     request = {"src": str(src), "out": str(out), "cfg": asdict(cfg), "dry_run": dry_run,
                "rel_root": str(rel_root) if rel_root else None,
+               "image": asdict(layer_image) if layer_image else None,
+               "mtime": _layer_mtime(layer_image),
                "limits": _limits(_input_size(src))}  # fmt: skip
     proc = _run_child(json.dumps(request), out, progress)
     if proc.returncode < 0:
@@ -156,20 +184,25 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
         raise cls(reply["error"])
     files = tuple(FileEntry(**f) for f in reply["files"])
     return StageOutput(files=files, section=reply["section"], bytes_processed=reply["bytes"],
-                       notes=tuple(reply["notes"]))  # fmt: skip
+                       notes=tuple(reply["notes"]), digests=dict(reply.get("digests", {})))  # fmt: skip
 
 
 def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None, dry_run: bool = False,
-                sandbox: bool = True, progress: Callable[[int], None] | None = None) -> StageOutput:  # fmt: skip
+                sandbox: bool = True, progress: Callable[[int], None] | None = None,
+                layer_image: ImageConfig | None = None) -> StageOutput:  # fmt: skip
     """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
 
-    ``progress`` receives the bytes written so far (a total, not an increment).
+    ``progress`` receives the bytes written so far (a total, not an increment). With
+    ``layer_image``, each weight file's image-layer digest is computed while it is written
+    and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``).
     """
     if sandbox:
-        return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress)
+        return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
+                                 layer_image=layer_image)  # fmt: skip
     from packer.weights.convert import convert
 
-    return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run)
+    return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run,
+                   layer_framing=_framing(layer_image, _layer_mtime(layer_image)))  # fmt: skip
 
 
 if __name__ == "__main__":

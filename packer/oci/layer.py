@@ -18,6 +18,7 @@ import errno
 import hashlib
 import mmap
 import os
+import re
 import tempfile
 import threading
 import zlib
@@ -41,6 +42,7 @@ MEDIA_TYPES = {
     "zstd": "application/vnd.oci.image.layer.v1.tar+zstd",
 }
 COMPRESSION_OF = {v: k for k, v in MEDIA_TYPES.items()}
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -193,12 +195,30 @@ def _check_size(fd: int, src: Path, size: int) -> None:
         raise ImageError(f"{src}: is {actual} bytes, the plan expected {size}; rebuild")
 
 
+def _copy_known(pieces: Iterable[bytes | FileRange], fd: int) -> int:
+    """Write an uncompressed tar stream to ``fd`` without hashing it; returns its size."""
+    size = 0
+    for piece in pieces:
+        if isinstance(piece, FileRange):
+            with open(piece.path, "rb") as f:
+                _check_size(f.fileno(), piece.path, piece.size)
+                _copy_fd(f.fileno(), fd, piece.size, piece.path)
+            size += piece.size
+        else:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view) :]
+            size += len(piece)
+    return size
+
+
 def write_layer(
     pieces: Iterable[bytes | FileRange],
     blobs_dir: Path,
     *,
     compression: str,
     tee: Path | None = None,
+    digest: str | None = None,
 ) -> Layer:
     """Write a tar stream as a blob under ``blobs_dir``, named by its digest.
 
@@ -207,6 +227,9 @@ def write_layer(
         blobs_dir: ``…/blobs/sha256``; the blob goes to a temp name, then is renamed.
         compression: ``"none"``, ``"gzip"`` or ``"zstd"``.
         tee: also write the uncompressed tar here (atomically), in the same pass.
+        digest: the ``"sha256:…"`` of an uncompressed stream, computed earlier (while the
+            weights were written): the bytes are only copied, not hashed. Trusted here; the
+            build's final verification re-hashes every blob before anything is published.
 
     Returns:
         The :class:`Layer` with digest, diff_id, size and media type.
@@ -219,6 +242,16 @@ def write_layer(
     if tee is not None:
         tee_fd, tee_tmp = tempfile.mkstemp(prefix=f".{tee.name}.", suffix=".tmp", dir=tee.parent)
     try:
+        if digest is not None:
+            if compression != "none" or tee is not None:
+                raise ImageError("a known layer digest needs an uncompressed layer without a tee")
+            if not _DIGEST.fullmatch(digest):  # it names a file: never a path
+                raise ImageError(f"known layer digest {digest!r}: expected sha256:<64 hex digits>")
+            size = _copy_known(pieces, fd)
+            _finish(fd, tmp, blobs_dir / digest.removeprefix("sha256:"))
+            fd = -1
+            return Layer(digest, digest, size, MEDIA_TYPES["none"],
+                         blobs_dir / digest.removeprefix("sha256:"))  # fmt: skip
         out = _HashingFile(fd)
         sink, close = _compressor(compression, out)
         # uncompressed: the blob hash is the diff_id, so hash once
@@ -263,6 +296,7 @@ class LayerJob:
     pieces: Iterable[bytes | FileRange]
     compression: str
     tee: Path | None = None
+    digest: str | None = None  # known uncompressed digest: copy without hashing
 
 
 def write_layers(
@@ -290,7 +324,8 @@ def write_layers(
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="packer-layer") as pool:
         futures = {
-            pool.submit(write_layer, j.pieces, blobs_dir, compression=j.compression, tee=j.tee): i
+            pool.submit(write_layer, j.pieces, blobs_dir, compression=j.compression, tee=j.tee,
+                        digest=j.digest): i
             for i, j in enumerate(jobs)
         }
         results: dict[int, Layer] = {}

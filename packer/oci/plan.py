@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from packer.errors import ImageError
 from packer.fsutil import FileEntry
-from packer.oci.tar_writer import Owner
+from packer.oci.tar_writer import FileRange, Owner, SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
 
 LOADER = "packer_loader.py"
@@ -85,6 +85,51 @@ class ImagePlan:
         }  # fmt: skip
 
 
+def _prefix(cfg: ImageConfig) -> str:
+    return cfg.prefix.rstrip("/") or "/"
+
+
+def _dest(prefix: str, rel_path: str) -> str:
+    return f"{prefix.rstrip('/')}/{rel_path}"
+
+
+def weight_layer_framing(
+    cfg: ImageConfig, rel_path: str, size: int, *, mtime: int | None = None
+) -> tuple[bytes, bytes]:
+    """The bytes around a weight file's content in its own uncompressed layer.
+
+    ``prefix + content + suffix`` is exactly the layer tar the image stage writes for that
+    file (parent directories, the file's header, padding, end-of-archive blocks), so the
+    weights stage can hash the layer while it writes the file and the image stage only
+    copies. Pure apart from reading ``SOURCE_DATE_EPOCH`` when ``mtime`` is None.
+
+    Args:
+        cfg: the recipe's ``[image]`` section (prefix and owner matter).
+        rel_path: the file's path relative to OUT, e.g. ``weights/model.safetensors``.
+        size: the file's final size in bytes.
+        mtime: the entries' mtime; None reads ``SOURCE_DATE_EPOCH`` as the image stage does.
+
+    Returns:
+        ``(prefix, suffix)``.
+
+    Raises:
+        ImageError: a bad owner, path or ``SOURCE_DATE_EPOCH``.
+    """
+    if mtime is None:
+        from packer.oci.stage import source_date_epoch  # lazy: the stage imports this module
+
+        mtime = source_date_epoch()
+    prefix = _prefix(cfg)
+    src = SourceFile(_dest(prefix, rel_path), size, source=Path(rel_path))  # never read here
+    members = tar_members([src], owner=Owner.parse(cfg.owner), prefix=prefix)
+    pieces = list(tar_pieces(members, mtime=mtime))
+    # the file's content is the one FileRange piece; an empty file has none
+    cut = next((i for i, p in enumerate(pieces) if isinstance(p, FileRange)), len(pieces))
+    head = [p for p in pieces[:cut] if isinstance(p, bytes)]
+    tail = [p for p in pieces[cut + 1 :] if isinstance(p, bytes)]
+    return b"".join(head), b"".join(tail)
+
+
 def plan_layers(
     files: Sequence[FileEntry],
     cfg: ImageConfig,
@@ -107,7 +152,7 @@ def plan_layers(
     Raises:
         ImageError: an unsafe path, or no files left to put in the image.
     """
-    prefix = cfg.prefix.rstrip("/") or "/"
+    prefix = _prefix(cfg)
     owner = Owner.parse(cfg.owner)
     weights: list[PlannedFile] = []
     meta: list[PlannedFile] = []
@@ -116,7 +161,7 @@ def plan_layers(
         p = PurePosixPath(entry.path)
         if p.is_absolute() or ".." in p.parts or not entry.path:
             raise ImageError(f"artifact file {entry.path!r}: expected a relative path inside OUT")
-        pf = PlannedFile(entry.path, f"{prefix.rstrip('/')}/{entry.path}", entry.size, entry.sha256)
+        pf = PlannedFile(entry.path, _dest(prefix, entry.path), entry.size, entry.sha256)
         if entry.path.startswith(WEIGHTS_DIR):
             if cfg.weights == "external":
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +70,16 @@ def _annotations(name: str, version: str, source: dict[str, Any], created: str) 
     return out
 
 
+def _known_digest(planned: PlannedLayer, known: Mapping[str, str]) -> str | None:
+    """The precomputed digest of a one-file uncompressed layer (see weight_layer_framing)."""
+    if planned.compression != "none" or len(planned.files) != 1:
+        return None
+    return known.get(f"layer:{planned.files[0].rel_path}")
+
+
 def _write_layers(
-    out_dir: Path, plan: ImagePlan, manifest: bytes, mtime: int, progress: Progress | None
+    out_dir: Path, plan: ImagePlan, manifest: bytes, mtime: int, progress: Progress | None,
+    known: Mapping[str, str],
 ) -> tuple[list[Layer], list[Standalone]]:
     blobs = out_dir / "image" / "blobs" / "sha256"
     jobs, rels = [], []
@@ -84,7 +92,8 @@ def _write_layers(
         members = tar_members(sources, owner=plan.owner, prefix=plan.prefix)
         rels.append(f"{LAYERS_DIR}/{tarball_name(i, planned)}")
         tee = out_dir / rels[-1] if planned.compression == "zstd" else None
-        jobs.append(LayerJob(tar_pieces(members, mtime=mtime), planned.compression, tee))
+        digest = None if tee else _known_digest(planned, known)
+        jobs.append(LayerJob(tar_pieces(members, mtime=mtime), planned.compression, tee, digest))
     done = 0
 
     def report(i: int) -> None:
@@ -146,6 +155,7 @@ def build_image(
     dry_run: bool = False,
     verify: bool = True,
     progress: Progress | None = None,
+    known_digests: Mapping[str, str] | None = None,
 ) -> StageOutput:
     """Write ``OUT/image`` (OCI layout), standalone layer tarballs and ``OUT/Dockerfile``.
 
@@ -159,6 +169,9 @@ def build_image(
         dry_run: only plan; the section is the plan and nothing is written.
         verify: re-read the written image with :func:`verify_image` (checks every byte).
         progress: called after each layer with its name and the bytes done so far.
+        known_digests: ``{"layer:<path in OUT>": "sha256:…"}`` of one-file uncompressed
+            layers, hashed while the weights were written: those layers are copied, not
+            hashed. Trusted: a wrong one is caught by ``verify`` (or the build's own check).
 
     Returns:
         The files written and the manifest's ``image`` section.
@@ -180,7 +193,8 @@ def build_image(
     (out_dir / LAYERS_DIR).mkdir()
     base = resolve_base(cfg.base, platform=cfg.platform) if cfg.base else None
     base_bytes = link_blobs(base, image_dir / "blobs" / "sha256") if base else 0
-    layers, tarballs = _write_layers(out_dir, plan, artifact_manifest, epoch, progress)
+    layers, tarballs = _write_layers(out_dir, plan, artifact_manifest, epoch, progress,
+                                     known_digests or {})
     annotations = _annotations(name, version, source, created)
     digests = write_layout(
         image_dir, plan, layers, base=base, created=created, annotations=annotations

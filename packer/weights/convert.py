@@ -62,24 +62,32 @@ def _check_dest(dest_dir: Path, plan: WeightsPlan) -> None:
                            "or choose an empty directory")
 
 
+LayerFraming = Callable[[str, int], tuple[bytes, bytes]]
+
+
 def _write_all(
     plan: WeightsPlan, dest_dir: Path, staged: StagedFiles, *, verify: bool,
-    progress: Callable[[int], None] | None,
-) -> list[tuple[str, int, str]]:
+    progress: Callable[[int], None] | None, framing: LayerFraming | None, prefix: str,
+) -> tuple[list[tuple[str, int, str]], dict[str, str]]:
     written: list[tuple[str, int, str]] = []
+    framed: dict[str, str] = {}  # shard name -> sha256 of its framed bytes
     sources = Sources()
     try:
         paths: dict[str, Path] = {}
         checked: set[str] = set()
         for shard in plan.shards:
             tmp = staged.temp_for(shard.filename)
+            frame = framing(prefix + shard.filename, shard.size) if framing else None
             try:
-                out = write_shard(shard, tmp, sources, verify=verify, progress=progress)
+                out = write_shard(shard, tmp, sources, verify=verify, progress=progress,
+                                  framing=frame)  # fmt: skip
             except OSError as e:
                 raise WeightsError(f"{dest_dir / shard.filename}: cannot write: "
                                    f"{e.strerror or e}") from e
             paths[shard.filename], checked = tmp, checked | out.checked
             written.append((shard.filename, out.size, out.sha256))
+            if out.framed_sha256 is not None and out.size == shard.size:
+                framed[shard.filename] = out.framed_sha256
         if verify:
             verify_written(plan, paths, sources, skip=checked)
     finally:
@@ -90,7 +98,7 @@ def _write_all(
         with os.fdopen(fd, "wb") as f:
             f.write(plan.index)
         written.append((INDEX_NAME, len(plan.index), hashlib.sha256(plan.index).hexdigest()))
-    return written
+    return written, framed
 
 
 def convert(
@@ -102,6 +110,7 @@ def convert(
     progress: Callable[[int], None] | None = None,
     dry_run: bool = False,
     verify: bool = True,
+    layer_framing: LayerFraming | None = None,
 ) -> StageOutput:
     """Convert the checkpoint(s) in ``src`` to canonical safetensors in ``dest_dir``.
 
@@ -113,9 +122,13 @@ def convert(
         progress: called with byte counts as tensor data is written.
         dry_run: plan only; ``section`` describes what would be written.
         verify: re-parse the outputs and compare every tensor's bytes with its source.
+        layer_framing: given a shard's path relative to ``rel_root`` and its size, the bytes
+            before and after it in its image layer (:func:`packer.oci.plan.weight_layer_framing`);
+            each layer's sha256 is then computed while the shard is written (another thread).
 
     Returns:
-        The files written, the manifest section, bytes processed and notes.
+        The files written, the manifest section, bytes processed and notes; with
+        ``layer_framing``, ``digests`` maps ``"layer:<path>"`` to ``"sha256:<hex>"``.
 
     Raises:
         PackerError: WeightsError, CheckpointError or VerifyError with a one-line reason.
@@ -135,7 +148,8 @@ def convert(
     try:
         dest_dir.mkdir(parents=True, exist_ok=True)
         _check_dest(dest_dir, plan)
-        written = _write_all(plan, dest_dir, staged, verify=verify, progress=progress)
+        written, framed = _write_all(plan, dest_dir, staged, verify=verify, progress=progress,
+                                     framing=layer_framing, prefix=prefix)  # fmt: skip
         staged.commit()
     except BaseException as e:
         staged.discard()
@@ -148,5 +162,6 @@ def convert(
             raise e.with_context(f"converting {src}") from e.__cause__
         raise
     files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)
-    return StageOutput(files=files, section=section,
-                       bytes_processed=sum(f.size for f in files), notes=tuple(notes))
+    digests = {f"layer:{prefix}{name}": f"sha256:{hexd}" for name, hexd in framed.items()}
+    return StageOutput(files=files, section=section, bytes_processed=sum(f.size for f in files),
+                       notes=tuple(notes), digests=digests)  # fmt: skip

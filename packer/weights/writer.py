@@ -43,6 +43,7 @@ class WrittenShard:
     size: int
     sha256: str
     checked: frozenset[str]  # tensors whose written bytes were compared with the input
+    framed_sha256: str | None = None  # sha256 of framing[0] + file + framing[1], if asked
 
 
 class Sources:
@@ -128,10 +129,10 @@ def _out_bytes(t: PlannedTensor, part: Any) -> bytes | memoryview:
 class _Hasher(threading.Thread):
     """sha256 of the output in file order, on its own core (hashlib releases the GIL)."""
 
-    def __init__(self) -> None:
+    def __init__(self, initial: bytes = b"") -> None:
         super().__init__(daemon=True)
         self.jobs: queue.Queue[Any] = queue.Queue(maxsize=4)  # bounds memory to a few chunks
-        self.sha = hashlib.sha256()
+        self.sha = hashlib.sha256(initial)
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -147,13 +148,19 @@ class _Hasher(threading.Thread):
 class _Output:
     """The shard being written: bytes land at a position, are read back if verifying, hashed."""
 
-    def __init__(self, path: Path, label: Path, verify: bool) -> None:
+    def __init__(self, path: Path, label: Path, verify: bool,
+                 framing: tuple[bytes, bytes] | None = None) -> None:
         self.label = label
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
         self.ro = os.open(path, os.O_RDONLY) if verify else -1
         self.buf = bytearray(CHUNK if verify else 0)
-        self.hasher = _Hasher()
-        self.hasher.start()
+        self.hashers = [_Hasher()]
+        # the framed hash (e.g. the file's image layer) runs on its own thread too
+        self.suffix = framing[1] if framing else b""
+        if framing is not None:
+            self.hashers.append(_Hasher(framing[0]))
+        for h in self.hashers:
+            h.start()
 
     def landed(self, pos: int, expected: Any, name: str) -> None:
         """``expected`` now lies at ``pos``: compare it with the file (verify), then hash it."""
@@ -166,18 +173,25 @@ class _Output:
                 if n != len(want) or got != want:
                     raise WeightsError(f"{self.label}: tensor {name!r}: bytes read back at "
                                        f"offset {pos + i} differ from what was written")
-        self.hasher.jobs.put(expected)
+        for h in self.hashers:
+            h.jobs.put(expected)
 
-    def close(self) -> str:
-        """Stop hashing, close the file and return the sha256 (hex)."""
-        self.hasher.jobs.put(None)
-        self.hasher.join()
+    def close(self) -> tuple[str, str | None]:
+        """Stop hashing, close the file; return the sha256 and the framed sha256 (hex)."""
+        for h in self.hashers:
+            h.jobs.put(None)
+        for h in self.hashers:
+            h.join()
         os.close(self.fd)
         if self.ro >= 0:
             os.close(self.ro)
-        if self.hasher.error is not None:
-            raise WeightsError(f"{self.label}: hashing failed: {self.hasher.error}")
-        return self.hasher.sha.hexdigest()
+        for h in self.hashers:
+            if h.error is not None:
+                raise WeightsError(f"{self.label}: hashing failed: {h.error}")
+        if len(self.hashers) == 1:
+            return self.hashers[0].sha.hexdigest(), None
+        self.hashers[1].sha.update(self.suffix)
+        return self.hashers[0].sha.hexdigest(), self.hashers[1].sha.hexdigest()
 
 
 def _kernel_copy(src_fd: int, dst_fd: int, src_pos: int, dst_pos: int, n: int) -> int:
@@ -231,6 +245,7 @@ def write_shard(
     *,
     verify: bool = True,
     progress: Callable[[int], None] | None = None,
+    framing: tuple[bytes, bytes] | None = None,
 ) -> WrittenShard:
     """Write one planned shard to ``path`` (created; must not exist) and hash it on the way.
 
@@ -240,6 +255,8 @@ def write_shard(
         sources: the open input files.
         verify: read every span back and compare it with what it should hold.
         progress: called with the number of tensor bytes written after each chunk.
+        framing: ``(prefix, suffix)``: also hash ``prefix + file + suffix`` (the shard's
+            image layer) on another thread, into ``framed_sha256``.
 
     Returns:
         The written shard with its size and sha256.
@@ -248,7 +265,7 @@ def write_shard(
         WeightsError: a truncated input or a read-back mismatch.
         OSError: the output cannot be written.
     """
-    out = _Output(path, path.parent / shard.filename, verify)
+    out = _Output(path, path.parent / shard.filename, verify, framing)
     checked: set[str] = set()
     try:
         os.pwrite(out.fd, shard.header, 0)
@@ -266,8 +283,8 @@ def write_shard(
         with contextlib.suppress(Exception):
             out.close()
         raise
-    digest = out.close()
-    return WrittenShard(path, pos, digest, frozenset(checked if verify else ()))
+    digest, framed = out.close()
+    return WrittenShard(path, pos, digest, frozenset(checked if verify else ()), framed)
 
 
 class StagedFiles:
