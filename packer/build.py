@@ -91,9 +91,15 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
     embedded = {"name": recipe.name, "version": recipe.version, "files": files_map(outputs),
                 "weights": weights.section, "bundle": bundle.section if bundle else None,
                 "runtime": recipe.normalised()["runtime"]}  # fmt: skip
-    if dry_run:
+    notes += [*weights.notes, *(bundle.notes if bundle else ())]
+    if dry_run:  # the image plan from the planned file names (sizes are not known yet)
+        planned = [*weights.section.get("files", []), *([weights.section["index"]] if weights.section.get("index")
+                   else []), *(["bundle.tar.zst"] if bundle else []), "packer_loader.py"]  # fmt: skip
+        image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
+                            source=snap.identity(), artifact_files=[FileEntry(p, 0, "") for p in planned],
+                            artifact_manifest=b"", dry_run=True)  # fmt: skip
         manifest = {"recipe": recipe.normalised(), "source": snap.identity(), "weights": weights.section,
-                    "bundle": bundle.section if bundle else None}  # fmt: skip
+                    "bundle": bundle.section if bundle else None, "image": image.section}  # fmt: skip
         return manifest, notes
     with timer.stage("loader") as t:
         loader = emit_loader(staging, embedded, rel_root=staging)
@@ -115,9 +121,7 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
         t.nbytes = image.bytes_processed
     manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
     atomic_write_bytes(staging / MANIFEST, canonical_json(manifest))
-    for stage in (weights, bundle, loader, image):
-        if stage is not None:
-            notes.extend(stage.notes)
+    notes += [*loader.notes, *image.notes]
     return manifest, notes
 
 

@@ -106,7 +106,11 @@ def test_quiet_prints_nothing(tmp_path: Path) -> None:
 def test_build_dry_run_prints_plan_and_writes_nothing(tmp_path: Path) -> None:
     proc = packer("build", "--dry-run", "-o", str(tmp_path / "o"))
     assert proc.returncode == 0, proc.stderr
-    assert "model.embed_tokens.weight" in proc.stdout and "tokenizer.json" in proc.stdout
+    plan = json.loads(proc.stdout)
+    assert "model.embed_tokens.weight" in plan["weights"]["tensors"]
+    assert "tokenizer.json" in [m["name"] for m in plan["bundle"]["members"]]
+    layers = [layer["name"] for layer in plan["image"]["plan"]["layers"]]
+    assert layers == ["weights model.safetensors", "bundle", "loader"]
     assert list(tmp_path.iterdir()) == []
 
 
