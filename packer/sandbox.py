@@ -107,6 +107,10 @@ def _child_main() -> int:
     except MemoryError:
         json.dump({"error": "out of memory (address-space limit reached)", "type": "CheckpointError"}, sys.stdout)
         return 1
+    except OSError as e:  # a full disk or the file-size limit: still one line
+        where = e.filename or request["out"]
+        json.dump({"error": f"{where}: {e.strerror or e}", "type": "WeightsError"}, sys.stdout)
+        return 1
     json.dump({"files": [asdict(f) for f in result.files], "section": result.section,
                "bytes": result.bytes_processed, "notes": list(result.notes),
                "digests": result.digests}, sys.stdout)  # fmt: skip
