@@ -278,12 +278,14 @@ def profile(ctx: Ctx, out: Path, device: str, verify_: bool) -> None:
     from packer.profile import profile as run_profile
 
     result = run_profile(out, device=device, verify=verify_)
+    ctx.log(f"{'stage':<16}{'seconds':>10}{'bytes':>14}{'GB/s':>8}")
     for s in result["stages"]:
-        ctx.log("  ".join(f"{k}={v}" for k, v in s.items()))
+        gbps = f"{s['gbps']:.2f}" if s.get("gbps") else ""
+        ctx.log(f"{s['stage']:<16}{s['seconds']:>10.3f}{s['bytes'] or '':>14}{gbps:>8}")
     if result.get("slow_imports"):
-        ctx.log("slowest imports:")
+        ctx.log(f"\n{'slowest imports (python -X importtime)':<44}{'self ms':>10}{'total ms':>10}")
         for imp in result["slow_imports"]:
-            ctx.log("  " + "  ".join(str(v) for v in imp.values()))
+            ctx.log(f"{imp['module']:<44}{imp['self_us'] / 1000:>10.1f}{imp['cumulative_us'] / 1000:>10.1f}")
     ctx.emit(result)
 
 

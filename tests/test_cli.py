@@ -119,3 +119,13 @@ def test_library_does_not_import_click() -> None:
             "assert 'click' not in sys.modules\nassert 'torch' not in sys.modules\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_profile_prints_the_loader_stage_table(tmp_path: Path) -> None:
+    assert packer("build", "-q", "-o", str(tmp_path / "o")).returncode == 0
+    proc = packer("profile", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr
+    for stage in ("import torch", "headers", "check", "total", "slowest imports"):
+        assert stage in proc.stdout
+    report = json.loads(packer("profile", str(tmp_path / "o"), "--json").stdout)
+    assert report["returncode"] == 0 and report["stages"][-1]["stage"] == "total"
