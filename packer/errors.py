@@ -51,5 +51,9 @@ class VerifyError(PackerError):
     """An artifact does not match its manifest; the message names the first mismatch."""
 
 
+class ArtifactMismatchError(VerifyError):
+    """The image's files differ from the artifact manifest it was given to compare with."""
+
+
 class LoaderError(PackerError):
     """The runtime loader found artifacts that do not match its embedded manifest."""

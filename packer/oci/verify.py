@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
-from packer.errors import VerifyError
+from packer.errors import ArtifactMismatchError, VerifyError
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
 from packer.oci.layout import (
@@ -305,5 +305,8 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> No
         manifest = _check_manifest(image, desc, found, artifact_manifest is not None)
         if artifact_manifest is not None:
             ann = manifest.get("annotations") or {}
-            _check_artifacts(found, artifact_manifest, ann, str(image))
+            try:
+                _check_artifacts(found, artifact_manifest, ann, str(image))
+            except VerifyError as e:  # the image is sound; what it was compared with differs
+                raise ArtifactMismatchError(str(e)) from e
 
