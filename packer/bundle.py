@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packer import tarfmt
 from packer.errors import BundleError, VerifyError
 from packer.fsutil import FileEntry, umask
 from packer.recipe import BundleConfig
@@ -31,7 +32,7 @@ ARCHIVE_NAME = "bundle.tar.zst"
 # Level 3 (zstd's default): ~400 MB/s per thread, ratio ~4-5x on tokenizer JSON; decoding speed
 # barely depends on the level, and higher levels cost build time for a few percent of size.
 ZSTD_LEVEL = 3
-FILE_MODE, DIR_MODE = 0o644, 0o755
+FILE_MODE, DIR_MODE = tarfmt.FILE_MODE, tarfmt.DIR_MODE
 _CHUNK = 1 << 20
 
 TEXT_SUFFIXES = frozenset({".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".bpe", ".yaml", ".yml"})
@@ -262,46 +263,16 @@ def _check_plan(plan: BundlePlan) -> None:
 # writing: ustar headers of our own (no PAX records are ever needed), one zstd frame
 
 
-def source_date_epoch() -> int:
-    """``SOURCE_DATE_EPOCH`` as an integer, or 0 when unset."""
-    value = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
-    if not value:
-        return 0
-    if not value.isdigit() or int(value) >= 8**11:
-        raise BundleError(f"SOURCE_DATE_EPOCH: expected a non-negative integer of seconds, got {value!r}")
-    return int(value)
-
-
-def _split_name(name: str) -> tuple[bytes, bytes]:
-    """(prefix, name) fields for a ustar header; names up to 255 UTF-8 bytes split at a '/'."""
-    raw = name.encode("utf-8")
-    if len(raw) <= 100:
-        return b"", raw
-    for i in (i for i, c in enumerate(raw) if c == 0x2F):
-        if i <= 155 and 0 < len(raw) - i - 1 <= 100:
-            return raw[:i], raw[i + 1 :]
-    raise BundleError(f"{name!r}: name too long for a ustar header (255 bytes, split at a '/'); exclude it")
-
-
 def ustar_header(name: str, *, size: int, mtime: int, is_dir: bool) -> bytes:
-    """One POSIX ustar header: uid/gid 0, empty owner names, mode 0644 or 0755."""
-    prefix, base = _split_name(name + "/" if is_dir else name)
-    h = bytearray(512)
-    h[0 : len(base)] = base
-    h[100:108] = b"%07o\0" % (DIR_MODE if is_dir else FILE_MODE)
-    h[108:116] = h[116:124] = h[329:337] = h[337:345] = b"0000000\0"
-    h[124:136] = b"%011o\0" % size
-    h[136:148] = b"%011o\0" % mtime
-    h[148:156] = b" " * 8
-    h[156:157] = b"5" if is_dir else b"0"
-    h[257:265] = b"ustar\x0000"
-    h[345 : 345 + len(prefix)] = prefix
-    h[148:156] = b"%06o\0 " % sum(h)
-    return bytes(h)
+    """One ustar header (no PAX records: the reader refuses renaming ones), uid/gid 0."""
+    try:
+        return tarfmt.header(name, size=size, mtime=mtime, is_dir=is_dir, pax=False)
+    except ValueError as e:
+        raise BundleError(f"{name!r}: name too long for a ustar header (255 bytes, split at a '/'); exclude it") from e
 
 
 def _padding(size: int) -> int:
-    return -size % 512
+    return len(tarfmt.padding(size))
 
 
 def _tar_size(plan: BundlePlan) -> int:
@@ -324,7 +295,7 @@ def _copy_member(member: BundleMember, out: Any) -> MemberDigest:
 def _write_stream(plan: BundlePlan, fh: Any, level: int, threads: int) -> tuple[MemberDigest, ...]:
     import zstandard
 
-    mtime = source_date_epoch()
+    mtime = tarfmt.source_date_epoch(BundleError)
     entries = sorted([(d + "/", None) for d in plan.dirs] + [(m.name, m) for m in plan.members], key=lambda e: e[0])
     digests = []
     cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True, write_content_size=True)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from packer import tarfmt
 from packer.errors import ImageError
 from packer.fsutil import FileEntry, file_entry
 from packer.oci.base import BaseImage, link_blobs, resolve_base
@@ -30,17 +30,8 @@ Progress = Callable[[str, int], None]  # (layer name, bytes written so far in th
 
 
 def source_date_epoch() -> int:
-    """``SOURCE_DATE_EPOCH`` as an int (0 when unset).
-
-    Raises:
-        ImageError: the variable is set but not a non-negative integer.
-    """
-    raw = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ImageError(f"SOURCE_DATE_EPOCH: expected a non-negative integer, got {raw!r}")
-    return int(raw)
+    """``SOURCE_DATE_EPOCH`` as an int (0 when unset); ImageError when malformed."""
+    return tarfmt.source_date_epoch(ImageError)
 
 
 def plan_image(

@@ -8,17 +8,13 @@ writer copies straight from disk (so file contents are never read whole into mem
 
 from __future__ import annotations
 
-import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from packer.errors import ImageError
+from packer.tarfmt import BLOCK, DIR_MODE, EXEC_MODE, FILE_MODE, header, padding
 
-BLOCK = 512
-FILE_MODE = 0o644
-EXEC_MODE = 0o755
-DIR_MODE = 0o755
 # PAX records packer may emit: long paths and sizes over 8 GiB. Anything else (mtime,
 # atime, ctime, xattrs, uname) would mean a non-reproducible field slipped in.
 ALLOWED_PAX = frozenset({"path", "size"})
@@ -113,19 +109,8 @@ def encode_header(member: TarMember, *, mtime: int) -> bytes:
     """
     if not isinstance(mtime, int) or mtime < 0:
         raise ImageError(f"tar mtime: expected a non-negative integer, got {mtime!r}")
-    info = tarfile.TarInfo(member.name)
-    info.type = tarfile.DIRTYPE if member.is_dir else tarfile.REGTYPE
-    info.size = 0 if member.is_dir else member.size
-    info.mode = member.mode
-    info.uid, info.gid = member.owner.uid, member.owner.gid
-    info.uname = info.gname = ""
-    info.mtime = mtime
-    return info.tobuf(tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
-
-
-def padding(size: int) -> bytes:
-    """Zero bytes that round ``size`` up to a whole tar block."""
-    return b"\0" * (-size % BLOCK)
+    return header(member.name, size=member.size, mtime=mtime, is_dir=member.is_dir, mode=member.mode,
+                  uid=member.owner.uid, gid=member.owner.gid)
 
 
 def tar_pieces(members: Sequence[TarMember], *, mtime: int) -> Iterator[bytes | FileRange]:

@@ -30,7 +30,8 @@ from packer.oci.layout import (
     PACKER_PREFIX,
 )
 from packer.oci.tar_reader import TarReader
-from packer.oci.tar_writer import ALLOWED_PAX, DIR_MODE, EXEC_MODE, FILE_MODE, Owner
+from packer.oci.tar_writer import ALLOWED_PAX, Owner
+from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
 
 CHUNK = 16 * 2**20
 Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
