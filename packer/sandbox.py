@@ -154,9 +154,9 @@ def _run_child(request: str, out: Path, progress: Callable[[int], None] | None) 
 def _layer_mtime(image: ImageConfig | None) -> int | None:
     if image is None:
         return None
-    from packer.oci.stage import source_date_epoch  # the image stage's own reading of it
+    from packer.tarfmt import source_date_epoch  # the image stage reads it the same way
 
-    return source_date_epoch()
+    return source_date_epoch(errors.ImageError)
 
 
 def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,

@@ -24,6 +24,7 @@ from packer.errors import ImageError
 from packer.fsutil import FileEntry
 from packer.oci.tar_writer import FileRange, Owner, SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
+from packer.tarfmt import source_date_epoch
 
 LOADER = "packer_loader.py"
 MANIFEST = "manifest.json"
@@ -116,9 +117,7 @@ def weight_layer_framing(
         ImageError: a bad owner, path or ``SOURCE_DATE_EPOCH``.
     """
     if mtime is None:
-        from packer.oci.stage import source_date_epoch  # lazy: the stage imports this module
-
-        mtime = source_date_epoch()
+        mtime = source_date_epoch(ImageError)
     prefix = _prefix(cfg)
     src = SourceFile(_dest(prefix, rel_path), size, source=Path(rel_path))  # never read here
     members = tar_members([src], owner=Owner.parse(cfg.owner), prefix=prefix)
