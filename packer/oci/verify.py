@@ -271,7 +271,7 @@ def _check_artifacts(
             raise _fail(where, f"{path}: artifact file missing from the image")
 
 
-def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> None:
+def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> set[str]:
     """Check ``OUT/image`` completely; raise on the first problem.
 
     Args:
@@ -279,10 +279,14 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> No
         artifact_manifest: when given, the image's files must equal the artifact files
             listed in its ``files`` map and its ``manifest.json`` must equal these bytes.
 
+    Returns:
+        The digests of the blobs whose content was checked (so callers need not hash them again).
+
     Raises:
         VerifyError: naming the blob or entry and what is wrong.
     """
     image = Path(out_dir) / "image"
+    checked: set[str] = set()
     try:
         marker = (image / "oci-layout").read_bytes()
     except OSError as e:
@@ -310,4 +314,6 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> No
                 _check_artifacts(found, artifact_manifest, ann, str(image))
             except VerifyError as e:  # the image is sound; what it was compared with differs
                 raise ArtifactMismatchError(str(e)) from e
+        checked |= {desc["digest"], manifest["config"]["digest"], *(lay["digest"] for lay in manifest["layers"])}
+    return checked
 
