@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from load_cpu import manifest, module_like  # the same helpers as the CPU benchmark
 
 WORK = Path(os.environ.get("PACKER_BENCH_WORK", Path(__file__).resolve().parent / "_work" / "gpu_load"))
 GIB = 2**30
@@ -53,21 +52,6 @@ def generate(size_gb: float) -> tuple[Path, Path]:
     save_file(sd, str(st))
     torch.save(sd, str(pt))
     return st, pt
-
-
-def manifest(st: Path) -> dict[str, Any]:
-    from packer.fsutil import sha256_file
-
-    with open(st, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    rel = "weights/model.safetensors"
-    size, digest = sha256_file(st)
-    return {"name": "bench", "version": "1", "files": {rel: {"size": size, "sha256": digest}},
-            "weights": {"files": [rel], "index": None, "total_size": size, "aliases": {"tied": "odd"},
-                        "tensors": {k: {"file": rel, **v} for k, v in header.items()}},
-            "bundle": None, "runtime": {"device": "cuda", "warmup": []}}  # fmt: skip
 
 
 def warm(path: Path) -> None:
@@ -129,15 +113,7 @@ def checks(ld: Any, ref: dict[str, torch.Tensor]) -> list[str]:
     if not all(torch.equal(sd[k], v.to(torch.float16)) for k, v in ref.items()) or sd["tied"] is not sd["odd"]:
         problems.append("dtype override / alias differs")
     del sd
-    mod = torch.nn.Module()
-    for k, v in ref.items():  # a module whose state dict keys are the tensor names
-        *path, leaf = k.split(".")
-        parent = mod
-        for p in path:
-            if not hasattr(parent, p):
-                parent.add_module(p, torch.nn.Module())
-            parent = getattr(parent, p)
-        parent.register_buffer(leaf, torch.empty_like(v))
+    mod = module_like(ld.manifest).cuda()  # a module whose state dict keys are the tensor names
     missing, unexpected = ld.load_into(mod, strict=False)
     got = mod.state_dict()
     if missing or unexpected != ["tied"] or not all(torch.equal(got[k], v) for k, v in ref.items()):
@@ -174,7 +150,7 @@ def main() -> int:
     torch.cuda.init()
     st, pt = generate(args.size_gb)
     size = st.stat().st_size
-    m = manifest(st)
+    m = manifest(st, aliases={"tied": "odd"}, device="cuda")
     for p in (st, pt):
         warm(p)
     probe = pinned_probe()

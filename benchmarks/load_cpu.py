@@ -60,7 +60,8 @@ def generate(size_gb: float) -> tuple[Path, Path]:
     return st, pt
 
 
-def manifest(st: Path) -> dict[str, Any]:
+def manifest(st: Path, *, aliases: dict[str, str] | None = None, device: str = "cpu") -> dict[str, Any]:
+    """The embedded manifest a build would give the loader for the single file ``st``."""
     with open(st, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
@@ -69,9 +70,9 @@ def manifest(st: Path) -> dict[str, Any]:
     size, digest = sha256_file(st)
     return {"name": "bench", "version": "1",
             "files": {rel: {"size": size, "sha256": digest}},
-            "weights": {"files": [rel], "index": None, "total_size": size, "aliases": {},
+            "weights": {"files": [rel], "index": None, "total_size": size, "aliases": aliases or {},
                         "tensors": {k: {"file": rel, **v} for k, v in header.items()}},
-            "bundle": None, "runtime": {"device": "cpu", "warmup": []}}  # fmt: skip
+            "bundle": None, "runtime": {"device": device, "warmup": []}}  # fmt: skip
 
 
 def module_like(m: dict[str, Any]) -> torch.nn.Module:
