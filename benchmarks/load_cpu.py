@@ -5,7 +5,8 @@ torch pickle), then measures, interleaved, min/median/max of:
 
 * time to a usable state dict: ``Loader.load_weights("cpu")`` (mapped views),
   ``safetensors.torch.load_file``, ``torch.load(weights_only=True, mmap=False)``;
-* a forced private copy: ``load_weights("cpu", copy=True)`` (fresh memory) and
+* a forced private copy: ``load_weights("cpu", copy=True)`` (fresh memory, 4 KiB pages and
+  again on huge pages with ``PACKER_HUGEPAGES=1``) and
   ``load_into(module)`` (existing tensors) against one ``readinto`` of the whole file into a
   preallocated buffer (throughput ratio, target >= 0.9);
 * the loader's import cost beyond ``import torch`` (``python -X importtime``).
@@ -151,19 +152,22 @@ def main() -> int:
     for p in (st, pt):
         readinto_whole(p, bytearray(p.stat().st_size))  # warm the page cache
     module = module_like(m)
-    keys = ("packer", "safetensors", "torch.load", "copy", "into", "readinto")
+    keys = ("packer", "safetensors", "torch.load", "copy", "copy-thp", "into", "readinto")
     runs: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(args.reps):  # interleaved: every candidate once per round
         runs["packer"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu")))
         runs["safetensors"].append(timed(lambda: load_file(str(st))))
         runs["torch.load"].append(timed(lambda: torch.load(str(pt), weights_only=True, mmap=False)))
         runs["copy"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu", copy=True)))
+        os.environ["PACKER_HUGEPAGES"] = "1"
+        runs["copy-thp"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu", copy=True)))
+        del os.environ["PACKER_HUGEPAGES"]
         runs["into"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_into(module)))
         runs["readinto"].append(timed(lambda: readinto_whole(st, buf)))
     imports = import_cost(args.reps, compile_=False)
     compiled = import_cost(args.reps, compile_=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    gbps = {k: size / 1e9 / med[k] for k in ("copy", "into", "readinto")}
+    gbps = {k: size / 1e9 / med[k] for k in ("copy", "copy-thp", "into", "readinto")}
     print(f"model: {size / 1e9:.2f} GB, {len(m['weights']['tensors'])} tensors, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {args.reps} interleaved rounds\n")
     print("| measure | min | median | max | unit | note |\n|---|---|---|---|---|---|")
@@ -173,10 +177,12 @@ def main() -> int:
     print(row("torch.load(weights_only=True) of a pickle", runs["torch.load"],
               extra=f"packer is {med['torch.load'] / med['packer']:.0f}x faster (median)"))
     print(row("packer load_weights(cpu, copy=True): private copy", runs["copy"], extra=f"{gbps['copy']:.2f} GB/s"))
+    print(row("the same on huge pages (PACKER_HUGEPAGES=1)", runs["copy-thp"], extra=f"{gbps['copy-thp']:.2f} GB/s"))
     print(row("packer load_into(module on cpu): into existing tensors", runs["into"],
               extra=f"{gbps['into']:.2f} GB/s"))
     print(row("one readinto of the whole file (preallocated)", runs["readinto"],
-              extra=f"{gbps['readinto']:.2f} GB/s; copy/readinto = {gbps['copy'] / gbps['readinto']:.2f}x, "
+              extra=f"{gbps['readinto']:.2f} GB/s; copy/readinto = {gbps['copy'] / gbps['readinto']:.2f}x "
+                    f"({gbps['copy-thp'] / gbps['readinto']:.2f}x huge pages), "
                     f"load_into/readinto = {gbps['into'] / gbps['readinto']:.2f}x"))
     print(row("import packer.runtime.loader beyond torch (cached .pyc)", imports, unit="ms",
               extra="-X importtime cumulative"))

@@ -88,7 +88,10 @@ def test_aliases_are_the_same_tensor(two_shards: tuple[Path, dict[str, Any]]) ->
         assert sd["lm_head.weight"] is sd["embed.weight"], kw
 
 
-def test_copy_mode_is_private_memory(two_shards: tuple[Path, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("hugepages", ["0", "1"])
+def test_copy_mode_is_private_memory(two_shards: tuple[Path, dict[str, Any]], hugepages: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("PACKER_HUGEPAGES", hugepages)
     root, m = two_shards
     sd = loader(root, m).load_weights("cpu", copy=True)
     want = {k: v.clone() for k, v in reference(root, m).items()}

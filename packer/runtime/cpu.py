@@ -16,22 +16,23 @@ from pathlib import Path
 from typing import Any
 
 from packer.runtime.engines import _host_view
-from packer.runtime.env import MIB
+from packer.runtime.env import MIB, _env_int
 from packer.runtime.ring import Latch, Readers
 from packer.runtime.shards import Shard
 from packer.runtime.timeline import Timeline
 
 
 def _anonymous(torch: Any, nbytes: int) -> Any:
-    """A private CPU buffer on transparent huge pages where the kernel allows them.
+    """A private CPU buffer; on transparent huge pages only when ``PACKER_HUGEPAGES=1``.
 
-    Faulting fresh memory in 4 KiB pages costs more than the copy into it; 2 MiB pages make
-    a private copy run at the speed of one read. The tensor keeps the mapping alive.
+    Huge pages fault fresh memory in far faster on an idle host, but on a virtual machine
+    whose balloon hands free pages back to the host they fault in several times slower than
+    4 KiB pages (benchmarks/fresh_memory.py). The tensor keeps the mapping alive.
     """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if _env_int("PACKER_HUGEPAGES", 0) and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             mm.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mm, dtype=torch.uint8)
