@@ -147,7 +147,6 @@ class Loader:
                 torch.empty(0, device=dev)
         return dev
 
-
     def _ringed(self, torch: Any, dev: Any, shards: list[Shard],
                 verify: bool) -> list[tuple[Any, int]]:  # fmt: skip
         engine = make_engine(dev)
@@ -162,7 +161,6 @@ class Loader:
             for i, s in enumerate(shards):
                 _check_sha(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
         return [(b, 0) for b in bufs]
-
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: Any,
                   hashers: dict[int, Any] | None, start: float) -> None:  # fmt: skip
@@ -214,7 +212,6 @@ class Loader:
         if self.auto_flush:
             self.timeline.flush()
         return missing, unexpected
-
 
     def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],
                    targets: dict[str, list[Any]]) -> None:  # fmt: skip
