@@ -193,12 +193,15 @@ def inspect(ctx: Ctx, file: Path) -> None:
 
     report: dict[str, Any] = inspect_checkpoint(file)
     if not ctx.json:
-        ctx.log(f"{file}: {report['format']}, {len(report['tensors'])} tensors")
+        n = len(report["tensors"])
+        ctx.log(f"{file}: {report['format']}, {n} tensor{'' if n == 1 else 's'}")
         for t in report["tensors"]:
             alias = f"  alias group {t['alias_group']}" if t.get("alias_group") is not None else ""
             ctx.log(f"  {t['name']}  {t['dtype']}  {list(t['shape'])}  {t['nbytes']} B{alias}")
         for name in report.get("skipped", []):
             ctx.log(f"  (not a tensor) {name}")
+        for key, value in sorted(report.get("metadata", {}).items()):
+            ctx.log(f"  metadata {key} = {value}")
     ctx.emit(report)
 
 

@@ -129,3 +129,17 @@ def test_profile_prints_the_loader_stage_table(tmp_path: Path) -> None:
         assert stage in proc.stdout
     report = json.loads(packer("profile", str(tmp_path / "o"), "--json").stdout)
     assert report["returncode"] == 0 and report["stages"][-1]["stage"] == "total"
+
+
+def test_inspect_shows_the_alias_map_a_conversion_recorded(tmp_path: Path) -> None:
+    import torch
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    torch.save({"embed.weight": w, "lm_head.weight": w}, tmp_path / "tied.pt")
+    assert packer("convert", str(tmp_path / "tied.pt"), "-o", str(tmp_path / "out"), "-q").returncode == 0
+    proc = packer("inspect", str(tmp_path / "out" / "model.safetensors"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith(": safetensors, 1 tensor")
+    assert "  embed.weight  F32  [3, 4]  48 B" in lines
+    assert '  metadata packer.aliases = {"lm_head.weight":"embed.weight"}' in lines
