@@ -327,12 +327,17 @@ def test_load_into_copies_into_the_parameters(tmp_path: Path, pipeline: bool, dt
     assert torch.equal(got["head.weight"], sd["embed.weight"].to(dtype))
 
 
-def test_load_into_refuses_shape_mismatch_and_meta(tmp_path: Path) -> None:
-    m, _ = tiny_artifacts(tmp_path)
+def test_load_into_refuses_meta_until_allocated_and_shape_mismatch(tmp_path: Path) -> None:
+    m, sd = tiny_artifacts(tmp_path)
     with torch.device("meta"):
         meta = Tiny()
     with pytest.raises(RuntimeError, match=r"on meta; allocate them"):
         loader(tmp_path, m).load_into(meta, strict=False)
+    meta = meta.to_empty(device="cpu")  # the README's recipe: uninitialised, then filled
+    loader(tmp_path, m).load_into(meta, strict=False)
+    got = meta.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in sd.items() if k in got)
+    assert torch.equal(meta.head.weight, sd["embed.weight"])  # to_empty unties; both are filled
     model = Tiny()
     model.proj = torch.nn.Linear(8, 4)
     want = r"size mismatch for proj.weight: the weights have shape \[8, 8\], the module \[4, 8\]"
