@@ -90,6 +90,7 @@ def test_nested_key_and_error_listing_keys(tmp_path: Path) -> None:
     result = convert(src, tmp_path / "out", WeightsConfig(key="model.ema"))
     check(tmp_path / "out", oracle(src, "model.ema"), result.section)
     assert result.section["skipped"] == []
+    assert "last.ckpt: not converted (beside the selected key): epoch, state_dict, optimizer, hparams" in result.notes
 
 
 def test_directory_prefers_safetensors_and_rel_root(tmp_path: Path) -> None:

@@ -174,8 +174,9 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
         verify_crc: for torch zips, also check every storage's CRC-32 (reads all bytes).
 
     Returns:
-        The records (name, dtype code, shape, stride, storage byte range, offset) and the
-        names of skipped non-tensor entries.
+        The records (name, dtype code, shape, stride, storage byte range, offset), the
+        names of skipped non-tensor entries and, with ``key``, of the top-level entries
+        beside it (optimizer state, counters...), which are not converted.
 
     Raises:
         UnsafeInputError: the file asks for code to run (a global outside the allowlist...).
@@ -188,7 +189,10 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
             raise CheckpointError(f"{path}: key {key}: safetensors files have no nested dicts")
         return loaded
     tensors, skipped = select(path, loaded, key)
-    return CheckpointContents(path, fmt, tensors, skipped)
+    left_out = () if key is None else tuple(
+        n for n, _ in children(loaded) or [] if n != key and not key.startswith(f"{n}.")
+    )
+    return CheckpointContents(path, fmt, tensors, skipped, left_out=left_out)
 
 
 def walk(root: object) -> tuple[list[tuple[str, TensorRef]], list[str], list[tuple[str, int]]]:

@@ -40,10 +40,16 @@ def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str
     notes = check_index(inputs, {c.path: [r.name for r in c.tensors] for c in contents})
     for c in contents:
         if c.skipped:
-            shown = ", ".join(c.skipped[:10]) + (", ..." if len(c.skipped) > 10 else "")
             notes.append(f"{inputs.rel(c.path)}: skipped {len(c.skipped)} non-tensor "
-                         f"entries: {shown}")
+                         f"entries: {_shown(c.skipped)}")
+        if c.left_out:
+            notes.append(f"{inputs.rel(c.path)}: not converted (beside the selected key): "
+                         f"{_shown(c.left_out)}")
     return notes
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
 
 
 def _section(plan: WeightsPlan, prefix: str, inputs: InputSet,
