@@ -6,7 +6,9 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,17 +34,64 @@ def canonical_json(data: Any) -> bytes:
     return (json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
-def sha256_file(path: str | Path) -> tuple[int, str]:
-    """Return ``(size, sha256 hex)`` of a file, read in large chunks."""
+def sha256_file(path: str | Path, stop: threading.Event | None = None) -> tuple[int, str]:
+    """Return ``(size, sha256 hex)`` of a file, read in large chunks.
+
+    Raises:
+        OSError: unreadable; InterruptedError: ``stop`` was set before the end.
+    """
     h = hashlib.sha256()
     size = 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
+            if stop is not None and stop.is_set():
+                raise InterruptedError(f"{path}: hashing stopped")
             h.update(view[:n])
             size += n
     return size, h.hexdigest()
+
+
+class HashThread(threading.Thread):
+    """sha256 of a byte stream on a thread of its own (hashlib releases the GIL).
+
+    ``update`` queues a buffer (at most ``depth`` wait, which bounds memory); the caller must
+    not change a buffer after handing it over. ``hexdigest`` waits for the queue to drain.
+    """
+
+    def __init__(self, initial: bytes = b"", depth: int = 4) -> None:
+        super().__init__(daemon=True, name="packer-hash")
+        self.sha = hashlib.sha256(initial)
+        self.error: BaseException | None = None
+        self._jobs: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._closed = False
+        self.start()
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._jobs.put(data)
+
+    def run(self) -> None:
+        # Always drain the queue: a hasher that stopped would block its feeder forever.
+        while (data := self._jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    self.sha.update(data)
+                except Exception as e:  # noqa: BLE001 - raised by hexdigest in the caller's thread
+                    self.error = e
+
+    def close(self) -> None:
+        """Stop taking data and wait for what is queued (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+            self.join()
+
+    def hexdigest(self) -> str:
+        self.close()
+        if self.error is not None:
+            raise self.error
+        return self.sha.hexdigest()
 
 
 def file_entry(root: Path, path: Path) -> FileEntry:

@@ -9,8 +9,12 @@ written by the image stage. Timings never enter it: they go to ``build-timings.j
 from __future__ import annotations
 
 import json
+import os
 import platform
+import stat
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -85,9 +89,45 @@ def load_manifest(out: Path) -> dict[str, Any]:
     return data
 
 
-def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str]) -> int:
+Inode = tuple[int, int]
+
+
+def _digest_or_none(path: Path, stop: threading.Event) -> str | None:
+    try:
+        return sha256_file(path, stop)[1]
+    except OSError:  # missing, unreadable or stopped: _check_files names the problem in order
+        return None
+
+
+def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
+                stop: threading.Event) -> dict[Inode, Future[str | None]]:  # fmt: skip
+    """Start hashing, largest first, the listed files the image walk does not check itself.
+
+    The image walk hashes every blob (and the files inside packer's layers); the files
+    outside the image (and nothing twice: layer tarballs are hardlinks of blobs) can be
+    hashed at the same time on the other cores.
+    """
+    found: dict[str, os.stat_result] = {}
+    for rel in listed:
+        try:
+            st = (out / rel).lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found[rel] = st
+    blobs = {(st.st_dev, st.st_ino) for rel, st in found.items() if rel.startswith("image/blobs/sha256/")}
+    ahead: dict[Inode, Future[str | None]] = {}
+    for rel, st in sorted(found.items(), key=lambda kv: (-kv[1].st_size, kv[0])):
+        inode = (st.st_dev, st.st_ino)
+        if inode not in blobs and inode not in ahead:
+            ahead[inode] = pool.submit(_digest_or_none, out / rel, stop)
+    return ahead
+
+
+def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
+                 ahead: dict[Inode, Future[str | None]]) -> int:  # fmt: skip
     total = 0
-    hashed: dict[tuple[int, int], str] = {}  # layer tarballs are hardlinks of blobs: hash once
+    hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
     for rel, want in sorted(listed.items()):
         path = out / rel
         if not path.is_file() or path.is_symlink():
@@ -99,8 +139,10 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str]) -> 
         inode = (st.st_dev, st.st_ino)
         if rel.startswith("image/blobs/sha256/") and "sha256:" + want["sha256"] in checked_blobs:
             hashed[inode] = want["sha256"]  # the image walk hashed this blob against its name
-        digest = hashed[inode] if inode in hashed else sha256_file(path)[1]
-        hashed[inode] = digest
+        if inode not in hashed:
+            early = ahead[inode].result() if inode in ahead else None
+            hashed[inode] = early if early is not None else sha256_file(path)[1]
+        digest = hashed[inode]
         if digest != want["sha256"]:
             raise VerifyError(f"{path}: sha256 {digest[:16]}… differs from the manifest's {want['sha256'][:16]}…")
         total += size
@@ -153,14 +195,21 @@ def verify(out: Path) -> dict[str, Any]:
     listed = {**manifest["files"], **manifest.get("image_files", {})}
     _check_no_extras(out, set(listed))
     checked: set[str] = set()
-    if manifest.get("image"):
-        from packer.oci.verify import verify_image
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="packer-verify-files")
+    try:
+        ahead = _hash_ahead(out, listed, pool, stop)  # while the image is walked
+        if manifest.get("image"):
+            from packer.oci.verify import verify_image
 
-        try:
-            checked = verify_image(out, artifact_manifest=split_artifact(manifest))
-        except ArtifactMismatchError as e:
-            raise VerifyError(f"{out / MANIFEST}: differs from the copy built into the image ({e})") from e
-    nbytes = _check_files(out, listed, checked)
+            try:
+                checked = verify_image(out, artifact_manifest=split_artifact(manifest))
+            except ArtifactMismatchError as e:
+                raise VerifyError(f"{out / MANIFEST}: differs from the copy built into the image ({e})") from e
+        nbytes = _check_files(out, listed, checked, ahead)
+    finally:
+        stop.set()  # a failure above need not wait for every file to be hashed
+        pool.shutdown(wait=True, cancel_futures=True)
     if manifest.get("weights"):
         from packer.weights.verify import verify_weights
 

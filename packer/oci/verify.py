@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
 from packer.errors import ArtifactMismatchError, VerifyError
+from packer.fsutil import HashThread
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
 from packer.oci.layout import (
@@ -38,10 +39,13 @@ Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
 
 
 class _HashingReader:
-    """A read-only stream that hashes and counts everything read through it."""
+    """A read-only stream that hashes (on another thread) and counts everything read through it.
+
+    The blob's digest runs beside the tar walk, which hashes the files inside the layer.
+    """
 
     def __init__(self, raw: IO[bytes]) -> None:
-        self.raw, self.hash, self.size = raw, hashlib.sha256(), 0
+        self.raw, self.hash, self.size = raw, HashThread(), 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n)

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import mmap
 import os
-import queue
 import tempfile
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +24,7 @@ from typing import Any
 
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
 from packer.errors import WeightsError
-from packer.fsutil import umask
+from packer.fsutil import HashThread, umask
 from packer.weights.plan import PlannedTensor, ShardPlan
 
 CHUNK = 8 * 2**20  # small enough that read-back and hashing find the bytes still in cache
@@ -126,25 +123,6 @@ def _out_bytes(t: PlannedTensor, part: Any) -> bytes | memoryview:
     return out.view(torch.uint8).numpy().tobytes()
 
 
-class _Hasher(threading.Thread):
-    """sha256 of the output in file order, on its own core (hashlib releases the GIL)."""
-
-    def __init__(self, initial: bytes = b"") -> None:
-        super().__init__(daemon=True)
-        self.jobs: queue.Queue[Any] = queue.Queue(maxsize=4)  # bounds memory to a few chunks
-        self.sha = hashlib.sha256(initial)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        # Always drain the queue: a hasher that stopped would block the writer forever.
-        while (data := self.jobs.get()) is not None:
-            if self.error is None:
-                try:
-                    self.sha.update(data)
-                except Exception as e:  # noqa: BLE001 - re-raised by the writer thread
-                    self.error = e
-
-
 class _Output:
     """The shard being written: bytes land at a position, are read back if verifying, hashed."""
 
@@ -154,13 +132,11 @@ class _Output:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
         self.ro = os.open(path, os.O_RDONLY) if verify else -1
         self.buf = bytearray(CHUNK if verify else 0)
-        self.hashers = [_Hasher()]
+        self.hashers = [HashThread()]
         # the framed hash (e.g. the file's image layer) runs on its own thread too
         self.suffix = framing[1] if framing else b""
         if framing is not None:
-            self.hashers.append(_Hasher(framing[0]))
-        for h in self.hashers:
-            h.start()
+            self.hashers.append(HashThread(framing[0]))
 
     def landed(self, pos: int, expected: Any, name: str) -> None:
         """``expected`` now lies at ``pos``: compare it with the file (verify), then hash it."""
@@ -174,24 +150,22 @@ class _Output:
                     raise WeightsError(f"{self.label}: tensor {name!r}: bytes read back at "
                                        f"offset {pos + i} differ from what was written")
         for h in self.hashers:
-            h.jobs.put(expected)
+            h.update(expected)
 
     def close(self) -> tuple[str, str | None]:
         """Stop hashing, close the file; return the sha256 and the framed sha256 (hex)."""
         for h in self.hashers:
-            h.jobs.put(None)
-        for h in self.hashers:
-            h.join()
+            h.close()
         os.close(self.fd)
         if self.ro >= 0:
             os.close(self.ro)
-        for h in self.hashers:
-            if h.error is not None:
-                raise WeightsError(f"{self.label}: hashing failed: {h.error}")
-        if len(self.hashers) == 1:
-            return self.hashers[0].sha.hexdigest(), None
-        self.hashers[1].sha.update(self.suffix)
-        return self.hashers[0].sha.hexdigest(), self.hashers[1].sha.hexdigest()
+        try:
+            if len(self.hashers) == 1:
+                return self.hashers[0].hexdigest(), None
+            self.hashers[1].sha.update(self.suffix)
+            return self.hashers[0].hexdigest(), self.hashers[1].hexdigest()
+        except Exception as e:
+            raise WeightsError(f"{self.label}: hashing failed: {e}") from e
 
 
 def _kernel_copy(src_fd: int, dst_fd: int, src_pos: int, dst_pos: int, n: int) -> int:
