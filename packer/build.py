@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
-from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, file_entry
+from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file
 from packer.manifest import MANIFEST, TIMINGS, artifact_manifest, files_map, verify
 from packer.publish import make_staging, publish
 from packer.recipe import Recipe
@@ -47,7 +49,37 @@ def _check_out(out: Path) -> None:
         raise PackerError(f"{out}: exists and is not a packer build output; remove it or choose another -o")
 
 
-def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | None) -> list[FileEntry]:
+Early = dict[Path, "Future[tuple[int, str] | None]"]
+
+
+def _hash_inputs_early(snap: Snapshot, recipe: Recipe, pool: ThreadPoolExecutor,
+                       stop: threading.Event) -> Early:  # fmt: skip
+    """Start hashing the checkpoint files the weights stage will read, while it converts them.
+
+    The manifest records every input's sha256; hashing the checkpoints after conversion
+    would be a second full pass on one core. The list comes from the same search the weights
+    stage makes (names and the index only; no checkpoint is opened here); anything it gets
+    wrong is simply hashed again later.
+    """
+    from packer.weights.inputs import find_inputs
+
+    try:
+        found = find_inputs(snap.weights, recipe.weights.files, pickles_first=recipe.weights.key is not None)
+        files = sorted([*found.files, *([found.index] if found.index else [])], key=lambda f: -f.stat().st_size)
+    except (PackerError, OSError):
+        return {}  # the weights stage reports it
+
+    def digest(path: Path) -> tuple[int, str] | None:
+        try:
+            return sha256_file(path, stop)
+        except OSError:
+            return None
+
+    return {f.absolute(): pool.submit(digest, f) for f in files}
+
+
+def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | None,
+                   early: Early) -> list[FileEntry]:  # fmt: skip
     """sha256 of every source file a stage used, relative to the source root."""
     rels = {i["path"] for i in weights.section.get("inputs", [])}
     if bundle is not None:
@@ -55,14 +87,29 @@ def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | N
     base = snap.weights.parent if snap.single_file else snap.root
     entries = []
     for rel in sorted(rels):
-        e = file_entry(base, (base / rel))
-        entries.append(FileEntry(rel, e.size, e.sha256))
+        path = (base / rel).absolute()
+        got = early[path].result() if path in early else None
+        size, digest = got if got is not None else sha256_file(path)
+        entries.append(FileEntry(rel, size, digest))
     return entries
 
 
 def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer,
                 dry_run: bool, sandbox: bool, progress: Callable[[int], None] | None,
                 layer_digests: bool | None) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="packer-inputs")
+    try:
+        early = {} if dry_run else _hash_inputs_early(snap, recipe, pool, stop)
+        return _stages(recipe, snap, staging, timer, dry_run, sandbox, progress, layer_digests, early)
+    finally:
+        stop.set()  # a failed stage need not wait for the inputs to be hashed
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer, dry_run: bool, sandbox: bool,
+            progress: Callable[[int], None] | None, layer_digests: bool | None,
+            early: Early) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
     from packer.bundle import run_bundle
     from packer.oci import build_image
     from packer.sandbox import convert_cli
@@ -71,7 +118,8 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
     notes: list[str] = []
     # With a third core, each weight file's own layer digest is computed while the file is
     # written (an extra hashing thread), and the image stage only copies it. On two cores both
-    # are already busy during conversion, and moving the hash there measured 5 % slower overall.
+    # are already busy during conversion (and the inputs' hashing), and moving the hash there
+    # measured 2.6 % slower for the whole build (benchmarks/RESULTS.md).
     img = recipe.image
     if layer_digests is None:
         layer_digests = (os.cpu_count() or 1) >= 3
@@ -104,7 +152,7 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
     with timer.stage("loader") as t:
         loader = emit_loader(staging, embedded, rel_root=staging)
     with timer.stage("inputs") as t:
-        inputs = _input_entries(snap, weights, bundle)
+        inputs = _input_entries(snap, weights, bundle, early)
         t.nbytes = sum(e.size for e in inputs)
     files = [*outputs, *loader.files]
     sections = {"weights": weights.section, "bundle": bundle.section if bundle else None,

@@ -235,12 +235,32 @@ def test_hf_source_builds_offline_from_the_cache(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes())
     assert manifest["source"] | {"files": None} == {"kind": "hf", "uri": "hf://acme/demo@main",
                                                     "revision": "c0ffee" * 6 + "abcd", "files": None}  # fmt: skip
-    assert manifest["source"]["files"]["tokenizer.json"]["sha256"] == hashlib.sha256(
-        (src / "tokenizer.json").read_bytes()).hexdigest()  # fmt: skip
+    for name in ("tokenizer.json", "pytorch_model.bin"):  # a bundle member; the weights, hashed early
+        assert manifest["source"]["files"][name]["sha256"] == hashlib.sha256((src / name).read_bytes()).hexdigest()
     local = recipe_from_dict({"name": "m", "version": "1", "source": str(src)})
     build(local, tmp_path / "local")
     assert tree(tmp_path / "out")["weights/model.safetensors"] == tree(tmp_path / "local")["weights/model.safetensors"]
     verify(tmp_path / "out")
+
+
+def test_manifest_pins_every_input_shard(tmp_path: Path) -> None:
+    from packer.demo import write_demo
+    from packer.recipe import WeightsConfig
+    from packer.weights.convert import convert
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    write_demo(demo)
+    src = tmp_path / "src"
+    convert(demo / "pytorch_model.bin", src, WeightsConfig(max_shard_size=8_000_000))
+    (src / "config.json").write_bytes((demo / "config.json").read_bytes())
+    build(recipe_from_dict({"name": "m", "version": "1", "source": str(src)}), tmp_path / "out")
+    pinned = json.loads((tmp_path / "out" / "manifest.json").read_bytes())["source"]["files"]
+    shards = sorted(p.name for p in src.glob("model-*.safetensors"))
+    assert len(shards) > 2 and set(pinned) == {*shards, "model.safetensors.index.json", "config.json"}
+    for name, entry in pinned.items():
+        data = (src / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
 
 
 def test_input_mtimes_do_not_change_the_output(tmp_path: Path) -> None:

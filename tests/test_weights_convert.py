@@ -148,8 +148,9 @@ def test_sharded_input_and_output_with_index(tmp_path: Path) -> None:
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_bytes())
     assert index["metadata"] == {"total_size": 2 * 256 + 2 * 256}
     assert [f.path for f in result.files][-1] == "model.safetensors.index.json"
-    assert [i["path"] for i in result.section["inputs"]] == [
-        "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
+    assert [(i["path"], i["format"]) for i in result.section["inputs"]] == [
+        ("pytorch_model-00001-of-00002.bin", "torch-zip"), ("pytorch_model-00002-of-00002.bin", "torch-zip"),
+        ("pytorch_model.bin.index.json", "index")]
 
 
 def test_sharded_safetensors_input_reshards_casts_renames(tmp_path: Path) -> None:

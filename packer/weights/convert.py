@@ -57,6 +57,8 @@ def _section(plan: WeightsPlan, prefix: str, inputs: InputSet,
     section = plan.section(prefix)
     section["skipped"] = sorted({s for c in contents for s in c.skipped})
     section["inputs"] = [{"path": inputs.rel(c.path), "format": c.format} for c in contents]
+    if inputs.index is not None:  # it chose the shards: the manifest pins it with them
+        section["inputs"].append({"path": inputs.rel(inputs.index), "format": "index"})
     return section
 
 

@@ -22,6 +22,7 @@ from packer.errors import WeightsError
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")
 _LONE = ("*.safetensors", "*.pt", "*.pth", "*.ckpt", "*.bin")
+MAX_INDEX_BYTES = 64 * 2**20  # real indexes are kilobytes to a few MB; this bounds the JSON parse
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
 
 def _from_index(src: Path, index: Path) -> InputSet:
     try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise ValueError(f"larger than {MAX_INDEX_BYTES >> 20} MiB")
         data = json.loads(index.read_bytes())
         weight_map = data["weight_map"]
         if not isinstance(weight_map, dict) or not all(
