@@ -263,6 +263,30 @@ def test_manifest_pins_every_input_shard(tmp_path: Path) -> None:
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
 
 
+def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import packer.build as build_module
+    from packer.demo import write_demo
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_demo(src)
+    hashed_on: list[tuple[str, str]] = []
+    real = build_module.sha256_file
+
+    def spy(path: Path, stop: object = None) -> tuple[int, str]:
+        hashed_on.append((Path(path).name, threading.current_thread().name))
+        return real(path, stop)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(build_module, "sha256_file", spy)
+    build(recipe_from_dict({"name": "m", "version": "1", "source": str(src)}), tmp_path / "out", sandbox=False)
+    threads = {name: [t for n, t in hashed_on if n == name] for name, _ in hashed_on}
+    assert len(threads["pytorch_model.bin"]) == 1  # once, in the background
+    assert threads["pytorch_model.bin"][0].startswith("packer-inputs")
+    assert threads["tokenizer.json"] == [threading.main_thread().name]  # bundle members: after
+
+
 def test_input_mtimes_do_not_change_the_output(tmp_path: Path) -> None:
     from packer.demo import write_demo
 
