@@ -118,8 +118,8 @@ def _stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer, dr
     notes: list[str] = []
     # With a third core, each weight file's own layer digest is computed while the file is
     # written (an extra hashing thread), and the image stage only copies it. On two cores both
-    # are already busy during conversion (and the inputs' hashing): moving the hash there made
-    # the whole build 0-2.6 % slower in four runs (benchmarks/RESULTS.md).
+    # are already busy during conversion (and the inputs' hashing): moving the hash there changed
+    # the whole build by -0.3 % to +2.6 % in five runs (benchmarks/RESULTS.md).
     img = recipe.image
     if layer_digests is None:
         layer_digests = (os.cpu_count() or 1) >= 3
