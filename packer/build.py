@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
-from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file
+from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file, sha256_file_or_none
 from packer.manifest import MANIFEST, TIMINGS, artifact_manifest, files_map, verify
 from packer.publish import make_staging, publish
 from packer.recipe import Recipe
@@ -68,14 +68,7 @@ def _hash_inputs_early(snap: Snapshot, recipe: Recipe, pool: ThreadPoolExecutor,
         files = sorted([*found.files, *([found.index] if found.index else [])], key=lambda f: -f.stat().st_size)
     except (PackerError, OSError):
         return {}  # the weights stage reports it
-
-    def digest(path: Path) -> tuple[int, str] | None:
-        try:
-            return sha256_file(path, stop)
-        except OSError:
-            return None
-
-    return {f.absolute(): pool.submit(digest, f) for f in files}
+    return {f.absolute(): pool.submit(sha256_file_or_none, f, stop) for f in files}
 
 
 def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | None,
@@ -89,7 +82,7 @@ def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | N
     for rel in sorted(rels):
         path = (base / rel).absolute()
         got = early[path].result() if path in early else None
-        size, digest = got if got is not None else sha256_file(path)
+        size, digest = got or sha256_file(path)
         entries.append(FileEntry(rel, size, digest))
     return entries
 

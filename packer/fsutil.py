@@ -53,6 +53,17 @@ def sha256_file(path: str | Path, stop: threading.Event | None = None) -> tuple[
     return size, h.hexdigest()
 
 
+def sha256_file_or_none(path: str | Path, stop: threading.Event) -> tuple[int, str] | None:
+    """:func:`sha256_file` for work done ahead of need: None when unreadable or stopped.
+
+    The caller hashes again (or reports the problem) when it needs the digest.
+    """
+    try:
+        return sha256_file(path, stop)
+    except OSError:
+        return None
+
+
 class HashThread(threading.Thread):
     """sha256 of a byte stream on a thread of its own (hashlib releases the GIL).
 

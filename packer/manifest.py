@@ -21,7 +21,7 @@ from typing import Any
 
 import packer
 from packer.errors import ArtifactMismatchError, VerifyError
-from packer.fsutil import FileEntry, canonical_json, sha256_file
+from packer.fsutil import FileEntry, canonical_json, sha256_file, sha256_file_or_none
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -92,15 +92,8 @@ def load_manifest(out: Path) -> dict[str, Any]:
 Inode = tuple[int, int]
 
 
-def _digest_or_none(path: Path, stop: threading.Event) -> str | None:
-    try:
-        return sha256_file(path, stop)[1]
-    except OSError:  # missing, unreadable or stopped: _check_files names the problem in order
-        return None
-
-
 def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
-                stop: threading.Event) -> dict[Inode, Future[str | None]]:  # fmt: skip
+                stop: threading.Event) -> dict[Inode, Future[tuple[int, str] | None]]:  # fmt: skip
     """Start hashing, largest first, the listed files the image walk does not check itself.
 
     The image walk hashes every blob (and the files inside packer's layers); the files
@@ -116,16 +109,16 @@ def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
         if stat.S_ISREG(st.st_mode):
             found[rel] = st
     blobs = {(st.st_dev, st.st_ino) for rel, st in found.items() if rel.startswith("image/blobs/sha256/")}
-    ahead: dict[Inode, Future[str | None]] = {}
+    ahead: dict[Inode, Future[tuple[int, str] | None]] = {}
     for rel, st in sorted(found.items(), key=lambda kv: (-kv[1].st_size, kv[0])):
         inode = (st.st_dev, st.st_ino)
         if inode not in blobs and inode not in ahead:
-            ahead[inode] = pool.submit(_digest_or_none, out / rel, stop)
+            ahead[inode] = pool.submit(sha256_file_or_none, out / rel, stop)
     return ahead
 
 
 def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
-                 ahead: dict[Inode, Future[str | None]]) -> int:  # fmt: skip
+                 ahead: dict[Inode, Future[tuple[int, str] | None]]) -> int:  # fmt: skip
     total = 0
     hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
     for rel, want in sorted(listed.items()):
@@ -140,8 +133,8 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
         if rel.startswith("image/blobs/sha256/") and "sha256:" + want["sha256"] in checked_blobs:
             hashed[inode] = want["sha256"]  # the image walk hashed this blob against its name
         if inode not in hashed:
-            early = ahead[inode].result() if inode in ahead else None
-            hashed[inode] = early if early is not None else sha256_file(path)[1]
+            early = ahead[inode].result() if inode in ahead else None  # None: hash it here
+            hashed[inode] = (early or sha256_file(path))[1]
         digest = hashed[inode]
         if digest != want["sha256"]:
             raise VerifyError(f"{path}: sha256 {digest[:16]}… differs from the manifest's {want['sha256'][:16]}…")
