@@ -276,17 +276,11 @@ class PickleVM:
 
     def op_append(self) -> None:
         value = self.pop()
-        target = self.stack[-1] if self.stack else None
-        if not isinstance(target, list):
-            raise self.unsafe(f"APPEND on {type(target).__name__} (only lists allowed)")
-        target.append(value)
+        self._list_target("APPEND").append(value)
 
     def op_appends(self) -> None:
         items = self.pop_mark()
-        target = self.stack[-1] if self.stack else None
-        if not isinstance(target, list):
-            raise self.unsafe(f"APPENDS on {type(target).__name__} (only lists allowed)")
-        target.extend(items)
+        self._list_target("APPENDS").extend(items)
 
     def op_setitem(self) -> None:
         value, key = self.pop(), self.pop()
@@ -295,6 +289,12 @@ class PickleVM:
     def op_setitems(self) -> None:
         items = self.pop_mark()
         self._set_items(self._dict_target("SETITEMS"), items)
+
+    def _list_target(self, op: str) -> list[object]:
+        target = self.stack[-1] if self.stack else None
+        if not isinstance(target, list):
+            raise self.unsafe(f"{op} on {type(target).__name__} (only lists allowed)")
+        return target
 
     def _dict_target(self, op: str) -> dict[object, object]:
         target = self.stack[-1] if self.stack else None
