@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from load_cpu import manifest, module_like  # the same helpers as the CPU benchmark
+from load_cpu import manifest, module_like, save_model  # the same helpers as the CPU benchmark
 
 WORK = Path(os.environ.get("PACKER_BENCH_WORK", Path(__file__).resolve().parent / "_work" / "gpu_load"))
 GIB = 2**30
@@ -36,22 +36,9 @@ CHUNK = 64 * 2**20
 
 def generate(size_gb: float) -> tuple[Path, Path]:
     """bf16 and f32 tensors of ``size_gb`` GB (one odd-sized tensor), safetensors and pickle."""
-    from safetensors.torch import save_file
-
-    st, pt = WORK / "weights" / "model.safetensors", WORK / "model.pt"
-    if st.exists() and pt.exists() and st.stat().st_size >= size_gb * 1e9 * 0.95:
-        return st, pt
-    st.parent.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(0)
-    sd: dict[str, torch.Tensor] = {"odd": torch.randn(1001, 3, generator=g)}
-    i = 0
-    while sum(t.numel() * t.element_size() for t in sd.values()) < size_gb * 1e9:
-        sd[f"layers.{i}.w"] = torch.randn(8192, 8192, generator=g).to(torch.bfloat16)
-        sd[f"layers.{i}.b"] = torch.randn(8192, generator=g)
-        i += 1
-    save_file(sd, str(st))
-    torch.save(sd, str(pt))
-    return st, pt
+    return save_model(WORK, size_gb, lambda g: {"odd": torch.randn(1001, 3, generator=g)},
+                      lambda i, g: {f"layers.{i}.w": torch.randn(8192, 8192, generator=g).to(torch.bfloat16),
+                                    f"layers.{i}.b": torch.randn(8192, generator=g)})  # fmt: skip
 
 
 def warm(path: Path) -> None:

@@ -40,25 +40,41 @@ WORK = Path(__file__).resolve().parent / "_work" / "load_cpu"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def generate(size_gb: float) -> tuple[Path, Path]:
-    """A transformer-like state dict of ``size_gb`` GB in bf16 and f32, saved both ways."""
-    st, pt = WORK / "weights" / "model.safetensors", WORK / "model.pt"
+Tensors = dict[str, torch.Tensor]
+
+
+def save_model(work: Path, size_gb: float, first: Callable[[torch.Generator], Tensors],
+               layer: Callable[[int, torch.Generator], Tensors]) -> tuple[Path, Path]:  # fmt: skip
+    """``first`` then ``layer(i)`` until ``size_gb`` GB, saved as safetensors and as a pickle (cached)."""
+    st, pt = work / "weights" / "model.safetensors", work / "model.pt"
     if st.exists() and pt.exists() and st.stat().st_size >= size_gb * 1e9 * 0.95:
         return st, pt
     st.parent.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
-    sd: dict[str, torch.Tensor] = {"embed.weight": torch.randn(32000, 1024, generator=g).to(torch.bfloat16)}
+    sd = first(g)
     i = 0
     while sum(t.numel() * t.element_size() for t in sd.values()) < size_gb * 1e9:
-        sd[f"layers.{i}.attn.qkv.weight"] = torch.randn(3072, 1024, generator=g).to(torch.bfloat16)
-        sd[f"layers.{i}.mlp.up.weight"] = torch.randn(4096, 1024, generator=g).to(torch.bfloat16)
-        sd[f"layers.{i}.mlp.down.weight"] = torch.randn(1024, 4096, generator=g).to(torch.bfloat16)
-        sd[f"layers.{i}.norm.weight"] = torch.ones(1024)
-        sd[f"layers.{i}.mlp.up.bias"] = torch.zeros(4096)
+        sd.update(layer(i, g))
         i += 1
     save_file(sd, str(st))
     torch.save(sd, str(pt))
     return st, pt
+
+
+def generate(size_gb: float) -> tuple[Path, Path]:
+    """A transformer-like state dict of ``size_gb`` GB in bf16 and f32, saved both ways."""
+
+    def layer(i: int, g: torch.Generator) -> Tensors:
+        return {f"layers.{i}.attn.qkv.weight": torch.randn(3072, 1024, generator=g).to(torch.bfloat16),
+                f"layers.{i}.mlp.up.weight": torch.randn(4096, 1024, generator=g).to(torch.bfloat16),
+                f"layers.{i}.mlp.down.weight": torch.randn(1024, 4096, generator=g).to(torch.bfloat16),
+                f"layers.{i}.norm.weight": torch.ones(1024),
+                f"layers.{i}.mlp.up.bias": torch.zeros(4096)}  # fmt: skip
+
+    def first(g: torch.Generator) -> Tensors:
+        return {"embed.weight": torch.randn(32000, 1024, generator=g).to(torch.bfloat16)}
+
+    return save_model(WORK, size_gb, first, layer)
 
 
 def manifest(st: Path, *, aliases: dict[str, str] | None = None, device: str = "cpu") -> dict[str, Any]:
