@@ -77,6 +77,11 @@ def test_push_digest_matches_local(tmp_path: Path, registry: str) -> None:
 def test_push_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ImageError, match="cannot read the image index"):
         push(tmp_path, "127.0.0.1:1/x:y")
-    monkeypatch.setenv("PATH", str(tmp_path))  # no skopeo on PATH
+    out = tmp_path / "out"
+    files, manifest = make_out(out)
+    build_image(out, cfg=ImageConfig(), name="demo", version="1.0",
+                source={"kind": "demo", "uri": "demo", "revision": None},
+                artifact_files=files, artifact_manifest=manifest)
+    monkeypatch.setenv("PATH", str(tmp_path))  # a readable image, but no skopeo on PATH
     with pytest.raises(ImageError, match="skopeo is not installed"):
-        push(tmp_path, "127.0.0.1:1/x:y")
+        push(out, "127.0.0.1:1/x:y")

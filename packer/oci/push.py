@@ -47,11 +47,11 @@ def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3
     Raises:
         ImageError: skopeo is not installed, or the copy failed (with skopeo's message).
     """
+    src = f"oci:{Path(out_dir).resolve() / 'image'}:{image_tag(out_dir)}"  # the input first
     skopeo = shutil.which("skopeo")
     if skopeo is None:
         raise ImageError("push: skopeo is not installed; install it (apt-get install skopeo) "
                          "or push OUT/image with another OCI tool")
-    src = f"oci:{Path(out_dir).resolve() / 'image'}:{image_tag(out_dir)}"
     dest = ref if ref.startswith("docker://") else f"docker://{ref}"
     with tempfile.TemporaryDirectory(prefix="packer-push-") as tmp:
         digest_file = Path(tmp) / "digest"
