@@ -4,16 +4,20 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.packer-installed
+INSTALL_LOG := $(VENV)/install.log
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint package-check clean
 
-$(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# The CPU build of torch first, so pip does not pick a multi-GB CUDA build for the package.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+# pip's output goes to a log that is shown only if the install fails: a quick start prints
+# the stage table, not pip's notes about this machine's package indexes.
+$(STAMP): pyproject.toml requirements/torch-cpu.txt
+	@echo "setting up $(VENV) (torch CPU build, packer and its test tools; log: $(INSTALL_LOG))"
+	@python3 -m venv $(VENV)
+	@( $(PY) -m pip install --upgrade pip \
+	   && $(PY) -m pip install -r requirements/torch-cpu.txt \
+	   && $(PY) -m pip install -e '.[test]' ) > $(INSTALL_LOG) 2>&1 \
+	   || { tail -n 40 $(INSTALL_LOG); exit 1; }
+	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/packer build -o dist
@@ -24,6 +28,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check packer tests benchmarks
 	$(VENV)/bin/mypy
+
+# Install as users install: wheel + sdist, a fresh venv with only the CPU torch and the wheel.
+package-check:
+	bash .ci/packaging
 
 clean:
 	rm -rf dist out benchmarks/_work

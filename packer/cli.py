@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from packer import __version__
-from packer.errors import PackerError
+from packer.errors import PackerError, missing_dependency
 
 
 class Ctx:
@@ -63,10 +63,10 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         ctx = Ctx(quiet, as_json, debug)
         try:
             fn(ctx, **kwargs)
-        except PackerError as e:
+        except (PackerError, ImportError) as e:  # a missing package is named as itself
             if debug:
                 traceback.print_exc()
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {missing_dependency(e) if isinstance(e, ImportError) else e}", err=True)
             sys.exit(1)
         except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

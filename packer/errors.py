@@ -19,6 +19,29 @@ class PackerError(Exception):
         return new
 
 
+class DependencyError(PackerError):
+    """A package packer needs at run time is missing or broken: the message names the package.
+
+    Never a verdict on an input or output file: see :func:`missing_dependency`.
+    """
+
+
+# import name -> distribution name on PyPI, where they differ
+_DISTRIBUTIONS = {"huggingface_hub": "huggingface-hub", "yaml": "pyyaml"}
+
+
+def missing_dependency(e: ImportError) -> DependencyError:
+    """Turn an ``ImportError`` into a one-line :class:`DependencyError` naming the package.
+
+    ``e.name`` is the module that failed to import (set by the import system); the message
+    says how to install its distribution, e.g. ``packer needs numpy: No module named 'numpy'
+    (pip install numpy)``.
+    """
+    top = (e.name or "").split(".")[0] or "a package"
+    dist = _DISTRIBUTIONS.get(top, top)
+    return DependencyError(f"packer needs {dist}: {e} (pip install {dist})")
+
+
 class RecipeError(PackerError):
     """The recipe is unreadable or invalid; the message names the key path or line."""
 

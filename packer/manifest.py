@@ -8,6 +8,7 @@ written by the image stage. Timings never enter it: they go to ``build-timings.j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -170,12 +171,31 @@ def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
             raise VerifyError(f"{path}: image section names {digest}, which is not in image_files")
 
 
+def _name_every_link(out: Path, e: VerifyError) -> VerifyError:
+    """``e`` naming every hard link of the file it blames (layer tarballs are links of blobs)."""
+    where, sep, rest = str(e).partition(": ")
+    try:
+        st = os.lstat(where)
+    except (OSError, ValueError):
+        return e
+    if not sep or not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
+        return e
+    others = []
+    for path in sorted(out.rglob("*")):
+        with contextlib.suppress(OSError):
+            other = path.lstat()
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino) and path != Path(where):
+                others.append(str(path))
+    return VerifyError(f"{where} (the same file as {', '.join(others)}): {rest}") if others else e
+
+
 def verify(out: Path) -> dict[str, Any]:
     """Check every file of a build output against its manifest, then each stage's own rules.
 
     The image is checked first on its own (its blobs are content-addressed); it holds a copy
     of the artifact manifest, so a manifest.json edited after the build is named as such
-    rather than blaming the file whose recorded digest was changed.
+    rather than blaming the file whose recorded digest was changed. A blamed file with other
+    names (a layer tarball under ``image/layers/`` is a hard link of its blob) is named by all.
 
     Returns:
         A summary: files checked and bytes hashed.
@@ -183,6 +203,16 @@ def verify(out: Path) -> dict[str, Any]:
     Raises:
         VerifyError: naming the first mismatch.
     """
+    try:
+        return _verify(out)
+    except VerifyError as e:
+        named = _name_every_link(out, e)
+        if named is e:
+            raise
+        raise named from e
+
+
+def _verify(out: Path) -> dict[str, Any]:
     manifest = load_manifest(out)
     _check_self(out, (out / MANIFEST).read_bytes(), manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}

@@ -104,6 +104,9 @@ def _child_main() -> int:
     except errors.PackerError as e:
         json.dump({"error": str(e), "type": type(e).__name__}, sys.stdout)
         return 1
+    except ImportError as e:  # the environment, not the input: name the package
+        json.dump({"error": str(errors.missing_dependency(e)), "type": "DependencyError"}, sys.stdout)
+        return 1
     except MemoryError:
         json.dump({"error": "out of memory (address-space limit reached)", "type": "CheckpointError"}, sys.stdout)
         return 1

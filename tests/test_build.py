@@ -72,6 +72,28 @@ def test_verify_passes_then_names_any_changed_file(demo_out: Path, tmp_path: Pat
     verify(copy)
 
 
+def test_verify_names_every_link_of_a_changed_layer_tarball(demo_out: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
+    layers = sorted((copy / "image" / "layers").glob("*.tar*"))
+    assert layers and all(p.stat().st_nlink == 2 for p in layers)  # each is a hard link of its blob
+    for layer in layers:
+        with open(layer, "r+b") as f:  # in place, as a careless edit would: both names change
+            f.seek(layer.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+        proc = subprocess.run([sys.executable, "-m", "packer", "verify", str(copy)], capture_output=True,
+                              text=True, check=False)
+        assert proc.returncode == 1
+        (line,) = proc.stderr.strip().splitlines()
+        assert str(layer) in line and "image/blobs/sha256/" in line, line
+        with open(layer, "r+b") as f:
+            f.seek(layer.stat().st_size // 2)
+            f.write(byte)
+    verify(copy)
+
+
 def test_verify_rejects_extra_and_missing_files(demo_out: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)

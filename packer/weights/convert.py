@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.checkpoint.records import CheckpointContents
-from packer.errors import PackerError, WeightsError
+from packer.errors import DependencyError, PackerError, WeightsError
 from packer.fsutil import FileEntry, umask
 from packer.recipe import WeightsConfig
 from packer.stage import StageOutput
@@ -166,7 +166,7 @@ def convert(
                 dest_dir.rmdir()
         if isinstance(e, OSError):
             raise WeightsError(f"{dest_dir}: cannot write: {e.strerror or e}") from e
-        if isinstance(e, PackerError) and not str(e).startswith(str(src)):
+        if isinstance(e, PackerError) and not isinstance(e, DependencyError) and not str(e).startswith(str(src)):
             raise e.with_context(f"converting {src}") from e.__cause__
         raise
     files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from packer.errors import VerifyError
+from packer.errors import VerifyError, missing_dependency
 from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
 from packer.weights.writer import CHUNK, Sources, tensor_chunks
 
@@ -46,17 +46,20 @@ def library_table(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[st
 
     Raises:
         VerifyError: the library rejects the file.
+        DependencyError: safetensors or numpy cannot be imported.
     """
-    from safetensors import safe_open
-
     try:
+        from safetensors import safe_open
+
         with safe_open(str(path), framework="numpy") as f:
             table = {}
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 part = f.get_slice(name)
                 table[name] = (part.get_dtype(), list(part.get_shape()))
             return table, dict(f.metadata() or {})
-    except Exception as e:  # the library raises its own untyped errors
+    except ImportError as e:  # safetensors or numpy missing: the environment, not the file
+        raise missing_dependency(e) from e
+    except Exception as e:  # the library raises its own untyped errors about the file
         raise VerifyError(f"{path}: the safetensors library rejects it: {e}") from e
 
 
