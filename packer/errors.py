@@ -57,3 +57,7 @@ class ArtifactMismatchError(VerifyError):
 
 class LoaderError(PackerError):
     """The runtime loader found artifacts that do not match its embedded manifest."""
+
+
+class StubError(PackerError):
+    """The loader template or the bundle reader cannot be embedded into ``packer_loader.py``."""
