@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import packer
-from packer.errors import ArtifactMismatchError, VerifyError
+from packer.errors import ImageArtifactMismatchError, VerifyError
 from packer.fsutil import FileEntry, canonical_json, sha256_file, sha256_file_or_none
 
 SCHEMA_VERSION = 1
@@ -197,7 +197,7 @@ def verify(out: Path) -> dict[str, Any]:
 
             try:
                 checked = verify_image(out, artifact_manifest=split_artifact(manifest))
-            except ArtifactMismatchError as e:
+            except ImageArtifactMismatchError as e:
                 raise VerifyError(f"{out / MANIFEST}: differs from the copy built into the image ({e})") from e
         nbytes = _check_files(out, listed, checked, ahead)
     finally:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
-from packer.errors import ArtifactMismatchError, VerifyError
+from packer.errors import ImageArtifactMismatchError, VerifyError
 from packer.fsutil import HashThread
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
@@ -287,7 +287,8 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
         The digests of the blobs whose content was checked (so callers need not hash them again).
 
     Raises:
-        VerifyError: naming the blob or entry and what is wrong.
+        VerifyError: naming the blob or entry and what is wrong;
+            ImageArtifactMismatchError: the image is sound but differs from ``artifact_manifest``.
     """
     image = Path(out_dir) / "image"
     checked: set[str] = set()
@@ -317,7 +318,7 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
             try:
                 _check_artifacts(found, artifact_manifest, ann, str(image))
             except VerifyError as e:  # the image is sound; what it was compared with differs
-                raise ArtifactMismatchError(str(e)) from e
+                raise ImageArtifactMismatchError(str(e)) from e
         checked |= {desc["digest"], manifest["config"]["digest"], *(lay["digest"] for lay in manifest["layers"])}
     return checked
 
