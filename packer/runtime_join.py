@@ -52,6 +52,7 @@ class RuntimeModule:
     from_runtime: tuple[tuple[str, str], ...] = ()  # (module, name) imported from the runtime
     uses: tuple[str, ...] = ()  # global names it reads and does not bind itself
     main: str = ""  # its `if __name__ == "__main__":` block ("" when none)
+    block_imports: tuple[tuple[str, str], ...] = ()  # imports in module-level blocks, kept in the body
 
 
 def _stdlib_import(node: ast.Import | ast.ImportFrom, where: str) -> list[tuple[str, str]]:
@@ -92,6 +93,20 @@ def _runtime_import(node: ast.Import | ast.ImportFrom, where: str) -> tuple[str,
             raise StubError(f"{where}: line {node.lineno}: 'from {mod} import {spelled}': the emitted file "
                             "drops this line, so import each name as it is (no 'as', no '*')")  # fmt: skip
     return mod[len(PREFIX):], [a.name for a in node.names]
+
+
+def _block_imports(tree: ast.Module) -> list[tuple[str, str]]:
+    """``(from, name)`` of the imports inside module-level blocks (``if TYPE_CHECKING:``, ``try:``)."""
+    found: list[tuple[int, str, str]] = []
+    todo: list[ast.AST] = [n for n in tree.body if not isinstance(n, ast.Import | ast.ImportFrom)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            mod = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+            found += [(node.lineno, mod, a.name + (f" as {a.asname}" if a.asname else "")) for a in node.names]
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            todo += ast.iter_child_nodes(node)
+    return [(mod, x) for _, mod, x in sorted(found)]
 
 
 def _is_main_guard(node: ast.stmt) -> bool:
@@ -161,11 +176,13 @@ def parse_runtime_module(name: str, source: str) -> RuntimeModule:
                             "import <names>'")  # fmt: skip
     text = source.splitlines()
     defines, read = _scope_names("\n".join("" if n in drop else x for n, x in enumerate(text, 1)), where)
-    imported = {_bound_name(mod, x) for mod, x in imports} | {n for _, n in from_runtime}
+    blocks = _block_imports(tree)  # the same import in two modules' blocks binds one object
+    defines -= {_bound_name(mod, x) for mod, x in blocks}
+    imported = {_bound_name(mod, x) for mod, x in (*imports, *blocks)} | {n for _, n in from_runtime}
     body = "\n".join(x for n, x in enumerate(text, 1) if n not in drop and n not in main).strip("\n") + "\n"
     return RuntimeModule(name, doc, doc_source, tuple(dict.fromkeys(deps)), tuple(imports), tuple(sorted(defines)),
                          body, tuple(from_runtime), tuple(sorted(read - defines - imported)),
-                         "\n".join(text[n - 1] for n in sorted(main)))  # fmt: skip
+                         "\n".join(text[n - 1] for n in sorted(main)), tuple(blocks))  # fmt: skip
 
 
 def _bound_name(mod: str, spelled: str) -> str:
@@ -222,13 +239,13 @@ def _check_names(mods: list[RuntimeModule], entry: str) -> None:
     target: dict[str, tuple[str, str]] = {}
     owner: dict[str, str] = {}
     for m in mods:
-        for mod, x in m.imports:
+        for mod, x in (*m.imports, *m.block_imports):
             n, spelled = _bound_name(mod, x), _spell(mod, x)
             first = target.setdefault(n, (_target(mod, x), f"'{spelled}' in {m.name}.py"))
             if first[0] != _target(mod, x):
                 raise StubError(f"packer/runtime: {n!r} is bound by {first[1]} and by '{spelled}' in "
                                 f"{m.name}.py; they share one emitted file: import it one way")  # fmt: skip
-            owner[n] = "a standard-library import"
+            owner[n] = "a standard-library import" if (mod, x) in m.imports else f"an import in {m.name}.py"
     for i, m in enumerate(mods):
         if m.main and m.name != entry:
             raise StubError(f"packer/runtime/{m.name}.py: only {entry}.py may have an "
@@ -239,7 +256,8 @@ def _check_names(mods: list[RuntimeModule], entry: str) -> None:
             if owner.setdefault(n, f"{m.name}.py") != f"{m.name}.py":
                 raise StubError(f"packer/runtime: {n!r} is bound by both {owner[n]} and {m.name}.py; "
                                 "top-level names must be unique (they share one emitted file)")  # fmt: skip
-    binds = {m.name: {*m.defines, *(_bound_name(*p) for p in m.imports), *(n for _, n in m.from_runtime)} for m in mods}
+    binds = {m.name: {*m.defines, *(_bound_name(*p) for p in (*m.imports, *m.block_imports)),
+                      *(n for _, n in m.from_runtime)} for m in mods}  # fmt: skip
     for m in mods:
         for dep, n in m.from_runtime:
             if n not in binds[dep]:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from packer.errors import StubError
+from packer.formats import LOADER_NAME
 from packer.runtime_join import amalgamate, import_block, runtime_modules
-from packer.stub import LOADER_NAME
 from tests.loader_fixtures import make_out
 from tests.test_stub import import_emitted
 
@@ -156,6 +156,10 @@ A_USES_B = "from packer.runtime.b import HELPER\ndef helper(p): pass\n"
     ({"b": "def f():\n    global HELPER\n    HELPER = 2\n"}, "'HELPER' is bound by both a.py and b.py"),
     ({"b": "import datetime\nA = datetime\n", "c": "from datetime import datetime\nB = datetime\n"},
      "'datetime' is bound by 'import datetime' in b.py and by 'from datetime import datetime' in c.py"),
+    ({"b": "import sys\nif sys:\n    import datetime\n", "c": "from datetime import datetime\n"},
+     "'datetime' is bound by 'import datetime' in b.py and by 'from datetime import datetime' in c.py"),
+    ({"b": "import sys\nif sys:\n    import datetime\n", "c": "datetime = 1\n"},
+     "'datetime' is bound by both an import in b.py and c.py"),
     ({"b": "from os import path\n", "c": "import os.path as path\nimport posixpath as path2\n",
       "d": "import posixpath as path\n"}, "'path' is bound by 'from os import path' in b.py and by 'import posixpath"),
     # names that resolved only because the modules shared one file
@@ -181,7 +185,9 @@ def test_join_refuses_a_subpackage(tmp_path: Path) -> None:
 
 
 def test_join_keeps_one_spelling_and_new_modules(tmp_path: Path) -> None:
+    typing = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torch import Tensor\n"
     files = {"b": "import os.path\nimport os\nfrom os import path\n\nEXTRA = (os, path)\n",
+             "t1": typing + "def f(x: Tensor) -> None: pass\n", "t2": typing + "def g(x: Tensor) -> None: pass\n",
              "c": "from os import path\nfrom packer.runtime.b import EXTRA\n\nBOTH = EXTRA, path\n"}  # fmt: skip
     ns: dict[str, Any] = {}
     exec(compile(amalgamate(_runtime(tmp_path, files)), "joined", "exec"), ns)
