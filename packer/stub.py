@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import StubError
+from packer.formats import LOADER_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, file_entry
 from packer.runtime_join import RUNTIME, amalgamate
 from packer.stage import StageOutput
 
-LOADER_NAME = "packer_loader.py"
 BEGIN = "# >>> packer:embedded (replaced by packer.stub when the loader is emitted)\n"
 END = "# <<< packer:embedded\n"
 LINE = 88  # longest string literal line we write (ruff's limit is 100)

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from packer.errors import StubError
+from packer.formats import LOADER_NAME
 from packer.fsutil import canonical_json
-from packer.stub import LOADER_NAME, emit_loader, render
+from packer.stub import emit_loader, render
 from tests.loader_fixtures import make_out
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
 from packer.errors import ImageArtifactMismatchError, VerifyError
+from packer.formats import MANIFEST_NAME
 from packer.fsutil import HashThread
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
@@ -258,7 +259,7 @@ def _check_artifacts(
     except (ValueError, KeyError, TypeError) as e:
         raise _fail(where, "the artifact manifest is not JSON with a 'files' map") from e
     root = f"/{prefix}/" if prefix else "/"
-    expected: Expected = {f"{root}manifest.json": (len(artifact_manifest),
+    expected: Expected = {f"{root}{MANIFEST_NAME}": (len(artifact_manifest),
                                                   hashlib.sha256(artifact_manifest).hexdigest())}
     manifest_paths = set(expected)
     for rel, entry in files.items():
