@@ -14,9 +14,10 @@ the package, so the join checks that and raises :class:`StubError` otherwise:
 * each global name a module reads is bound or imported by that module, or is a builtin that
   no runtime module rebinds;
 * a module-level name is bound by one module only (inside ``if``/``try``/``with``/``for``
-  blocks and through ``global`` too);
-* a standard-library name is imported one way only (``import datetime`` beside
-  ``from datetime import datetime`` is refused).
+  blocks and through ``global`` too), unless each binds it by the same import;
+* a name is imported one way only (``import datetime`` beside ``from datetime import
+  datetime`` is refused), in blocks such as ``if TYPE_CHECKING:`` too;
+* only the entry module has an ``if __name__ == "__main__":`` block.
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ def parse_runtime_module(name: str, source: str) -> RuntimeModule:
 
     Raises:
         StubError: a syntax error, a relative import, a top-level import of a third-party
-            package, an import of packer code other than a plain top-level
-            ``from packer.runtime.<module> import <names>``, or a ``__main__`` block.
+            package, ``import *``, or an import of packer code other than a plain top-level
+            ``from packer.runtime.<module> import <names>``.
     """
     where = f"packer/runtime/{name}.py"
     try:
@@ -186,7 +187,7 @@ def parse_runtime_module(name: str, source: str) -> RuntimeModule:
 
 
 def _bound_name(mod: str, spelled: str) -> str:
-    """The name a standard-library import binds: ``os`` for ``import os.path``."""
+    """The name an import binds: ``os`` for ``import os.path``, ``p`` for ``import os.path as p``."""
     name, _, alias = spelled.partition(" as ")
     return alias or (name if mod else name.split(".")[0])
 
