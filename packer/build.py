@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
+from packer.formats import LOADER_NAME, MANIFEST_NAME
 from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file, sha256_file_or_none
-from packer.manifest import MANIFEST, TIMINGS, artifact_manifest, files_map, verify
+from packer.manifest import TIMINGS, artifact_manifest, files_map, verify
 from packer.publish import make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
@@ -45,7 +46,7 @@ class BuildResult:
 
 
 def _check_out(out: Path) -> None:
-    if out.exists() and not (out.is_dir() and ((out / MANIFEST).is_file() or not any(out.iterdir()))):
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST_NAME).is_file() or not any(out.iterdir()))):
         raise PackerError(f"{out}: exists and is not a packer build output; remove it or choose another -o")
 
 
@@ -103,7 +104,7 @@ def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer
 def _stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer, dry_run: bool, sandbox: bool,
             progress: Callable[[int], None] | None, layer_digests: bool | None,
             early: Early) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
-    from packer.bundle import run_bundle
+    from packer.bundle import ARCHIVE_NAME, run_bundle
     from packer.oci import build_image
     from packer.sandbox import convert_cli
     from packer.stub import emit_loader
@@ -135,7 +136,7 @@ def _stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer, dr
     notes += [*weights.notes, *(bundle.notes if bundle else ())]
     if dry_run:  # the image plan from the planned file names (sizes are not known yet)
         planned = [*weights.section.get("files", []), *([weights.section["index"]] if weights.section.get("index")
-                   else []), *(["bundle.tar.zst"] if bundle else []), "packer_loader.py"]  # fmt: skip
+                   else []), *([ARCHIVE_NAME] if bundle else []), LOADER_NAME]  # fmt: skip
         image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
                             source=snap.identity(), artifact_files=[FileEntry(p, 0, "") for p in planned],
                             artifact_manifest=b"", dry_run=True)  # fmt: skip
@@ -153,7 +154,7 @@ def _stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer, dr
     manifest = artifact_manifest(recipe=recipe.normalised(), source=snap.identity(), inputs=inputs,
                                  files=files, sections=sections)  # fmt: skip
     artifact = canonical_json(manifest)
-    atomic_write_bytes(staging / MANIFEST, artifact)
+    atomic_write_bytes(staging / MANIFEST_NAME, artifact)
     with timer.stage("image") as t:
         # verify=False: the build verifies the whole output once, before publishing
         image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
@@ -161,7 +162,7 @@ def _stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer, dr
                             verify=False, known_digests=weights.digests)  # fmt: skip
         t.nbytes = image.bytes_processed
     manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
-    atomic_write_bytes(staging / MANIFEST, canonical_json(manifest))
+    atomic_write_bytes(staging / MANIFEST_NAME, canonical_json(manifest))
     notes += [*loader.notes, *image.notes]
     return manifest, notes
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from packer import tarfmt
 from packer.errors import BundleError, VerifyError
+from packer.formats import WEIGHT_SUFFIXES
 from packer.fsutil import FileEntry, umask
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
@@ -37,7 +38,7 @@ _CHUNK = 1 << 20
 
 TEXT_SUFFIXES = frozenset({".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".bpe", ".yaml", ".yml"})
 NEVER = {
-    "weights": frozenset({".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".gguf", ".ggml", ".onnx", ".onnx_data",
+    "weights": frozenset({*WEIGHT_SUFFIXES, ".gguf", ".ggml", ".onnx", ".onnx_data",
                           ".h5", ".hdf5", ".keras", ".msgpack", ".npz", ".npy", ".tflite", ".pb", ".ot", ".pdparams",
                           ".mlmodel", ".engine", ".plan", ".trt"}),
     "code": frozenset({".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll", ".exe", ".sh", ".ipynb"}),

@@ -21,6 +21,7 @@ import click
 
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
+from packer.formats import MANIFEST_NAME
 
 
 class Ctx:
@@ -262,7 +263,7 @@ def verify(ctx: Ctx, out: Path) -> None:
     from packer.manifest import verify as run_verify
 
     summary = run_verify(out)
-    ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / 'manifest.json'}")
+    ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / MANIFEST_NAME}")
     ctx.emit({"ok": True, **summary})
 
 

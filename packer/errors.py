@@ -1,5 +1,11 @@
 """The one error hierarchy of packer.
 
+The emitted loader cannot import this module, so the runtime keeps its own two classes under
+names used nowhere else: ``ArtifactMismatchError`` (packer/runtime/env.py) and
+``BundleFormatError`` (packer/runtime/bundle_reader.py); the build turns the latter into
+:class:`BundleError`. :mod:`packer.sandbox` sends an error across the process boundary by
+class name and finds the class here, so every class the library raises must live here.
+
 Every message is one line that says what was wrong, where (file, key path, tensor or
 member name) and, where there is one, what to do about it. The CLI turns any
 :class:`PackerError` into exit code 1; nothing else in the library prints or exits.
@@ -58,6 +64,10 @@ class UnsafeInputError(CheckpointError):
     """An input asks for code to run (a pickle global outside the allowlist, TorchScript...)."""
 
 
+class TruncatedPickle(CheckpointError):
+    """The pickle runs past the end of the bytes given (a caller may retry with more)."""
+
+
 class WeightsError(PackerError):
     """Planning or writing safetensors output failed."""
 
@@ -74,9 +84,21 @@ class VerifyError(PackerError):
     """An artifact does not match its manifest; the message names the first mismatch."""
 
 
-class ArtifactMismatchError(VerifyError):
-    """The image's files differ from the artifact manifest it was given to compare with."""
+class ImageArtifactMismatchError(VerifyError):
+    """The image is sound, but its files differ from the artifact manifest it was compared with.
+
+    Not to be confused with the emitted loader's own ``ArtifactMismatchError`` (files on disk
+    against its embedded manifest), which lives in ``packer/runtime/env.py``.
+    """
 
 
 class LoaderError(PackerError):
-    """The runtime loader found artifacts that do not match its embedded manifest."""
+    """``packer profile``: the build has no emitted loader, or its self-test failed or timed out.
+
+    The message of a failed self-test is the loader's own last line, which names the first
+    artifact that does not match its embedded manifest.
+    """
+
+
+class StubError(PackerError):
+    """The loader template or the bundle reader cannot be embedded into ``packer_loader.py``."""

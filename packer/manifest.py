@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import packer
-from packer.errors import ArtifactMismatchError, VerifyError
+from packer.errors import ImageArtifactMismatchError, VerifyError
+from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json, sha256_file, sha256_file_or_none
 
 SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
 TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical
 _IMAGE_KEYS = ("image", "image_files")
 
@@ -78,7 +78,7 @@ def load_manifest(out: Path) -> dict[str, Any]:
     Raises:
         VerifyError: missing, unreadable or not a packer manifest.
     """
-    path = out / MANIFEST
+    path = out / MANIFEST_NAME
     try:
         data = json.loads(path.read_bytes())
     except FileNotFoundError as e:
@@ -148,13 +148,13 @@ def _check_no_extras(out: Path, listed: set[str]) -> None:
         rel = path.relative_to(out).as_posix()
         if path.is_dir() and not path.is_symlink():
             continue
-        if rel not in listed and rel not in (MANIFEST, TIMINGS):
+        if rel not in listed and rel not in (MANIFEST_NAME, TIMINGS):
             raise VerifyError(f"{path}: not listed in the manifest")
 
 
 def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
     """Blame manifest.json itself when it disagrees with the redundancy the build left."""
-    path = out / MANIFEST
+    path = out / MANIFEST_NAME
     if raw != canonical_json(manifest):
         raise VerifyError(f"{path}: not in canonical form (edited after the build?)")
     image_files = manifest.get("image_files", {})
@@ -214,7 +214,7 @@ def verify(out: Path) -> dict[str, Any]:
 
 def _verify(out: Path) -> dict[str, Any]:
     manifest = load_manifest(out)
-    _check_self(out, (out / MANIFEST).read_bytes(), manifest)
+    _check_self(out, (out / MANIFEST_NAME).read_bytes(), manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
     _check_no_extras(out, set(listed))
     checked: set[str] = set()
@@ -227,8 +227,8 @@ def _verify(out: Path) -> dict[str, Any]:
 
             try:
                 checked = verify_image(out, artifact_manifest=split_artifact(manifest))
-            except ArtifactMismatchError as e:
-                raise VerifyError(f"{out / MANIFEST}: differs from the copy built into the image ({e})") from e
+            except ImageArtifactMismatchError as e:
+                raise VerifyError(f"{out / MANIFEST_NAME}: differs from the copy built into the image ({e})") from e
         nbytes = _check_files(out, listed, checked, ahead)
     finally:
         stop.set()  # a failure above need not wait for every file to be hashed

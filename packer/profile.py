@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import LoaderError
+from packer.formats import LOADER_NAME
 
-LOADER_NAME = "packer_loader.py"
 TOP_IMPORTS = 10
 _STAGE_KEYS = ("stage", "seconds", "bytes", "gbps")
 

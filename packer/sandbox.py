@@ -120,6 +120,12 @@ def _child_main() -> int:
     return 0
 
 
+def error_class(name: str) -> type[errors.PackerError]:
+    """The class in :mod:`packer.errors` named ``name`` (the child's error), else PackerError."""
+    cls = getattr(errors, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, errors.PackerError) else errors.PackerError
+
+
 def _killed_reason(rc: int) -> str:
     sig = -rc
     if sig == signal.SIGXCPU:
@@ -187,8 +193,7 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise errors.CheckpointError(f"converting {src}: reader process failed: {last}") from None
     if "error" in reply:
-        cls = getattr(errors, reply["type"], errors.PackerError)
-        raise cls(reply["error"])
+        raise error_class(reply["type"])(reply["error"])
     files = tuple(FileEntry(**f) for f in reply["files"])
     return StageOutput(files=files, section=reply["section"], bytes_processed=reply["bytes"],
                        notes=tuple(reply["notes"]), digests=dict(reply.get("digests", {})))  # fmt: skip

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import SourceError
+from packer.formats import WEIGHT_PATTERNS
 from packer.recipe import Recipe
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
 # What the weights and bundle stages may read from a hub repo when the recipe names nothing.
 DEFAULT_HF_PATTERNS = (
-    "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.safetensors", "*.bin", "*.pt",
-    "*.pth", "*.ckpt", "*/*.json", "*/*.txt",
+    "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", *WEIGHT_PATTERNS, "*/*.json", "*/*.txt",
 )  # fmt: skip
 
 

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from packer.errors import StubError
+from packer.formats import LOADER_NAME
 from packer.fsutil import canonical_json
-from packer.stub import LOADER_NAME, StubError, amalgamate, emit_loader, import_block, render, runtime_modules
+from packer.stub import emit_loader, render
 from tests.loader_fixtures import make_out
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,85 +173,3 @@ def test_import_cost_beyond_torch_is_small(out: tuple[Path, dict[str, Any]]) -> 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout) < 0.1  # the budget is 30 ms; CI machines are noisy
-
-
-def test_runtime_modules_join_in_dependency_order() -> None:
-    mods = runtime_modules()
-    names = [m.name for m in mods]
-    assert names[-1] == "loader" and "bundle_reader" not in names and len(set(names)) == len(names)
-    for i, m in enumerate(mods):
-        assert set(m.deps) <= set(names[:i]), m.name  # every dependency comes first
-        lines = (ROOT / "packer" / "runtime" / f"{m.name}.py").read_text().count("\n")
-        assert lines <= 400, f"packer/runtime/{m.name}.py has {lines} lines (style: at most 400)"
-    text = amalgamate()
-    assert text == amalgamate() and text.count("from __future__ import annotations") == 1
-    assert "from packer" not in text and "import packer" not in text
-    assert text.startswith(mods[-1].doc_source)
-
-
-def _fake_runtime(tmp_path: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
-    return tmp_path
-
-
-LOADER_USES_A = """
-    \"\"\"Entry.\"\"\"
-
-    from __future__ import annotations
-
-    from pathlib import PurePath
-
-    from packer.runtime.a import (
-        HELPER,
-        helper,
-    )
-
-    VALUE = helper(PurePath("x"))
-"""
-
-
-def test_amalgamate_a_small_runtime(tmp_path: Path) -> None:
-    a = """
-        \"\"\"Module a.\"\"\"
-        import os
-        from pathlib import Path
-        HELPER = 1
-        def helper(p: object) -> str:
-            return str(Path(os.fspath(str(p)))) + str(HELPER)
-    """
-    text = amalgamate(_fake_runtime(tmp_path, {"loader": LOADER_USES_A, "a": a}))
-    assert text.startswith('"""Entry."""\n\nfrom __future__ import annotations\n\n'
-                           "import os\nfrom pathlib import Path, PurePath\n\n\n# --- packer/runtime/a.py\n"
-                           "# Module a.\nHELPER = 1\n")  # fmt: skip
-    ns: dict[str, Any] = {}
-    exec(compile(text, "amalgamated", "exec"), ns)
-    assert ns["VALUE"] == "x1" and ns["__doc__"] == "Entry."
-
-
-@pytest.mark.parametrize(("a", "error"), [
-    ("import torch\nHELPER = 1\ndef helper(p): pass\n", "top-level import of 'torch'"),
-    ("from . import b\n", "only 'from packer.runtime.<module> import <names>'"),
-    ("from packer.fsutil import canonical_json\n", "only 'from packer.runtime.<module> import <names>'"),
-    ("from packer.runtime.loader import VALUE\n", "import cycle loader -> a -> loader"),
-    ("from packer.runtime.nowhere import x\n", "nowhere.py: not a runtime module"),
-    ("from packer.runtime.bundle_reader import Bundle\n", "bundle_reader.py: not a runtime module"),
-    ("HELPER = 1\nVALUE = 2\ndef helper(p): pass\n", "'VALUE' is bound by both a.py and loader.py"),
-    ("HELPER = 1\ndef helper(p): pass\nclass PurePath: pass\n",
-     "'PurePath' is bound by both a standard-library import and a.py"),
-])  # fmt: skip
-def test_amalgamate_refuses_what_one_file_cannot_hold(tmp_path: Path, a: str, error: str) -> None:
-    (tmp_path / "bundle_reader.py").write_text("class Bundle: pass\n")
-    with pytest.raises(StubError, match=error.replace(".", "[.]").replace("(", "[(]").replace(")", "[)]")):
-        amalgamate(_fake_runtime(tmp_path, {"loader": LOADER_USES_A, "a": a}))
-
-
-def test_import_block_merges_and_sorts_as_isort() -> None:
-    pairs = [("", "sys"), ("typing", "Any"), ("", "os"), ("collections.abc", "Iterator"),
-             ("collections.abc", "Callable"), ("typing", "Any"), ("", "os.path as osp"),
-             ("os", "SEEK_SET"), ("os", "PathLike"), ("os", "fspath")]  # fmt: skip
-    assert import_block(pairs) == ("import os\nimport os.path as osp\nimport sys\n"
-                                   "from collections.abc import Callable, Iterator\n"
-                                   "from os import SEEK_SET, PathLike, fspath\nfrom typing import Any\n")  # fmt: skip
-    long = import_block([("typing", f"Name{i:03d}") for i in range(12)])
-    assert long.startswith("from typing import (\n    Name000,\n") and long.endswith("    Name011,\n)\n")

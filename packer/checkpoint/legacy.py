@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.pickle_vm import TruncatedPickle, run_pickle
+from packer.checkpoint.pickle_vm import run_pickle
 from packer.checkpoint.records import StorageRange
 from packer.checkpoint.tree import STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
-from packer.errors import CheckpointError, UnsafeInputError
+from packer.errors import CheckpointError, TruncatedPickle, UnsafeInputError
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001

@@ -22,14 +22,10 @@ from packer.checkpoint.tree import (
     PickleSet,
     reduce_call,
 )
-from packer.errors import CheckpointError, UnsafeInputError
+from packer.errors import CheckpointError, TruncatedPickle, UnsafeInputError
 
 PersistentLoad = Callable[[object], object]
 _NO_ENCODING = "utf-8"
-
-
-class TruncatedPickle(CheckpointError):
-    """The pickle runs past the end of the bytes given (a caller may retry with more)."""
 
 
 @dataclass(frozen=True)

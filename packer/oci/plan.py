@@ -21,13 +21,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from packer.errors import ImageError
+from packer.formats import LOADER_NAME, SAFETENSORS_SUFFIX
 from packer.fsutil import FileEntry
 from packer.oci.tar_writer import FileRange, Owner, SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
 from packer.tarfmt import source_date_epoch
 
-LOADER = "packer_loader.py"
-MANIFEST = "manifest.json"
 WEIGHTS_DIR = "weights/"
 
 
@@ -164,8 +163,8 @@ def plan_layers(
         if entry.path.startswith(WEIGHTS_DIR):
             if cfg.weights == "external":
                 continue
-            (weights if entry.path.endswith(".safetensors") else meta).append(pf)
-        elif entry.path == LOADER:
+            (weights if entry.path.endswith(SAFETENSORS_SUFFIX) else meta).append(pf)
+        elif entry.path == LOADER_NAME:
             top.append(pf)
         else:
             meta.append(pf)

@@ -10,6 +10,7 @@ from typing import Any
 
 from packer import tarfmt
 from packer.errors import ImageError
+from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, file_entry
 from packer.oci.base import BaseImage, link_blobs, resolve_base
 from packer.oci.dockerfile import (
@@ -21,7 +22,7 @@ from packer.oci.dockerfile import (
 )
 from packer.oci.layer import MEDIA_TYPES, Layer, LayerJob, write_layers
 from packer.oci.layout import rfc3339, write_layout
-from packer.oci.plan import MANIFEST, ImagePlan, PlannedLayer, plan_layers
+from packer.oci.plan import ImagePlan, PlannedLayer, plan_layers
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
 from packer.stage import StageOutput
@@ -44,8 +45,8 @@ def plan_image(
 ) -> ImagePlan:
     """The layer plan only (what ``--dry-run`` prints); reads nothing from disk."""
     digest = hashlib.sha256(artifact_manifest).hexdigest()
-    manifest = FileEntry(MANIFEST, len(artifact_manifest), digest)
-    files = [f for f in artifact_files if f.path != MANIFEST]
+    manifest = FileEntry(MANIFEST_NAME, len(artifact_manifest), digest)
+    files = [f for f in artifact_files if f.path != MANIFEST_NAME]
     return plan_layers(files, cfg, name=name, version=version, manifest=manifest)
 
 
@@ -76,7 +77,7 @@ def _write_layers(
     jobs, rels = [], []
     for i, planned in enumerate(plan.layers):
         sources = [
-            SourceFile(f.dest, f.size, data=manifest) if f.rel_path == MANIFEST
+            SourceFile(f.dest, f.size, data=manifest) if f.rel_path == MANIFEST_NAME
             else SourceFile(f.dest, f.size, source=out_dir / f.rel_path)
             for f in planned.files
         ]  # fmt: skip

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
-from packer.errors import ArtifactMismatchError, VerifyError
+from packer.errors import ImageArtifactMismatchError, VerifyError
+from packer.formats import MANIFEST_NAME
 from packer.fsutil import HashThread
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
@@ -258,7 +259,7 @@ def _check_artifacts(
     except (ValueError, KeyError, TypeError) as e:
         raise _fail(where, "the artifact manifest is not JSON with a 'files' map") from e
     root = f"/{prefix}/" if prefix else "/"
-    expected: Expected = {f"{root}manifest.json": (len(artifact_manifest),
+    expected: Expected = {f"{root}{MANIFEST_NAME}": (len(artifact_manifest),
                                                   hashlib.sha256(artifact_manifest).hexdigest())}
     manifest_paths = set(expected)
     for rel, entry in files.items():
@@ -287,7 +288,8 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
         The digests of the blobs whose content was checked (so callers need not hash them again).
 
     Raises:
-        VerifyError: naming the blob or entry and what is wrong.
+        VerifyError: naming the blob or entry and what is wrong;
+            ImageArtifactMismatchError: the image is sound but differs from ``artifact_manifest``.
     """
     image = Path(out_dir) / "image"
     checked: set[str] = set()
@@ -317,7 +319,7 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
             try:
                 _check_artifacts(found, artifact_manifest, ann, str(image))
             except VerifyError as e:  # the image is sound; what it was compared with differs
-                raise ArtifactMismatchError(str(e)) from e
+                raise ImageArtifactMismatchError(str(e)) from e
         checked |= {desc["digest"], manifest["config"]["digest"], *(lay["digest"] for lay in manifest["layers"])}
     return checked
 

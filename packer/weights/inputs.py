@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
+from packer.formats import WEIGHT_PATTERNS
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")
-_LONE = ("*.safetensors", "*.pt", "*.pth", "*.ckpt", "*.bin")
 MAX_INDEX_BYTES = 64 * 2**20  # real indexes are kilobytes to a few MB; this bounds the JSON parse
 
 
@@ -69,12 +69,12 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
     for name in SINGLES[::order]:
         if (src / name).is_file():
             return InputSet(src, (src / name,))
-    candidates = sorted({p for pattern in _LONE for p in src.glob(pattern) if p.is_file()})
+    candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if p.is_file()})
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))
     if not candidates:
         raise WeightsError(f"{src}: no checkpoint found (looked for {', '.join(SINGLES)}, "
-                           f"an index or a single {'/'.join(_LONE)} file)")
+                           f"an index or a single {'/'.join(WEIGHT_PATTERNS)} file)")
     names = ", ".join(p.name for p in candidates[:6])
     raise WeightsError(f"{src}: several checkpoint files ({names}); choose with weights.files")
 

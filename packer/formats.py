@@ -1,0 +1,18 @@
+"""File names and weight-file patterns that the build, the image, verify and the CLI share.
+
+One spelling of each, so that a stage cannot write under one name what another reads under
+another. The emitted loader cannot import packer, so ``packer/runtime`` keeps its own copies;
+the output shard names (``model.safetensors`` and its index) are the weights plan's
+(:mod:`packer.weights.plan`).
+"""
+
+from __future__ import annotations
+
+LOADER_NAME = "packer_loader.py"  # the emitted loader, at the top of OUT and of the image's tree
+MANIFEST_NAME = "manifest.json"  # the artifact manifest, beside it
+
+SAFETENSORS_SUFFIX = ".safetensors"
+# Weight files packer converts: safetensors, then what torch.save writes under its customary
+# names. The order is the one the weights stage names them in when it finds none it expects.
+WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".pt", ".pth", ".ckpt", ".bin")
+WEIGHT_PATTERNS = tuple(f"*{s}" for s in WEIGHT_SUFFIXES)
