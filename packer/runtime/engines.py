@@ -22,9 +22,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ALIGN = 256  # device tensors start at multiples of this (cudaMalloc gives 256 at least)
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
 
 def _host_view(t: Any) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes (pinned or not)."""
@@ -32,6 +29,10 @@ def _host_view(t: Any) -> memoryview:
 
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+ALIGN = 256  # device tensors start at multiples of this (cudaMalloc gives 256 at least)
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
 def _nothing() -> None:
