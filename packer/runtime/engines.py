@@ -182,7 +182,11 @@ class CudaEngine:
         event.synchronize()
 
     def finish(self) -> None:
-        self.stream.synchronize()
+        # an event, not stream.synchronize(): a graph warm-up on another thread may have CUDA's
+        # sync-debug mode at "error" for a moment, and only stream/device syncs are checked
+        done = self.torch.cuda.Event()
+        done.record(self.stream)
+        done.synchronize()
         self.torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def release(self) -> None:

@@ -149,7 +149,6 @@ class Loader:
             with self.timeline.stage("CUDA init"):  # driver, context, allocator: paid once
                 torch.cuda.init()
                 torch.empty(1, device=dev)  # a real allocation: the device's context exists now
-                torch.cuda.synchronize(dev)
         return dev
 
     def _ringed(self, torch: Any, dev: Any, shards: list[Shard], verify: bool,
