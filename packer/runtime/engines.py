@@ -65,7 +65,7 @@ def pinned_buffer(torch: Any, nbytes: int) -> tuple[Any, Callable[[], None], str
         err = rt.cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE) if rt else -1
     except (AttributeError, RuntimeError, TypeError):
         rt, err = None, -1
-    if rt is not None and int(err) == 0 and buf.is_pinned():
+    if rt is not None and int(err) == 0:  # page-locked: copies from it are truly asynchronous
         ptr = buf.data_ptr()
 
         def free() -> None:

@@ -155,7 +155,8 @@ def cuda_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=side,
+                                                          capture_error_mode="thread_local"):  # fmt: skip
                 out = model(*sargs, **skw)
         except BaseException:
             _end_failed_capture(torch, dev, caller, graph, pool)
