@@ -115,6 +115,8 @@ def test_the_loader_leaves_the_pinned_cache_alone(tmp_path: Path) -> None:
     del held  # now a cached block of PyTorch's pinned allocator (someone else's)
     _loader(tmp_path, m).load_weights("cuda")
     ring.release_ring()
+    model = torch.nn.Linear(16, 16).cuda()  # torch.cuda.graph() would empty that cache: not used
+    assert len(L.warmup(model, [torch.randn(4, 16, device="cuda")], cuda_graphs=True).graphs) == 1
     again = torch.empty(8 * 2**20, dtype=torch.uint8, pin_memory=True)
     assert again.data_ptr() == ptr  # still cached: nobody emptied the process-wide cache
 

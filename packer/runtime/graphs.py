@@ -93,7 +93,11 @@ def _same_type(out: Any, items: list[Any]) -> Any:
 
 
 def _syncs_with_host(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether one run of the model synchronises with the host (then it cannot be captured)."""
+    """Whether one run of the model synchronises with the host (then it cannot be captured).
+
+    The sync-debug mode is process-wide for that one run: the loader itself waits on events
+    only, which the mode does not check, so a load on another thread is not disturbed.
+    """
     torch = sys.modules["torch"]
     before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
@@ -155,13 +159,33 @@ def cuda_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=side,
-                                                          capture_error_mode="thread_local"):  # fmt: skip
-                out = model(*sargs, **skw)
+            out = _capture_on(torch, graph, side, pool, lambda: model(*sargs, **skw))
         except BaseException:
             _end_failed_capture(torch, dev, caller, graph, pool)
             raise
     return Captured(graph.replay, static, out)
+
+
+def _capture_on(torch: Any, graph: Any, side: Any, pool: Any, run: Callable[[], Any]) -> Any:
+    """``run()`` captured into ``graph`` on ``side``; the stream context restores the caller's.
+
+    Not ``torch.cuda.graph``: that context manager empties PyTorch's process-wide pinned
+    cache on entry, and leaves the capture stream current when ending the capture fails.
+    """
+    done = torch.cuda.Event()  # an event, not side.synchronize(): see _syncs_with_host
+    done.record(side)
+    done.synchronize()  # nothing of the warm-up is still queued on the capture stream
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            with torch.inference_mode():
+                out = run()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                graph.capture_end()  # ends the capture; the model's error is the one to report
+            raise
+        graph.capture_end()
+    return out
 
 
 class GraphPool:
