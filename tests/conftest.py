@@ -17,3 +17,18 @@ settings.register_profile(
 )  # fmt: skip
 settings.register_profile("long", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("PACKER_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
+    """Skip ``@pytest.mark.cuda`` tests where there is no CUDA device (CI never has one)."""
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not marked:
+        return
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in marked:
+        item.add_marker(skip)

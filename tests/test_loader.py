@@ -459,10 +459,10 @@ def test_environment_is_set_before_cuda_and_never_overridden() -> None:
         import os, sys
         import packer.runtime.loader
         assert "torch" not in sys.modules  # torch is imported lazily
-        print(os.environ["CUDA_MODULE_LOADING"], os.environ["PYTORCH_CUDA_ALLOC_CONF"])
+        print(os.environ["CUDA_MODULE_LOADING"], os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "-"))
     """)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["LAZY", "expandable_segments:True"]
+    assert r.stdout.split() == ["LAZY", "-"]  # the allocator is left alone (tests/test_env.py)
     r = run_py("import os, packer.runtime.loader; print(os.environ['CUDA_MODULE_LOADING'])",
                {"CUDA_MODULE_LOADING": "EAGER"})  # fmt: skip
     assert r.stdout.strip() == "EAGER"

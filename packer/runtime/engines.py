@@ -3,14 +3,23 @@
 Both engines offer the same small protocol (``host_buffer``, ``device_buffer``, ``copy``,
 ``query``, ``wait``, ``finish``, ``release``), so the ring's scheduling runs unchanged in tests
 against the CPU engine, whose copy thread plays the part of the CUDA stream.
+
+Host buffers come with a ``free`` callable: the ring keeps them for the whole process and
+frees them only on request. CUDA staging memory is an anonymous mapping registered with
+``cudaHostRegister``, so freeing it unregisters exactly those pages; the process-wide pinned
+cache of PyTorch (other libraries' blocks) is never emptied. Device buffers start at
+``ALIGN``-byte boundaries.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -20,6 +29,56 @@ def _host_view(t: Any) -> memoryview:
 
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+ALIGN = 256  # device tensors start at multiples of this (cudaMalloc gives 256 at least)
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _nothing() -> None:
+    pass
+
+
+def _aligned_empty(torch: Any, nbytes: int, device: Any = "cpu") -> Any:
+    """``nbytes`` uint8 starting at an ``ALIGN``-byte address (CPU allocations give 64)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip: skip + nbytes]
+
+
+def pinned_buffer(torch: Any, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+    """``nbytes`` of page-locked host memory, its ``free`` callable and how it was pinned.
+
+    An anonymous mapping registered with ``cudaHostRegister`` (``"registered"``); where that
+    binding is missing or refuses, a block of PyTorch's pinned allocator (``"torch-pinned"``,
+    which stays in PyTorch's cache once freed). Neither empties anyone's pinned cache.
+
+    Raises:
+        RuntimeError: no pinned memory could be had (copies from pageable memory would be
+            silently synchronous).
+    """
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    cudart = getattr(torch.cuda, "cudart", None)
+    try:
+        rt = cudart() if cudart is not None else None
+        err = rt.cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE) if rt else -1
+    except (AttributeError, RuntimeError, TypeError):
+        rt, err = None, -1
+    if rt is not None and int(err) == 0:  # page-locked: copies from it are truly asynchronous
+        ptr = buf.data_ptr()
+
+        def free() -> None:
+            rt.cudaHostUnregister(ptr)  # the mapping goes with the last tensor that views it
+
+        return buf, free, "registered"
+    del buf
+    with contextlib.suppress(BufferError):
+        mm.close()
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if not buf.is_pinned():  # non_blocking from pageable memory is silently synchronous
+        raise RuntimeError("packer_loader: could not allocate pinned staging memory")
+    return buf, _nothing, "torch-pinned"
 
 
 class CpuEngine:
@@ -35,11 +94,11 @@ class CpuEngine:
         self._thread = threading.Thread(target=self._run, name="packer-copy", daemon=True)
         self._thread.start()
 
-    def host_buffer(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8)
+    def host_buffer(self, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8), _nothing, "cpu"
 
     def device_buffer(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8)
+        return _aligned_empty(self.torch, nbytes)
 
     def copy(self, pairs: list[tuple[Any, Any]]) -> threading.Event:
         done = threading.Event()
@@ -78,30 +137,38 @@ class CpuEngine:
 
 
 class CudaEngine:
-    """Pinned staging slots and one dedicated CUDA stream; one event per slot copy."""
+    """Pinned staging slots and one dedicated CUDA stream; one event per slot copy.
+
+    ``stall_cycles`` (race hunting) makes the stream spin that many GPU clock cycles before
+    each copy (``torch.cuda._sleep``): copies then lag far behind reads, so any refill that
+    does not wait for its slot's event would show up as wrong bytes.
+    """
 
     name = "cuda"
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, *, stall_cycles: int = 0) -> None:
         self.torch = sys.modules["torch"]
         self.device = device
+        self.stall_cycles = stall_cycles
         self.stream = self.torch.cuda.Stream(device=device)
         self._joined = False
 
-    def host_buffer(self, nbytes: int) -> Any:
-        buf = self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
-        if not buf.is_pinned():  # non_blocking from pageable memory is silently synchronous
-            raise RuntimeError("packer_loader: could not allocate pinned staging memory")
-        return buf
+    def host_buffer(self, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+        return pinned_buffer(self.torch, nbytes)
 
     def device_buffer(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        buf = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        if buf.data_ptr() % ALIGN:  # the caching allocator gives 512: never seen, kept honest
+            buf = _aligned_empty(self.torch, nbytes, self.device)
+        return buf
 
     def copy(self, pairs: list[tuple[Any, Any]]) -> Any:
         if not self._joined:  # destinations may still be in use by kernels queued before us
             self.stream.wait_stream(self.torch.cuda.current_stream(self.device))
             self._joined = True
         with self.torch.cuda.stream(self.stream):
+            if self.stall_cycles:
+                self.torch.cuda._sleep(self.stall_cycles)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             event = self.torch.cuda.Event()
@@ -115,13 +182,15 @@ class CudaEngine:
         event.synchronize()
 
     def finish(self) -> None:
-        self.stream.synchronize()
+        # an event, not stream.synchronize(): a graph warm-up on another thread may have CUDA's
+        # sync-debug mode at "error" for a moment, and only stream/device syncs are checked
+        done = self.torch.cuda.Event()
+        done.record(self.stream)
+        done.synchronize()
         self.torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def release(self) -> None:
-        empty = getattr(self.torch._C, "_host_emptyCache", None)
-        if empty is not None:  # hand the pinned ring back instead of caching it for ever
-            empty()
+        pass  # the pinned ring belongs to the process (ring.release_ring frees it)
 
 
 def make_engine(dev: Any) -> Any:

@@ -23,7 +23,8 @@ DEFAULT_SLOTS = 4
 DEFAULT_CHUNK = 64 * MIB
 MAX_RING_BYTES = 512 * MIB
 MAX_HEADER = 100 * MIB
-_ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+_ENV = {"CUDA_MODULE_LOADING": "LAZY"}
+_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's allocator settings
 _DTYPES = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
@@ -38,9 +39,25 @@ class ArtifactMismatchError(RuntimeError):
     """The artifacts on disk do not match the manifest embedded in this loader."""
 
 
+def _wanted_env() -> dict[str, str]:
+    """The start-up variables to set: ``_ENV`` minus the user's, plus expandable segments
+    when ``PACKER_EXPANDABLE_SEGMENTS=1`` asks and no allocator setting was made (they break
+    CUDA tensor sharing between processes in unprivileged containers, so never by default)."""
+    out = {k: v for k, v in _ENV.items() if k not in os.environ}
+    if os.environ.get("PACKER_EXPANDABLE_SEGMENTS", "") == "1":
+        user = [k for k in _ALLOC_VARS if k in os.environ]
+        if user:
+            warnings.warn(f"packer_loader: PACKER_EXPANDABLE_SEGMENTS=1 ignored: {user[0]} is set; "
+                          "add expandable_segments:True there yourself", RuntimeWarning, stacklevel=4)  # fmt: skip
+        else:
+            out["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return out
+
+
 def _apply_env() -> None:
     """Set the CUDA start-up variables unless the user did; warn when it is already too late."""
-    unset = [k for k in _ENV if k not in os.environ]
+    wanted = _wanted_env()
+    unset = list(wanted)
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if unset and cuda is not None and cuda.is_initialized():
@@ -48,7 +65,7 @@ def _apply_env() -> None:
                       f"{', '.join(unset)} cannot take effect (import the loader first)",
                       RuntimeWarning, stacklevel=3)  # fmt: skip
     for key in unset:
-        os.environ[key] = _ENV[key]
+        os.environ[key] = wanted[key]
 
 
 _apply_env()

@@ -3,10 +3,20 @@
 :func:`warmup` runs each example a few times (cuDNN autotune) and, on request, captures one
 CUDA graph per input shape; the returned :class:`GraphPool` replays a graph when the shapes
 match a captured one and runs the model eagerly for any other.
+
+Capture is careful: a model that synchronises with the host (``.item()``, data-dependent
+shapes) is found first by one run in CUDA's sync-debug "error" mode and stays eager; capture
+runs on the inputs' device with the thread-local error mode (a load on another thread cannot
+invalidate it); a capture that fails anyway restores the caller's stream and the allocator,
+and no further shape is captured. Replayed outputs are cloned with their structure intact
+(``ModelOutput``, named tuples, non-tensor leaves).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
@@ -47,33 +57,135 @@ def _rebuild(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _clone_out(out: Any) -> Any:
+    """A copy of ``out`` with every tensor cloned and every container's type kept."""
     torch = sys.modules["torch"]
     if isinstance(out, torch.Tensor):
         return out.clone()
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a named tuple
+        return type(out)(*(_clone_out(o) for o in out))
     if isinstance(out, (tuple, list)):
-        return type(out)(_clone_out(o) for o in out)
+        items = [_clone_out(o) for o in out]
+        return type(out)(items) if type(out) in (tuple, list) else _same_type(out, items)
     if isinstance(out, dict):
-        return {k: _clone_out(v) for k, v in out.items()}
+        new = _shallow(out)
+        for k, v in out.items():
+            new[k] = _clone_out(v)  # ModelOutput.__setitem__ keeps attribute and key in step
+        return new
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{f.name: _clone_out(getattr(out, f.name))
+                                           for f in dataclasses.fields(out) if f.init})  # fmt: skip
     return out
+
+
+def _shallow(out: dict[Any, Any]) -> dict[Any, Any]:
+    try:
+        new = copy.copy(out)  # keeps the type and its attributes (ModelOutput is a dataclass)
+    except Exception:  # a mapping type that cannot be copied: a plain dict still has the keys
+        return {}
+    return new if isinstance(new, dict) else {}
+
+
+def _same_type(out: Any, items: list[Any]) -> Any:
+    try:
+        return type(out)(items)
+    except Exception:  # a sequence type whose constructor takes something else
+        return items if isinstance(out, list) else tuple(items)
+
+
+def _syncs_with_host(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether one run of the model synchronises with the host (then it cannot be captured).
+
+    The sync-debug mode is process-wide for that one run: the loader itself waits on events
+    only, which the mode does not check, so a load on another thread is not disturbed.
+    """
+    torch = sys.modules["torch"]
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(*args, **kwargs)
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    return False
+
+
+def _end_failed_capture(torch: Any, dev: Any, stream: Any, graph: Any, pool: Any) -> None:
+    """After a failed capture: the caller's stream back, the allocator out of capture mode."""
+    torch.cuda.set_stream(stream)
+    with contextlib.suppress(Exception):
+        pool = graph.pool()  # the pool this capture allocated from (a private one when None)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None and pool is not None:
+        with contextlib.suppress(Exception):  # already ended when capture_end got that far
+            end(dev.index, pool)
+    with contextlib.suppress(Exception):
+        graph.reset()
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize(dev)
+
+
+class UncapturableError(RuntimeError):
+    """The model synchronises with the host during a run, so it cannot be captured."""
 
 
 def cuda_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  pool: Any) -> Captured:  # fmt: skip
-    """Capture ``model(*args, **kwargs)`` into a CUDA graph sharing the memory ``pool``."""
+    """Capture ``model(*args, **kwargs)`` into a CUDA graph sharing the memory ``pool``.
+
+    Runs on the inputs' device; thread-local capture error mode.
+
+    Raises:
+        UncapturableError: the model synchronises with the host (found before capturing).
+        RuntimeError: the capture failed; the caller's stream is current again.
+    """
     torch = sys.modules["torch"]
     tensors, _ = _split(args, kwargs)
-    static = [t.clone() for t in tensors]
-    sargs, skw = _rebuild(args, kwargs, static)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):  # capture needs the lazy initialisations done, off the main stream
-            model(*sargs, **skw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-        out = model(*sargs, **skw)
+    dev = tensors[0].device
+    with torch.cuda.device(dev):
+        static = [t.clone() for t in tensors]
+        sargs, skw = _rebuild(args, kwargs, static)
+        caller = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(3):  # capture needs the lazy initialisations done, off the main stream
+                model(*sargs, **skw)
+            if _syncs_with_host(model, sargs, skw):
+                caller.wait_stream(side)
+                raise UncapturableError("the model synchronises with the host (sync debug mode)")
+        caller.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            out = _capture_on(torch, graph, side, pool, lambda: model(*sargs, **skw))
+        except BaseException:
+            _end_failed_capture(torch, dev, caller, graph, pool)
+            raise
     return Captured(graph.replay, static, out)
+
+
+def _capture_on(torch: Any, graph: Any, side: Any, pool: Any, run: Callable[[], Any]) -> Any:
+    """``run()`` captured into ``graph`` on ``side``; the stream context restores the caller's.
+
+    Not ``torch.cuda.graph``: that context manager empties PyTorch's process-wide pinned
+    cache on entry, and leaves the capture stream current when ending the capture fails.
+    """
+    done = torch.cuda.Event()  # an event, not side.synchronize(): see _syncs_with_host
+    done.record(side)
+    done.synchronize()  # nothing of the warm-up is still queued on the capture stream
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            with torch.inference_mode():
+                out = run()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                graph.capture_end()  # ends the capture; the model's error is the one to report
+            raise
+        graph.capture_end()
+    return out
 
 
 class GraphPool:
@@ -89,14 +201,20 @@ class GraphPool:
         self.replays = 0
         self.fallbacks = 0
         self.mempool: Any = None
+        self.capturing = True  # False after a failed capture or an uncapturable model
+        self.eager_reason = ""
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Capture one shape; on failure keep running that shape eagerly (warn, no raise)."""
+        """Capture one shape; on failure run eagerly from then on (warn, no raise)."""
+        if not self.capturing:
+            return False
         _, sig = _split(args, kwargs)
         try:
             self.graphs[sig] = self.capture_fn(self.model, args, kwargs, self.mempool)
         except Exception as e:  # an op that cannot be captured: correctness first
-            warnings.warn(f"packer_loader: CUDA graph capture failed for {sig}: {e}",
+            self.capturing, self.eager_reason = False, f"{type(e).__name__}: {e}"
+            warnings.warn(f"packer_loader: CUDA graph capture failed for {sig} ({self.eager_reason}); "
+                          "the model runs eagerly for every shape not captured so far",
                           RuntimeWarning, stacklevel=2)  # fmt: skip
             return False
         return True

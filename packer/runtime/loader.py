@@ -39,7 +39,7 @@ from packer.runtime.env import (
 )
 from packer.runtime.graphs import Captured, GraphPool, cuda_capture, warmup
 from packer.runtime.loading import Loader
-from packer.runtime.ring import Chunk, Latch, Readers, RingStats, Slot, plan_chunks, run_pipeline
+from packer.runtime.ring import Chunk, Latch, Readers, RingStats, Slot, plan_chunks, release_ring, run_pipeline
 from packer.runtime.shards import Shard, _pread_exact, open_shard, sha256_fd, tensor_view
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
 
@@ -49,7 +49,7 @@ __all__ = [
     "ArtifactMismatchError", "Captured", "Chunk", "CpuEngine", "CudaEngine", "GraphPool", "Latch",
     "Loader", "Readers", "RingStats", "Shard", "Slot", "Timeline", "bundle_dir", "bundle_reader",
     "check_loaded", "cuda_capture", "default_loader", "load_into", "load_weights", "main", "manifest",
-    "open_shard", "plan_chunks", "prefetch", "report", "run_pipeline", "selftest", "sha256_fd",
+    "open_shard", "plan_chunks", "prefetch", "release_ring", "report", "run_pipeline", "selftest", "sha256_fd",
     "tensor_view", "warmup", "warmup_inputs",
 ]  # fmt: skip
 

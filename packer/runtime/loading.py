@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ from packer.runtime.cpu import map_shards, prefetch_files, read_shards
 from packer.runtime.engines import make_engine
 from packer.runtime.env import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, ArtifactMismatchError, _env_int, bundle_reader
 from packer.runtime.into import finish_into, into_cpu, module_targets, plan_into, target_device
-from packer.runtime.ring import Chunk, RingStats, plan_chunks, run_ring
+from packer.runtime.layout import Layout, layout_tensors, plan_layout
+from packer.runtime.ring import Chunk, RingStats, plan_chunks, ring_chunk, run_ring
 from packer.runtime.shards import Shard, _check_sha, open_shard, sha256_fd, shard_tensors
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
 
@@ -44,7 +44,8 @@ class Loader:
         self.auto_flush = True  # print the stage table after each verb (the self-test prints once)
         self.slots = _env_int("PACKER_RING_SLOTS", DEFAULT_SLOTS)
         self.chunk = _env_int("PACKER_CHUNK_MB", DEFAULT_CHUNK // MIB) * MIB
-        self.readers = _env_int("PACKER_READERS", min(8, os.cpu_count() or 1))
+        self.readers = max(1, _env_int("PACKER_READERS", min(8, os.cpu_count() or 1)))
+        self.make_engine = make_engine  # torch device -> copy engine (tests slow it down)
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine."""
@@ -109,7 +110,10 @@ class Loader:
                 of views of a mapping.
 
         Returns:
-            ``{name: tensor}`` including the alias names.
+            ``{name: tensor}`` including the alias names. Through the ring (CUDA, or
+            ``pipeline=True``) every non-empty tensor starts at a 256-byte aligned address,
+            as safetensors' own loader gives them. The CPU views and copies guarantee element
+            alignment only (a view where the file offset allows it, a private copy where not).
 
         Raises:
             ArtifactMismatchError: a file is missing, has another size, header or sha256.
@@ -124,9 +128,9 @@ class Loader:
                     self._verify_shards(shards)
                 bufs = (read_shards(torch, shards, self.readers, self.timeline) if copy
                         else map_shards(torch, shards, self.timeline))  # fmt: skip
+                out = self._tensors(torch, shards, bufs, dtype)
             else:
-                bufs = self._ringed(torch, dev, shards, verify)
-            out = self._tensors(torch, shards, bufs, dtype)
+                out = self._ringed(torch, dev, shards, verify, dtype)
         finally:
             for s in shards:
                 s.close()
@@ -141,32 +145,32 @@ class Loader:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"packer_loader: device {device!r} asked for but CUDA is not available "
                                "(torch.cuda.is_available() is False); use device='cpu'")  # fmt: skip
-        if dev.type == "cuda" and not torch.cuda.is_initialized():
-            with self.timeline.stage("CUDA init"):
+        if dev.type == "cuda" and not _has_context(torch, dev):
+            with self.timeline.stage("CUDA init"):  # driver, context, allocator: paid once
                 torch.cuda.init()
-                torch.empty(0, device=dev)
+                torch.empty(1, device=dev)  # a real allocation: the device's context exists now
         return dev
 
-    def _ringed(self, torch: Any, dev: Any, shards: list[Shard],
-                verify: bool) -> list[tuple[Any, int]]:  # fmt: skip
-        engine = make_engine(dev)
-        start = time.perf_counter()
-        bufs = [engine.device_buffer(s.size - s.data_start) for s in shards]
-        segs = [(i, s.data_start, s.size - s.data_start, bufs[i]) for i, s in enumerate(shards)]
-        hashers = None
-        if verify:
-            hashers = {i: hashlib.sha256(s.head) for i, s in enumerate(shards)}
-        self._run_ring(shards, plan_chunks(segs, self.chunk), engine, hashers, start)
+    def _ringed(self, torch: Any, dev: Any, shards: list[Shard], verify: bool,
+                dtype: Any) -> dict[str, Any]:  # fmt: skip
+        """Through the ring into one device buffer per shard, every tensor ``ALIGN``-aligned;
+        with ``verify`` the hash thread checks each file as its chunks pass, in file order."""
+        engine = self.make_engine(dev)
+        layouts = [plan_layout(s.tensors, s.size - s.data_start) for s in shards]
+        with self.timeline.stage("device alloc", sum(x.nbytes for x in layouts)):
+            bufs = [engine.device_buffer(x.nbytes) for x in layouts]
+        segs = _segments(shards, layouts, bufs)
+        hashers = {i: hashlib.sha256(s.head) for i, s in enumerate(shards)} if verify else None
+        self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, hashers)
         if hashers is not None:
             for i, s in enumerate(shards):
                 _check_sha(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
-        return [(b, 0) for b in bufs]
+        return layout_tensors(torch, shards, bufs, layouts, dtype, self.manifest["weights"].get("aliases", {}))
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: Any,
-                  hashers: dict[int, Any] | None, start: float) -> None:  # fmt: skip
-        self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=self.chunk,
-                                   readers=self.readers, hashers=hashers, start=start,
-                                   timeline=self.timeline)  # fmt: skip
+                  hashers: dict[int, Any] | None) -> None:  # fmt: skip
+        self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),
+                                   readers=self.readers, hashers=hashers, timeline=self.timeline)  # fmt: skip
 
     def _tensors(self, torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]],
                  dtype: Any) -> dict[str, Any]:  # fmt: skip
@@ -216,10 +220,9 @@ class Loader:
     def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],
                    targets: dict[str, list[Any]]) -> None:  # fmt: skip
         """Stream straight into the parameters; a staging tensor only where dtypes differ."""
-        engine = make_engine(dev)
-        start = time.perf_counter()
+        engine = self.make_engine(dev)
         segs, later = plan_into(torch, engine, shards, targets)
-        self._run_ring(shards, plan_chunks(segs, self.chunk), engine, None, start)
+        self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, None)
         finish_into(torch, later)
 
     def bundle_dir(self) -> Path:
@@ -264,3 +267,19 @@ class Loader:
         if trace is not None:
             self.timeline.chrome_trace(trace)
         return [dict(s) for s in self.timeline.stages]
+
+
+def _has_context(torch: Any, dev: Any) -> bool:
+    """Whether CUDA is initialised and ``dev`` has its primary context already."""
+    if not torch.cuda.is_initialized():
+        return False
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return bool(has(index)) if has is not None else True
+
+
+def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[Any]) -> list[tuple[int, int, int, Any]]:
+    """``(shard, file offset, nbytes, destination)`` for :func:`plan_chunks`, in file order."""
+    return [(i, s.data_start + at, n, buf[dst: dst + n])
+            for i, (s, lay, buf) in enumerate(zip(shards, layouts, bufs, strict=True))
+            for at, dst, n in lay.segments]  # fmt: skip

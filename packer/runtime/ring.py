@@ -79,18 +79,130 @@ class Latch:
 
 
 class Slot(Latch):
-    """A staging buffer of the ring and the event of the last copy out of it."""
+    """A staging buffer of the ring, the event of its last copy, and whether it is hashed."""
 
     def __init__(self, index: int, host: Any) -> None:
         super().__init__()
         self.index, self.host, self.view = index, host, _host_view(host)
         self.event: Any = None
+        self.hashed = threading.Event()
+        self.hashed.set()
+
+
+class StagingRing:
+    """One engine kind's staging slots, pinned once and kept for the process.
+
+    A load takes the ring under its lock (concurrent loads take turns); it is re-pinned only
+    when a load needs more slots or larger ones than it has, or when its slots are larger than
+    that load's budget allows. :func:`release_ring` frees it.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.slots: list[Slot] = []
+        self.size = 0
+        self.kind = ""  # "registered", "torch-pinned" or "cpu": how the memory was had
+        self._frees: list[Any] = []
+
+    def take(self, engine: Any, slots: int, size: int, budget: int,
+             timeline: Timeline | None) -> tuple[list[Slot], float]:  # fmt: skip
+        """``slots`` slots of ``size`` to ``budget`` bytes (lock held); the seconds spent pinning."""
+        secs = 0.0
+        if len(self.slots) < slots or not size <= self.size <= budget:
+            self.free()
+            start = time.perf_counter()
+            for i in range(slots):
+                host, free, self.kind = engine.host_buffer(size)
+                self._frees.append(free)
+                self.slots.append(Slot(i, host))
+            self.size = size
+            end = time.perf_counter()
+            secs = end - start
+            if timeline is not None:
+                timeline.add(f"pin ring ({self.kind})", start, end, slots * size)
+        for s in self.slots:
+            s.event = None
+        return self.slots[:slots], secs
+
+    def free(self) -> int:
+        """Free every slot (lock held); the bytes freed."""
+        freed = len(self.slots) * self.size
+        frees, self._frees, self.slots, self.size = self._frees, [], [], 0
+        for f in frees:
+            f()
+        return freed
+
+
+_RINGS: dict[str, StagingRing] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+def staging_ring(kind: str) -> StagingRing:
+    """The process's ring for engine kind ``kind`` (``"cuda"`` or ``"cpu"``)."""
+    with _RINGS_LOCK:
+        return _RINGS.setdefault(kind, StagingRing())
+
+
+def release_ring() -> int:
+    """Free the staging rings of this process (waits for a load in progress).
+
+    Returns:
+        the bytes freed (pinned memory for CUDA); a later load pins its ring again.
+    """
+    freed = 0
+    with _RINGS_LOCK:
+        rings = list(_RINGS.values())
+    for ring in rings:
+        with ring.lock:
+            freed += ring.free()
+    return freed
+
+
+def ring_chunk(nbytes: int) -> int:
+    """``nbytes`` rounded down to a power of two (at least 1), at most 64 MiB."""
+    return 1 << (min(max(nbytes, 1), DEFAULT_CHUNK).bit_length() - 1)
+
+
+class Hasher:
+    """A thread that hashes filled slots in the order given; a slot is ``hashed`` after."""
+
+    def __init__(self, hashers: dict[int, Any]) -> None:
+        self.hashers = hashers
+        self.error: BaseException | None = None
+        self.first: float | None = None
+        self.last = 0.0
+        self.nbytes = 0
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="packer-hash", daemon=True)
+        self._thread.start()
+
+    def submit(self, slot: Slot, shard: int, nbytes: int) -> None:
+        slot.hashed.clear()
+        self._q.put((slot, shard, nbytes))
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            slot, shard, nbytes = item
+            start = time.perf_counter()
+            try:
+                if self.error is None:
+                    self.hashers[shard].update(slot.view[:nbytes])  # hashlib releases the GIL
+            except BaseException as e:  # handed to the dispatcher
+                self.error = e
+            self.first = start if self.first is None else self.first
+            self.last, self.nbytes = time.perf_counter(), self.nbytes + nbytes
+            slot.hashed.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
 
 
 class Readers:
     """Threads that fill buffers with ``os.preadv`` (which releases the GIL)."""
 
     def __init__(self, threads: int, piece: int) -> None:
+        threads = max(threads, 1)  # none would leave every read waiting for ever
         self.piece = piece
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -146,87 +258,118 @@ class RingStats:
     """What the ring did; tests assert the buffer budget and the refill rule with it."""
 
     def __init__(self) -> None:
-        self.host_bytes = 0  # staging memory allocated (never freed during a run)
+        self.host_bytes = 0  # staging memory this load used (slots x slot size)
+        self.pin_seconds = 0.0  # time spent pinning it (0 when the ring was kept from before)
+        self.host_kind = ""  # how the staging memory was had (see StagingRing.kind)
         self.max_busy = 0  # slots reading or copying at once
         self.chunks = 0
-        self.early_refills = 0  # refills before the slot's copy completed: must stay 0
+        self.early_refills = 0  # refills before the slot's copy (and hash) completed: must stay 0
         self.max_chunk = 0
+        self.hash_seconds = 0.0  # the hash thread's busy span (verified loads)
+        self.started = 0.0  # perf_counter when the ring was ready and the first read went out
 
 
 def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots: int,
                  chunk: int, readers: int, hashers: dict[int, Any] | None = None,
-                 stats: RingStats | None = None) -> Readers:  # fmt: skip
+                 stats: RingStats | None = None, timeline: Timeline | None = None) -> Readers:  # fmt: skip
     """Move every chunk from disk through the ring into its destinations.
 
     Reads run ahead in reader threads while the engine copies the slot before; a slot goes
-    back to reading only when the event of its last copy completed. With ``hashers`` the
-    chunks are hashed in file order as they pass (they must cover each shard's data).
+    back to reading only when the event of its last copy completed (and, with ``hashers``, its
+    bytes were hashed on the hash thread, in file order: the chunks must then cover each
+    shard's data). The ring is the process's (:class:`StagingRing`), pinned on first use.
+
+    Raises:
+        ValueError: ``chunk`` is not a power of two, or the ring exceeds 64 MiB chunks / 512 MiB.
     """
-    if chunk > DEFAULT_CHUNK or slots * chunk > MAX_RING_BYTES or slots < 1:
-        raise ValueError(f"ring of {slots} x {chunk} bytes exceeds 64 MiB chunks / 512 MiB total")
+    if (chunk & (chunk - 1) or chunk > DEFAULT_CHUNK or slots * chunk > MAX_RING_BYTES
+            or slots < 1 or chunk < 1):  # fmt: skip
+        raise ValueError(f"ring of {slots} x {chunk} bytes: chunks must be powers of two up to "
+                         "64 MiB and the ring at most 512 MiB (PACKER_RING_SLOTS, PACKER_CHUNK_MB)")  # fmt: skip
+    stats = stats or RingStats()
     size = min(chunk, 1 << max(max((c.nbytes for c in chunks), default=1) - 1, 0).bit_length())
     pool = Readers(readers, piece=max(size // 4, MIB))
-    ring: list[Slot] = []
+    ring = staging_ring(engine.name)
+    hasher = Hasher(hashers) if hashers is not None else None
     try:
-        _drive(shards, deque(chunks), engine, ring, slots, size, pool, hashers, stats or RingStats())
-    except BaseException:
-        with contextlib.suppress(Exception):
-            engine.finish()  # no copy may still read a slot when the ring is freed
-        raise
+        with ring.lock:
+            try:
+                slot_list, stats.pin_seconds = ring.take(engine, slots, size, chunk, timeline)
+                stats.host_bytes, stats.host_kind = slots * ring.size, ring.kind
+                stats.started = time.perf_counter()
+                _drive(shards, deque(chunks), engine, slot_list, pool, hasher, stats)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    engine.finish()  # no copy may still read a slot when the ring is reused
+                raise
+            finally:
+                pool.close()
+                if hasher is not None:
+                    hasher.close()  # no hash may still read a slot either
     finally:
-        pool.close()
-        ring.clear()
         engine.release()
+    if hasher is not None and hasher.first is not None:
+        stats.hash_seconds = hasher.last - hasher.first
+        if timeline is not None:
+            timeline.add("sha256 (hash thread)", hasher.first, hasher.last, hasher.nbytes, lane=4)
     return pool
 
 
-def _drive(shards: list[Shard], todo: deque[Chunk], engine: Any, ring: list[Slot], slots: int,
-           size: int, pool: Readers, hashers: dict[int, Any] | None, stats: RingStats) -> None:  # fmt: skip
-    free: deque[Slot] = deque()
+def _reusable(slot: Slot, engine: Any) -> bool:
+    return (slot.event is None or engine.query(slot.event)) and slot.hashed.is_set()
+
+
+def _drive(shards: list[Shard], todo: deque[Chunk], engine: Any, ring: list[Slot], pool: Readers,
+           hasher: Hasher | None, stats: RingStats) -> None:  # fmt: skip
+    free: deque[Slot] = deque(ring)
     busy: deque[tuple[Slot, Chunk]] = deque()
     while todo or busy:
-        while todo and (free or len(ring) < slots):
-            if not free:
-                ring.append(Slot(len(ring), engine.host_buffer(size)))
-                stats.host_bytes += size
-                free.append(ring[-1])
+        while todo and free:
             slot = free[0]
-            if slot.event is not None and not engine.query(slot.event):
+            if not _reusable(slot, engine):
                 if busy:
                     break  # issue the copies that are ready first
-                engine.wait(slot.event)
-            if slot.event is not None and not engine.query(slot.event):
+                if slot.event is not None:
+                    engine.wait(slot.event)
+                slot.hashed.wait()
+            if hasher is not None and hasher.error is not None:
+                raise hasher.error
+            if not _reusable(slot, engine):
                 stats.early_refills += 1
             free.popleft()
             c = todo.popleft()
             pool.submit(slot, shards[c.shard].fd, c.offset, slot.view[: c.nbytes])
             busy.append((slot, c))
-            copying = sum(1 for s in free if s.event is not None and not engine.query(s.event))
+            copying = sum(1 for s in free if not _reusable(s, engine))
             stats.max_busy = max(stats.max_busy, len(busy) + copying)
             stats.chunks += 1
             stats.max_chunk = max(stats.max_chunk, c.nbytes)
         slot, c = busy.popleft()
-        slot.ready.wait()
-        if slot.error is not None:
-            raise slot.error
-        if hashers is not None:
-            hashers[c.shard].update(slot.view[: c.nbytes])
+        slot.wait()
+        if hasher is not None:
+            hasher.submit(slot, c.shard, c.nbytes)
         slot.event = engine.copy([(dst, slot.host[a: a + dst.numel()]) for a, dst in c.copies])
         free.append(slot)
     engine.finish()
+    for slot in ring:
+        slot.hashed.wait()
+    if hasher is not None and hasher.error is not None:
+        raise hasher.error
 
 
 def run_ring(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots: int, chunk: int,
-             readers: int, hashers: dict[int, Any] | None, start: float,
-             timeline: Timeline) -> RingStats:  # fmt: skip
-    """:func:`run_pipeline`, then the read and host->device stages on ``timeline``."""
+             readers: int, hashers: dict[int, Any] | None, timeline: Timeline) -> RingStats:  # fmt: skip
+    """:func:`run_pipeline`, then the read and host->device stages on ``timeline``.
+
+    The host->device stage starts once the ring is ready: pinning is its own stage.
+    """
     stats = RingStats()
-    pool = run_pipeline(shards, chunks, engine, slots=slots, chunk=chunk,
-                        readers=readers, hashers=hashers, stats=stats)  # fmt: skip
+    pool = run_pipeline(shards, chunks, engine, slots=slots, chunk=chunk, readers=readers,
+                        hashers=hashers, stats=stats, timeline=timeline)  # fmt: skip
     end = time.perf_counter()
     moved = sum(c.nbytes for c in chunks)
     if pool.first is not None:
         timeline.add("read", pool.first, pool.last, pool.nbytes, lane=1)
     timeline.add("host->device" if engine.name == "cuda" else "host->device (cpu engine)",
-                 start, end, moved, lane=2)  # fmt: skip
+                 stats.started, end, moved, lane=2)  # fmt: skip
     return stats

@@ -66,7 +66,7 @@ class Timeline:
         events = [{"name": s["stage"], "ph": "X", "pid": os.getpid(), "tid": s["lane"],
                    "ts": round(s["start_s"] * 1e6, 3), "dur": round(s["seconds"] * 1e6, 3),
                    "args": {"bytes": s["bytes"], "gbps": s["gbps"]}} for s in self.stages]  # fmt: skip
-        lanes = {0: "loader", 1: "reader threads", 2: "copy engine", 3: "prefetch"}
+        lanes = {0: "loader", 1: "reader threads", 2: "copy engine", 3: "prefetch", 4: "hash thread"}
         events += [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid,
                     "args": {"name": name}} for tid, name in lanes.items()]  # fmt: skip
         data = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1)

@@ -1,0 +1,69 @@
+"""Where each tensor of a shard goes in its device buffer: ``ALIGN``-byte aligned offsets.
+
+Tensors keep their file order; a run of tensors whose file offsets are already aligned once
+shifted stays one contiguous segment (one read, one copy per chunk: the aligned majority pays
+nothing), and the shift grows only at a tensor that would otherwise start misaligned, by less
+than ``ALIGN`` bytes. Segments cover the whole data section, gaps included, so a verified
+load still hashes every byte of the file in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packer.runtime.engines import ALIGN
+from packer.runtime.shards import Shard, tensor_view
+
+
+class Layout:
+    """One shard's device layout.
+
+    Attributes:
+        nbytes: size of the device buffer.
+        segments: ``(offset in the data section, offset in the device buffer, nbytes)``,
+            in file order, covering the data section exactly once.
+        offsets: device buffer offset of each tensor, by name.
+    """
+
+    def __init__(self, nbytes: int, segments: list[tuple[int, int, int]], offsets: dict[str, int]) -> None:
+        self.nbytes, self.segments, self.offsets = nbytes, segments, offsets
+
+
+def plan_layout(tensors: list[tuple[str, str, list[int], int, int]], data_len: int,
+                align: int = ALIGN) -> Layout:  # fmt: skip
+    """Device offsets for ``tensors`` (``(name, dtype, shape, begin, end)`` sorted by begin).
+
+    An empty tensor never splits a segment; neither does a tensor that overlaps the one
+    before it (not produced by safetensors; it keeps the shift and may then be copied).
+    """
+    starts: list[tuple[int, int]] = [(0, 0)]  # (file offset, shift) where a segment begins
+    shift, seen_end, offsets = 0, 0, {}
+    for name, _, _, begin, end in tensors:
+        if end > begin and (begin + shift) % align and begin >= seen_end:
+            shift += -(begin + shift) % align
+            if starts[-1][0] == begin:
+                starts[-1] = (begin, shift)
+            else:
+                starts.append((begin, shift))
+        offsets[name] = begin + shift
+        seen_end = max(seen_end, end)
+    bounds = [f for f, _ in starts[1:]] + [data_len]
+    segments = [(f, f + sh, b - f) for (f, sh), b in zip(starts, bounds, strict=True) if b > f]
+    return Layout(data_len + shift, segments, offsets)
+
+
+def layout_tensors(torch: Any, shards: list[Shard], bufs: list[Any], layouts: list[Layout],
+                   dtype: Any, aliases: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """Every tensor as a view of its shard's device buffer at its laid-out offset (cast to
+    ``dtype`` when given and floating point), plus ``aliases`` as the same tensor objects."""
+    out: dict[str, Any] = {}
+    for s, buf, lay in zip(shards, bufs, layouts, strict=True):
+        for name, code, shape, begin, end in s.tensors:
+            at = lay.offsets[name]
+            t = tensor_view(torch, buf, at, at + end - begin, code, shape, f"{s.rel}: tensor {name!r}")
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out[name] = t
+    for alias, kept in sorted(aliases.items()):
+        out[alias] = out[kept]
+    return out
