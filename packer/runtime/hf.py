@@ -65,8 +65,11 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
     """
     torch = _torch(loader.timeline)
     bundle = loader.bundle_dir()
-    with loader.timeline.stage("config"):
-        config = hf_config(bundle)
+    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
+        config = _CONFIGS[str(bundle)]
+    else:
+        with loader.timeline.stage("config"):
+            config = hf_config(bundle)
     dtype = dtype or weights_dtype(torch, loader.manifest, config)
     with loader.timeline.stage("construct"), init_empty(dtype=dtype):
         if hasattr(model_class, "from_config"):  # the Auto classes
