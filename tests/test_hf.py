@@ -115,3 +115,28 @@ def test_from_pretrained_refuses_missing_weights(tmp_path: Path) -> None:
     ld = loader_for(tmp_path / "hf", tmp_path / "out")
     with pytest.raises(RuntimeError, match=r"missing keys \['model.norm.weight'\]"):
         hf_from_pretrained(ld, LlamaForCausalLM, device="cpu")
+
+
+def test_emitted_loader_prints_a_model_dir(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from packer.stub import emit_loader
+
+    llama(tmp_path / "hf")
+    out = tmp_path / "out"
+    emit_loader(out, packer_artifacts(tmp_path / "hf", out))
+    env = {"PATH": "/usr/bin:/bin", "PACKER_BUNDLE_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir"], capture_output=True,
+                       text=True, env=env, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    d = Path(r.stdout.strip())
+    assert d.parent == tmp_path / "cache"
+    assert (d / "model.safetensors").resolve() == out / "weights" / "model.safetensors"
+    assert AutoConfig.from_pretrained(d).num_hidden_layers == 2
+    (out / "weights" / "model.safetensors").unlink()
+    r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir", "--root", str(out)],
+                       capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "model dir failed: weights/model.safetensors: missing" in r.stderr

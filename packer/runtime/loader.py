@@ -197,16 +197,25 @@ def selftest(loader: Loader, device: str, verify: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--selftest [--device cpu|cuda] [--verify] [--root DIR] [--trace FILE]``; exit 0 or 1."""
+    """``--selftest [--device cpu|cuda] [--verify] [--root DIR] [--trace FILE]`` or ``--model-dir``."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="packer_loader.py", description=__doc__.splitlines()[0])
     ap.add_argument("--selftest", action="store_true", help="load and check every artifact")
+    ap.add_argument("--model-dir", action="store_true",
+                    help="print a Hugging Face model directory of this build (links, no copies)")  # fmt: skip
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the recipe's)")
     ap.add_argument("--verify", action="store_true", help="also check sha256 of every file")
     ap.add_argument("--root", default=None, help="artifact directory (default: beside this file)")
     ap.add_argument("--trace", default=None, help="write a Chrome trace-event file")
     args = ap.parse_args(argv)
+    if args.model_dir:
+        try:
+            print(model_dir(root=args.root))
+        except Exception as e:  # one line, exit 1, as the self-test
+            sys.stderr.write(f"packer_loader: model dir failed: {e}\n")
+            return 1
+        return 0
     if not args.selftest:
         ap.print_help(sys.stderr)
         return 2
