@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -167,5 +166,10 @@ def test_mixed_module_is_assigned_and_filled(tmp_path: Path) -> None:
         ld.load_into(model, device="cuda")
 
 
-def sd_for(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def test_load_result_unpacks_and_pickles() -> None:
+    import pickle
+
+    r = L.LoadResult(["a"], ["b"], ["note"])
+    missing, unexpected = r
+    back = pickle.loads(pickle.dumps(r))
+    assert (missing, unexpected) == (["a"], ["b"]) and back == r and back.notes == ["note"]

@@ -30,6 +30,9 @@ class LoadResult(tuple):  # noqa: SLOT001
         self.missing, self.unexpected, self.notes = missing, unexpected, notes
         return self
 
+    def __getnewargs__(self) -> tuple[list[str], list[str], list[str]]:
+        return self.missing, self.unexpected, self.notes
+
 
 class TensorSlot:
     """One tensor of the module under all the names (and owners) that reach it."""
