@@ -17,7 +17,8 @@ Each reports a stage table (interpreter, import torch, import transformers, conf
 construction, weights, tokenizer, first forward), peak RSS (``ru_maxrss``), and its logits,
 compared bitwise with transformers'. The median round goes to a PNG chart.
 
-Usage: python benchmarks/cold_start.py [--device cpu|cuda] [--rounds 3] [--chart FILE]
+Usage: python benchmarks/cold_start.py [--device cpu|cuda] [--rounds 3] [--prompt-words 18]
+[--chart FILE]
 (matplotlib is needed for the chart only: ``pip install matplotlib``; it is not a packer
 dependency.)
 """
@@ -41,6 +42,7 @@ STAGES = ["interpreter", "import torch", "import transformers", "import loader",
 LOADER = ("headers", "map", "assign", "read into module", "ring")  # the loader's own weight stages
 CONTENDERS = ["transformers", "naive", "packer", "warm"]  # transformers first: the reference
 TEXT = "the quick brown fox jumps over the lazy dog " * 2  # 18 tokens: a short first request
+PROMPT = {"words": 18}  # --prompt-words: the first request, in words of TEXT (one token each)
 
 
 def make_model(work: Path, layers: int) -> None:
@@ -148,7 +150,7 @@ def forward(t: dict[str, float], clock: float, model: Any, tok: Any, torch: Any,
             logits_file: Path) -> dict[str, Any]:  # fmt: skip
     import resource
 
-    ids = tok(TEXT, return_tensors="pt")["input_ids"].to(device)
+    ids = tok(" ".join(TEXT.split()[: PROMPT["words"]]), return_tensors="pt")["input_ids"].to(device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     if device.startswith("cuda"):
@@ -160,8 +162,9 @@ def forward(t: dict[str, float], clock: float, model: Any, tok: Any, torch: Any,
     return {"stages": t, "peak_rss_mib": rss, "tokens": ids.shape[1], "loader_weight_stages_s": extra}
 
 
-def warm_worker(work: str, device: str, asked: float, conn: Any) -> None:
+def warm_worker(work: str, device: str, asked: float, conn: Any, words: int) -> None:
     """Runs in a worker forked from the warm server: load, tokenizer, first forward."""
+    PROMPT["words"] = words
     t: dict[str, float] = {"interpreter": time.time() - asked, "import torch": 0.0,
                            "import transformers": 0.0}  # fmt: skip
     clock = time.perf_counter()
@@ -189,7 +192,7 @@ def warm_owner(work: Path, device: str) -> dict[str, Any]:
                           "tokenizers"])  # fmt: skip
     server = time.perf_counter() - start
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=warm_worker, args=(str(work), device, time.time(), send))
+    p = ctx.Process(target=warm_worker, args=(str(work), device, time.time(), send, PROMPT["words"]))
     p.start()
     got: dict[str, Any] = recv.recv()
     p.join()
@@ -203,7 +206,7 @@ def warm_owner(work: Path, device: str) -> dict[str, Any]:
 def run_one(name: str, work: Path, device: str) -> dict[str, Any]:
     role = "warm-owner" if name == "warm" else name
     cmd = [sys.executable, __file__, "--child", role, "--work", str(work), "--device", device,
-           "--spawned", repr(time.time())]  # fmt: skip
+           "--prompt-words", str(PROMPT["words"]), "--spawned", repr(time.time())]  # fmt: skip
     env = {**os.environ, "PACKER_STARTUP_LOG": "off", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)
     if r.returncode != 0:
@@ -252,10 +255,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=9, help="9 layers: 1.06 GB in bf16")
     ap.add_argument("--work", type=Path, default=WORK)
+    ap.add_argument("--prompt-words", type=int, default=18, help="length of the first request (1..18)")
     ap.add_argument("--chart", type=Path, default=Path(__file__).resolve().parent / "cold_start.png")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spawned", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    PROMPT["words"] = args.prompt_words
     if args.child == "warm-owner":
         print(json.dumps(warm_owner(args.work, args.device)))
         return
@@ -266,6 +271,7 @@ def main() -> None:
     make_model(args.work, args.layers)
     size = sum(f.stat().st_size for f in (args.work / "out" / "weights").glob("*.safetensors"))
     print(f"model: {size / 1e9:.2f} GB bf16, {args.layers} layers; device {args.device}; "
+          f"first request {args.prompt_words} tokens; "
           f"load average before: {os.getloadavg()}", flush=True)  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in CONTENDERS}
     import torch
