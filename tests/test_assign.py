@@ -86,6 +86,29 @@ def test_assigned_parameters_are_views_of_the_mapping_and_forward_matches(tmp_pa
         assert torch.equal(model(ids), reference(sd)(ids))
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_assignment_through_the_ring_uses_one_allocation_per_shard(tmp_path: Path, shards: int) -> None:
+    """The CUDA path's scheduling on the CPU engine: views of per-shard buffers the ring filled."""
+    sd = weights()
+    ld = artifacts(tmp_path, sd, shards)
+    ld.chunk, ld.slots = 256, 2
+    with L.init_empty():
+        model = Rotary()
+    ld.load_into(model, pipeline=True)
+    own = list(model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in own}) == shards
+    assert any(s["stage"] == "assign" for s in ld.report())
+    ids = torch.tensor([[2, 9, 11]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(sd)(ids))
+
+
+def test_init_empty_restores_the_hook_and_dtype_on_error() -> None:
+    with pytest.raises(ValueError), L.init_empty(dtype=torch.float64):
+        raise ValueError("boom")
+    assert torch.get_default_dtype() == torch.float32 and not torch.nn.Linear(2, 2).weight.is_meta
+
+
 def test_non_persistent_buffer_keys_load_when_they_fit_and_are_noted(tmp_path: Path) -> None:
     sd = weights()
     sd["position_ids"] = torch.arange(12).expand(1, -1).flip(-1).contiguous()  # same shape, dtype

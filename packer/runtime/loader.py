@@ -13,6 +13,12 @@ zstandard for the bundle.
   only after its copy completed. The copy engine is pluggable: tests run the very same
   scheduling against a CPU engine (a copy thread in place of the stream).
 
+* Models: :func:`init_empty` builds a module with parameters on ``meta`` and real buffers;
+  :func:`load_into` then assigns the loaded tensors to them (no second allocation, no copy).
+  :func:`from_pretrained` does both for Hugging Face models, :func:`model_dir` lays out a plain
+  model directory (links) for serving engines, :func:`warm_context` forks workers from a
+  prepared fork server.
+
 Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to check a build.
 """
 
