@@ -155,6 +155,13 @@ def test_tied_module_loads_from_either_stored_name(tmp_path: Path) -> None:
     assert (result.missing, result.unexpected) == ([], [])
     assert model.embed.weight is model.head.weight and torch.equal(model.embed.weight, sd["head.weight"])
     assert any("embed.weight: tied to head.weight" in n for n in result.notes)
+    sd["embed.weight"] = torch.zeros_like(sd["head.weight"])  # both stored: the first name wins
+    m = make_artifacts(tmp_path / "both", [sd])
+    with L.init_empty():
+        model = Rotary()
+    result = L.Loader(m, tmp_path / "both", timeline=L.Timeline()).load_into(model)
+    assert model.embed.weight is model.head.weight and not torch.equal(model.head.weight, sd["head.weight"])
+    assert any("head.weight: also stored, but the module ties it to embed.weight" in n for n in result.notes)
 
 
 def test_dtype_of_the_module_wins_with_a_note(tmp_path: Path) -> None:

@@ -98,6 +98,8 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
                                f"{want['shape']}, the module {list(slot.tensor.shape)}")  # fmt: skip
         slot.key = aliases.get(hits[0], hits[0])
         notes += [f"{n}: tied to {hits[0]} in the module; loaded once" for n in slot.names if n not in stored]
+        notes += [f"{n}: also stored, but the module ties it to {hits[0]}; loaded from {hits[0]}"
+                  for n in hits[1:] if aliases.get(n, n) != slot.key]  # fmt: skip
     unexpected = sorted(stored - covered)
     for attr, keys in (("_keys_to_ignore_on_load_missing", missing),
                        ("_keys_to_ignore_on_load_unexpected", unexpected)):  # fmt: skip

@@ -5,6 +5,7 @@ transformers is imported only inside these functions; the loader never depends o
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
@@ -66,10 +67,10 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
     torch = _torch(loader.timeline)
     bundle = loader.bundle_dir()
     if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
-        config = _CONFIGS[str(bundle)]
+        config = copy.deepcopy(_CONFIGS[str(bundle)])  # construction may change it
     else:
         with loader.timeline.stage("config"):
-            config = hf_config(bundle)
+            config = copy.deepcopy(hf_config(bundle))
     dtype = dtype or weights_dtype(torch, loader.manifest, config)
     with loader.timeline.stage("construct"), init_empty(dtype=dtype):
         if hasattr(model_class, "from_config"):  # the Auto classes
