@@ -327,17 +327,19 @@ def test_load_into_copies_into_the_parameters(tmp_path: Path, pipeline: bool, dt
     assert torch.equal(got["head.weight"], sd["embed.weight"].to(dtype))
 
 
-def test_load_into_refuses_meta_until_allocated_and_shape_mismatch(tmp_path: Path) -> None:
+def test_load_into_assigns_meta_parameters_and_checks_shapes(tmp_path: Path) -> None:
     m, sd = tiny_artifacts(tmp_path)
-    with torch.device("meta"):
+    with L.init_empty():
         meta = Tiny()
-    with pytest.raises(RuntimeError, match=r"on meta; allocate them"):
-        loader(tmp_path, m).load_into(meta, strict=False)
-    meta = meta.to_empty(device="cpu")  # the README's recipe: uninitialised, then filled
-    loader(tmp_path, m).load_into(meta, strict=False)
+    assert meta.embed.weight.is_meta and not meta.steps.is_meta  # buffers are real
+    result = loader(tmp_path, m).load_into(meta, strict=False)
+    assert (result.missing, result.unexpected) == (["norm.bias"], ["extra.unused"])
+    assert any("norm.bias: nothing to load; left on meta" in n for n in result.notes)
     got = meta.state_dict()
     assert all(torch.equal(got[k], v) for k, v in sd.items() if k in got)
-    assert torch.equal(meta.head.weight, sd["embed.weight"])  # to_empty unties; both are filled
+    assert meta.head.weight is meta.embed.weight  # the tie survives: one Parameter
+    assert isinstance(meta.proj.weight, torch.nn.Parameter) and meta.proj.weight.requires_grad
+    assert int(meta.steps) == 42
     model = Tiny()
     model.proj = torch.nn.Linear(8, 4)
     want = r"size mismatch for proj.weight: the weights have shape \[8, 8\], the module \[4, 8\]"

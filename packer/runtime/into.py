@@ -18,26 +18,6 @@ from packer.runtime.timeline import Timeline
 Later = tuple[list[Any], Any, str, list[int], str]  # (targets, source, dtype code, shape, name)
 
 
-def module_targets(module: Any, table: dict[str, Any],
-                   aliases: dict[str, str]) -> tuple[dict[str, list[Any]], list[str], list[str]]:  # fmt: skip
-    """Module tensors per stored tensor name (aliases folded), missing and unexpected keys.
-
-    Raises:
-        RuntimeError: a module tensor's shape differs from the stored one.
-    """
-    state = module.state_dict(keep_vars=True)
-    names = set(table) | set(aliases)
-    targets: dict[str, list[Any]] = {}
-    for key, t in state.items():
-        if key in names:
-            want = table[aliases.get(key, key)]["shape"]
-            if list(t.shape) != list(want):
-                raise RuntimeError(f"load_into: size mismatch for {key}: the weights have shape "
-                                   f"{want}, the module {list(t.shape)}")  # fmt: skip
-            targets.setdefault(aliases.get(key, key), []).append(t)
-    return targets, sorted(set(state) - names), sorted(names - set(state))
-
-
 def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None) -> Any:
     """The one device the module's tensors live on (``device`` or cpu when it has none).
 
@@ -50,7 +30,7 @@ def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None)
     dev = devices.pop() if devices else torch.device(device or "cpu")
     if dev.type not in ("cpu", "cuda"):
         raise RuntimeError(f"load_into: the module's tensors are on {dev}; allocate them on "
-                           "cpu or cuda first (e.g. module.to_empty(device='cuda'))")  # fmt: skip
+                           "cpu or cuda, or build it under init_empty()")  # fmt: skip
     if device is not None and torch.device(device).type != dev.type:
         raise RuntimeError(f"load_into: the module lives on {dev}, not {device}; move it first")
     return dev

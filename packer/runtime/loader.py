@@ -13,6 +13,12 @@ zstandard for the bundle.
   only after its copy completed. The copy engine is pluggable: tests run the very same
   scheduling against a CPU engine (a copy thread in place of the stream).
 
+* Models: :func:`init_empty` builds a module with parameters on ``meta`` and real buffers;
+  :func:`load_into` then assigns the loaded tensors to them (no second allocation, no copy).
+  :func:`from_pretrained` does both for Hugging Face models, :func:`model_dir` lays out a plain
+  model directory (links) for serving engines, :func:`warm_context` forks workers from a
+  prepared fork server.
+
 Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to check a build.
 """
 
@@ -25,6 +31,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from packer.runtime.assign import LoadResult
+from packer.runtime.empty import init_empty
 from packer.runtime.engines import CpuEngine, CudaEngine
 from packer.runtime.env import (
     DEFAULT_CHUNK,
@@ -38,19 +46,22 @@ from packer.runtime.env import (
     manifest,
 )
 from packer.runtime.graphs import Captured, GraphPool, cuda_capture, warmup
+from packer.runtime.hf import hf_from_pretrained, hf_model_dir
 from packer.runtime.loading import Loader
 from packer.runtime.ring import Chunk, Latch, Readers, RingStats, Slot, plan_chunks, release_ring, run_pipeline
 from packer.runtime.shards import Shard, _pread_exact, open_shard, sha256_fd, tensor_view
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
+from packer.runtime.warm import prepare_loader, serve_warm, start_warm
 
 # the public names, as they were when all of this was one module
 __all__ = [
     "DEFAULT_CHUNK", "DEFAULT_SLOTS", "MAX_HEADER", "MAX_RING_BYTES", "MIB", "TIMELINE",
     "ArtifactMismatchError", "Captured", "Chunk", "CpuEngine", "CudaEngine", "GraphPool", "Latch",
-    "Loader", "Readers", "RingStats", "Shard", "Slot", "Timeline", "bundle_dir", "bundle_reader",
-    "check_loaded", "cuda_capture", "default_loader", "load_into", "load_weights", "main", "manifest",
-    "open_shard", "plan_chunks", "prefetch", "release_ring", "report", "run_pipeline", "selftest", "sha256_fd",
-    "tensor_view", "warmup", "warmup_inputs",
+    "LoadResult", "Loader", "Readers", "RingStats", "Shard", "Slot", "Timeline", "bundle_dir",
+    "bundle_reader", "check_loaded", "cuda_capture", "default_loader", "from_pretrained", "init_empty",
+    "load_into", "load_weights", "main", "manifest", "model_dir", "open_shard", "plan_chunks",
+    "prefetch", "prepare", "release_ring", "report", "run_pipeline", "selftest", "sha256_fd", "tensor_view",
+    "warm_context", "warmup", "warmup_inputs",
 ]  # fmt: skip
 
 _LOADERS: dict[tuple[str, str], Loader] = {}
@@ -83,9 +94,52 @@ def load_weights(device: str = "cuda", *, dtype: Any = None, verify: bool = Fals
 
 
 def load_into(module: Any, *, device: str | None = None, strict: bool = True,
-              verify: bool = False, root: str | Path | None = None) -> tuple[list[str], list[str]]:  # fmt: skip
-    """Copy this build's weights into ``module``; see :meth:`Loader.load_into`."""
+              verify: bool = False, root: str | Path | None = None) -> LoadResult:  # fmt: skip
+    """Load this build's weights into ``module`` (built under :func:`init_empty`: by assignment).
+
+    See :meth:`Loader.load_into`; returns ``(missing, unexpected)`` with ``.notes``.
+    """
     return default_loader(root).load_into(module, device=device, strict=strict, verify=verify)
+
+
+def from_pretrained(model_class: Any, *, device: str = "cuda", dtype: Any = None, verify: bool = False,
+                    root: str | Path | None = None) -> Any:  # fmt: skip
+    """A Hugging Face model of this build, ready: config from the bundle, weights assigned.
+
+    The tokenizer stays ``AutoTokenizer.from_pretrained(bundle_dir())``. See
+    ``packer.runtime.hf.hf_from_pretrained`` for the arguments and errors.
+    """
+    return hf_from_pretrained(default_loader(root), model_class, device=device, dtype=dtype, verify=verify)
+
+
+def model_dir(*, root: str | Path | None = None, out: str | Path | None = None) -> Path:
+    """A Hugging Face model directory of this build (links, no copies) for serving engines.
+
+    ``transformers``, ``vllm serve``, TGI's ``--model-id`` and SGLang's ``--model-path`` read
+    it as is. ``out``: where to make it (default beside the extracted bundle).
+    """
+    return hf_model_dir(default_loader(root), root=out)
+
+
+def prepare(*, prefetch: bool = False, root: str | Path | None = None) -> dict[str, Any]:
+    """Everything before CUDA (headers, bundle, config; optionally the page cache), done once."""
+    return prepare_loader(default_loader(root), prefetch=prefetch)
+
+
+def warm_context(preload: list[str] | tuple[str, ...] = (), *, prefetch: bool = False,
+                 root: str | Path | None = None) -> Any:  # fmt: skip
+    """A ``multiprocessing`` forkserver context whose server has imported and prepared everything.
+
+    The server imports ``preload`` (e.g. ``["transformers", "myapp.model"]``), then this
+    loader, which runs :func:`prepare` there. Start workers with the context's ``Process`` or
+    ``Pool``; each initialises CUDA itself and loads (``from_pretrained``/``load_into``).
+    Call it under ``if __name__ == "__main__":``.
+
+    Raises:
+        RuntimeError: CUDA was initialised in the server (a forked child could not use it),
+            ``prepare()`` failed there, or a fork server was already running without it.
+    """
+    return start_warm(__name__, list(preload), root=root, prefetch=prefetch)
 
 
 def bundle_dir(*, root: str | Path | None = None) -> Path:
@@ -149,16 +203,25 @@ def selftest(loader: Loader, device: str, verify: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--selftest [--device cpu|cuda] [--verify] [--root DIR] [--trace FILE]``; exit 0 or 1."""
+    """``--selftest [--device cpu|cuda] [--verify] [--root DIR] [--trace FILE]`` or ``--model-dir``."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="packer_loader.py", description=__doc__.splitlines()[0])
     ap.add_argument("--selftest", action="store_true", help="load and check every artifact")
+    ap.add_argument("--model-dir", action="store_true",
+                    help="print a Hugging Face model directory of this build (links, no copies)")  # fmt: skip
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the recipe's)")
     ap.add_argument("--verify", action="store_true", help="also check sha256 of every file")
     ap.add_argument("--root", default=None, help="artifact directory (default: beside this file)")
     ap.add_argument("--trace", default=None, help="write a Chrome trace-event file")
     args = ap.parse_args(argv)
+    if args.model_dir:
+        try:
+            print(model_dir(root=args.root))
+        except Exception as e:  # one line, exit 1, as the self-test
+            sys.stderr.write(f"packer_loader: model dir failed: {e}\n")
+            return 1
+        return 0
     if not args.selftest:
         ap.print_help(sys.stderr)
         return 2
@@ -186,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"tensors on {device})\n")  # fmt: skip
     return 0
 
+
+serve_warm(prepare)  # a no-op unless this process is the fork server warm_context starts
 
 if __name__ == "__main__":
     sys.exit(main())

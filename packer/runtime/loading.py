@@ -13,10 +13,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from packer.runtime.assign import LoadResult, load_module
 from packer.runtime.cpu import map_shards, prefetch_files, read_shards
 from packer.runtime.engines import make_engine
 from packer.runtime.env import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, ArtifactMismatchError, _env_int, bundle_reader
-from packer.runtime.into import finish_into, into_cpu, module_targets, plan_into, target_device
+from packer.runtime.into import finish_into, plan_into
 from packer.runtime.layout import Layout, layout_tensors, plan_layout
 from packer.runtime.ring import Chunk, RingStats, plan_chunks, ring_chunk, run_ring
 from packer.runtime.shards import Shard, _check_sha, open_shard, sha256_fd, shard_tensors
@@ -177,45 +178,33 @@ class Loader:
         return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}))
 
     def load_into(self, module: Any, *, device: str | None = None, strict: bool = True,
-                  verify: bool = False, pipeline: bool | None = None) -> tuple[list[str], list[str]]:  # fmt: skip
-        """Copy the weights straight into ``module``'s parameters and buffers.
+                  verify: bool = False, pipeline: bool | None = None) -> LoadResult:  # fmt: skip
+        """Load the weights into ``module``: parameters on ``meta`` are assigned, real ones filled.
+
+        Build the module under :func:`init_empty` so its parameters are on ``meta``: each is
+        then replaced by the loaded tensor itself (CPU: a view of the private mapping; CUDA: a
+        view of the shard's device allocation), tied names stay one tensor, and real buffers
+        move to ``device``. Parameters already allocated are filled by copy, as
+        ``load_state_dict`` does. A key naming a non-persistent buffer is loaded into it when
+        shape and dtype match, else skipped (a note either way); the module's
+        ``_keys_to_ignore_on_load_missing`` / ``_unexpected`` patterns are honoured.
 
         Args:
-            module: a ``torch.nn.Module`` already on its target device.
-            device: accepted for symmetry; must match where the module's tensors live.
+            module: a ``torch.nn.Module``.
+            device: where the weights go (default: where the module's real parameters are,
+                else cpu); must match real parameters.
             strict: raise when keys are missing or unexpected (as ``load_state_dict``).
             verify: also check every file's sha256.
             pipeline: force (or refuse) the staging ring; CUDA always uses it.
 
         Returns:
-            ``(missing, unexpected)`` key lists.
+            ``(missing, unexpected)`` key lists, with ``.notes`` (ties, casts, buffers).
 
         Raises:
             ArtifactMismatchError: artifacts that do not match; RuntimeError: key or shape
-            mismatch between the weights and the module.
+            mismatch between the weights and the module, or a module spread over devices.
         """
-        torch = _torch(self.timeline)
-        w = self.manifest["weights"]
-        targets, missing, unexpected = module_targets(module, w["tensors"], w.get("aliases", {}))
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"load_into: missing keys {missing[:8]}, unexpected keys "
-                               f"{unexpected[:8]} (pass strict=False to load the rest)")  # fmt: skip
-        dev = target_device(torch, targets, device)
-        shards = self.open_shards(verify=verify)
-        try:
-            if verify:
-                self._verify_shards(shards)
-            with torch.no_grad():
-                if dev.type == "cpu" and not pipeline:
-                    into_cpu(torch, shards, targets, self.readers, self.timeline)
-                else:
-                    self._into_ring(torch, dev, shards, targets)
-        finally:
-            for s in shards:
-                s.close()
-        if self.auto_flush:
-            self.timeline.flush()
-        return missing, unexpected
+        return load_module(self, module, device=device, strict=strict, verify=verify, pipeline=pipeline)
 
     def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],
                    targets: dict[str, list[Any]]) -> None:  # fmt: skip

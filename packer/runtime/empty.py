@@ -1,0 +1,53 @@
+"""``init_empty``: build a module with its parameters on ``meta`` and its buffers real.
+
+Parameters are what the weights replace, so allocating and initialising them is wasted work;
+buffers are what the constructor computes (rotary ``inv_freq`` tables, ``position_ids``) and
+what a checkpoint usually lacks, so they must be right. ``torch.device("meta")`` would take
+both; torch's global parameter-registration hook takes only the parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from packer.runtime.timeline import _torch
+
+
+@contextlib.contextmanager
+def init_empty(*, dtype: Any = None) -> Iterator[None]:
+    """Inside this block, every parameter a module registers is moved to ``meta``.
+
+    Buffers are created by the constructors as usual (on the CPU unless they say otherwise),
+    so non-persistent buffers hold their real values. :func:`load_into` then assigns the
+    loaded tensors to the parameters (no second allocation, no copy) and moves the buffers
+    to the device. The hook is process-wide while the block runs: do not construct other
+    modules in other threads at the same time.
+
+    Args:
+        dtype: floating-point default dtype while the block runs (as ``from_pretrained``
+            builds a model in the dtype of its weights); None keeps torch's default.
+
+    Raises:
+        RuntimeError: the hook cannot be registered (torch older than 2.0).
+    """
+    torch = _torch()
+    hook_api = getattr(torch.nn.modules.module, "register_module_parameter_registration_hook", None)
+    if hook_api is None:
+        raise RuntimeError("init_empty needs torch>=2.0 (register_module_parameter_registration_hook)")
+
+    def to_meta(module: Any, name: str, param: Any) -> Any:
+        if param is None or param.device.type == "meta":
+            return None
+        return type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    before = torch.get_default_dtype()
+    handle = hook_api(to_meta)
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        yield
+    finally:
+        handle.remove()
+        torch.set_default_dtype(before)

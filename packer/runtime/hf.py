@@ -1,0 +1,138 @@
+"""Hugging Face models from a build: ``from_pretrained`` and a plain ``model_dir``.
+
+transformers is imported only inside these functions; the loader never depends on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from packer.runtime.empty import init_empty
+from packer.runtime.env import _dtype
+from packer.runtime.timeline import _torch
+
+_CONFIGS: dict[str, Any] = {}  # bundle directory -> parsed config (prepare() fills it)
+
+
+def hf_config(bundle: Path) -> Any:
+    """The transformers config of the bundle in ``bundle``, parsed once per process."""
+    key = str(bundle)
+    if key not in _CONFIGS:
+        from transformers import AutoConfig
+
+        _CONFIGS[key] = AutoConfig.from_pretrained(key)
+    return _CONFIGS[key]
+
+
+def weights_dtype(torch: Any, manifest: dict[str, Any], config: Any) -> Any:
+    """The dtype transformers' ``dtype="auto"`` picks: the config's, else the weights' floats."""
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    if dt is not None:
+        return dt
+    for name, rec in manifest["weights"]["tensors"].items():
+        t = _dtype(rec["dtype"], name)[0]
+        if t.is_floating_point:
+            return t
+    return None
+
+
+def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", dtype: Any = None,
+                       verify: bool = False) -> Any:  # fmt: skip
+    """Construct ``model_class`` under :func:`init_empty` and load the build into it.
+
+    Args:
+        loader: the :class:`Loader` of the build (its bundle holds ``config.json``).
+        model_class: a transformers model class (``LlamaForCausalLM``) or an ``AutoModel*``.
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        dtype: torch dtype of the floating-point parameters; None: the config's, else the
+            weights' (transformers' ``dtype="auto"``). Another dtype than the weights' costs
+            a cast (a copy).
+        verify: also check every file's sha256.
+
+    Returns:
+        the model in ``eval()`` mode, ties applied, every parameter a loaded tensor.
+
+    Raises:
+        ArtifactMismatchError: no bundle, or artifacts that do not match the manifest.
+        RuntimeError: keys missing or unexpected after the model's ignore patterns.
+    """
+    torch = _torch(loader.timeline)
+    bundle = loader.bundle_dir()
+    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
+        config = copy.deepcopy(_CONFIGS[str(bundle)])  # construction may change it
+    else:
+        with loader.timeline.stage("config"):
+            config = copy.deepcopy(hf_config(bundle))
+    dtype = dtype or weights_dtype(torch, loader.manifest, config)
+    with loader.timeline.stage("construct"), init_empty(dtype=dtype):
+        if hasattr(model_class, "from_config"):  # the Auto classes
+            model = model_class.from_config(config, dtype=dtype)
+        else:
+            model = model_class._from_config(config, dtype=dtype)
+    loader.load_into(model, device=device, verify=verify)
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"from_pretrained: {len(left)} parameter(s) not in the weights "
+                           f"(ignored as missing by the model): {left[:8]}")  # fmt: skip
+    model.tie_weights()
+    if model.can_generate() and (bundle / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(bundle))
+    return model.eval()
+
+
+def _link(src: Path, dst: Path) -> None:
+    os.symlink(os.path.abspath(src), dst)
+
+
+def hf_model_dir(loader: Any, *, root: str | Path | None = None) -> Path:
+    """A Hugging Face model directory for this build: bundle files and weights, linked.
+
+    Laid out as transformers, vLLM, TGI and SGLang expect (``config.json``, tokenizer
+    files, ``generation_config.json``, ``model*.safetensors`` and the index when sharded).
+    Every entry is a symbolic link: to the extracted bundle, and to the weight files where
+    they are (``PACKER_WEIGHTS_DIR`` honoured); nothing is copied. Made once per node
+    beside the bundle cache (atomically: built under a temporary name, then renamed).
+
+    Args:
+        loader: the :class:`Loader` of the build.
+        root: where to make it (default: beside the extracted bundle).
+
+    Raises:
+        ArtifactMismatchError: no bundle, or a weight file missing or of another size.
+    """
+    bundle = loader.bundle_dir()
+    w = loader.manifest["weights"]
+    rels = [*w["files"], *([w["index"]] if w.get("index") else [])]
+    for rel in rels:
+        loader._check_plain(rel, verify=False)
+    key = hashlib.sha256("\n".join([str(bundle), *(str(loader.path(r).resolve()) for r in rels)]).encode())
+    base = Path(root) if root is not None else bundle.parent
+    out = base / f"model-{key.hexdigest()[:20]}"
+    if out.is_dir():
+        return out
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=base))
+    try:
+        names = {Path(r).name for r in rels}
+        for entry in sorted(bundle.iterdir()):
+            if entry.name not in names:
+                _link(entry, tmp / entry.name)
+        for rel in rels:
+            _link(loader.path(rel), tmp / Path(rel).name)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out.is_dir():  # another process may have won the rename
+            raise
+    return out

@@ -1,0 +1,169 @@
+"""The warm pool: a fork server that has done everything above the CUDA line, once.
+
+:func:`warm_context` returns the standard library's ``forkserver`` context with this module
+and the caller's modules preloaded. The server is a fresh interpreter (not a fork of the
+caller); importing the loader there runs :func:`prepare_loader` (environment set, headers
+checked, bundle extracted, config parsed, page cache optionally warmed) and records, just
+before every fork, whether CUDA was initialised in the server. A child forked after CUDA
+initialisation cannot use CUDA, so such a server is refused: :func:`warm_context` raises,
+and any worker it would still fork fails before running its target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from packer.runtime.hf import hf_config
+from packer.runtime.timeline import _torch
+
+WARM_ENV = "PACKER_WARM_SERVER"  # set only while the fork server starts: "you are the server"
+_WARM: dict[str, Any] = {}  # the server's state, inherited by every worker it forks
+
+
+def prepare_loader(loader: Any, *, prefetch: bool = False) -> dict[str, Any]:
+    """The start-up work that must happen before CUDA starts, done once.
+
+    Imports torch, checks every weight file's size and header, extracts the bundle and parses
+    its ``config.json`` with transformers when transformers is already imported; with
+    ``prefetch``, reads the weights into the page cache. The loader's environment variables
+    (``CUDA_MODULE_LOADING``, ``PYTORCH_CUDA_ALLOC_CONF``) were set when it was imported.
+
+    Returns:
+        ``{"shards": n, "bundle": path or None, "config": bool, "prefetch": bool}``.
+
+    Raises:
+        ArtifactMismatchError: artifacts that do not match the manifest.
+    """
+    _torch(loader.timeline)
+    for s in loader.open_shards():
+        s.close()
+    bundle = loader.bundle_dir() if loader.manifest.get("bundle") else None
+    config = bundle is not None and "transformers" in sys.modules and (bundle / "config.json").is_file()
+    if bundle is not None and config:
+        with loader.timeline.stage("config"):
+            hf_config(bundle)
+    if prefetch:
+        loader.prefetch(background=False)
+    return {"shards": len(loader.manifest["weights"]["files"]), "bundle": str(bundle) if bundle else None,
+            "config": config, "prefetch": prefetch}  # fmt: skip
+
+
+def _before_fork() -> None:
+    """Runs in the server just before each fork: was CUDA initialised here?"""
+    torch = sys.modules.get("torch")
+    _WARM["cuda"] = bool(torch is not None and torch.cuda.is_initialized())
+
+
+class _Guard:
+    """Registered with ``multiprocessing.util.register_after_fork`` (it needs a weak-referable)."""
+
+
+_GUARD = _Guard()
+
+
+REFUSED = 70  # exit status of a worker forked from a server where CUDA was initialised
+
+
+def _refuse_in_child(_: Any) -> None:
+    """In each worker before its target runs (multiprocessing swallows exceptions here)."""
+    if _WARM.get("cuda"):
+        sys.stderr.write(f"packer warm pool: CUDA was initialised in the fork server (pid "
+                         f"{_WARM.get('pid')}); a child forked after that cannot use CUDA. Keep "
+                         "torch.cuda out of the preloaded modules\n")  # fmt: skip
+        sys.stderr.flush()
+        os._exit(REFUSED)
+
+
+def serve_warm(prepare: Any) -> None:
+    """At the loader's import: when this process is a warm fork server, prepare and guard."""
+    spec = os.environ.pop(WARM_ENV, None)
+    if spec is None or _WARM:
+        return
+    from multiprocessing import util
+
+    _WARM.update(pid=os.getpid(), error=None, cuda=False)
+    try:
+        _WARM["prepared"] = prepare(**json.loads(spec))
+    except Exception as e:  # reported to warm_context by the probe, not lost in the server
+        _WARM["error"] = f"{type(e).__name__}: {e}"
+    os.register_at_fork(before=_before_fork)
+    util.register_after_fork(_GUARD, _refuse_in_child)
+
+
+def _probe(conn: Any) -> None:
+    conn.send(dict(_WARM))
+    conn.close()
+
+
+def _stop_server() -> None:
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # the standard library's own test hook
+    if stop is not None:
+        stop()
+
+
+def start_warm(module: str, preload: list[str], *, root: str | Path | None = None,
+               prefetch: bool = False) -> Any:  # fmt: skip
+    """Start the fork server with ``preload`` then ``module`` imported; see ``warm_context``."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if module == "__main__":
+        raise RuntimeError("warm_context: import this loader by its module name, "
+                           "not run it as a script: the fork server imports it by name")  # fmt: skip
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        raise RuntimeError("warm_context: this platform has no 'forkserver' start method")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([*preload, module])  # ours last: it sees what the others did
+    saved = {k: os.environ.get(k) for k in (WARM_ENV, "PYTHONPATH")}
+    os.environ[WARM_ENV] = json.dumps({"root": str(root) if root else None, "prefetch": prefetch})
+    # Python < 3.12 does not hand the caller's sys.path to the server
+    os.environ["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [saved["PYTHONPATH"] or ""])
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    state = _ask(ctx)
+    problem = _problem(state, module)
+    if problem:
+        _stop_server()
+        ctx.set_forkserver_preload([])
+        raise RuntimeError(problem)
+    return ctx
+
+
+def _ask(ctx: Any) -> dict[str, Any] | None:
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_probe, args=(send,), name="packer-warm-probe")
+    p.start()
+    send.close()
+    try:
+        state: dict[str, Any] | None = recv.recv() if recv.poll(120) else None
+    except EOFError:
+        state = None
+    p.join(30)
+    if state is None and p.exitcode == REFUSED:  # the guard refused before the target ran
+        state = {"cuda": True}
+    return state
+
+
+def _problem(state: dict[str, Any] | None, module: str) -> str:
+    if not state or "pid" not in state and not state.get("cuda"):
+        return (f"warm_context: the fork server did not prepare {module!r}: it was already running "
+                "(call warm_context before anything starts a forkserver process) or cannot import it")
+    if state.get("cuda"):
+        return ("warm_context: CUDA was initialised in the fork server (by a preloaded module); a "
+                "child forked after CUDA initialisation cannot use CUDA. Keep torch.cuda out of "
+                "the preloaded modules: each worker initialises CUDA itself")  # fmt: skip
+    if state.get("error"):
+        return f"warm_context: prepare() failed in the fork server: {state['error']}"
+    return ""
