@@ -191,6 +191,34 @@ CASES: list[tuple[str, str, Builder]] = [
     ("persid-not-a-storage-zip", "persistent id is not a storage",
      lambda t, c: in_zip(tensor_pickle(simple_tensor_dict(FakeStorage("0", 4)),
                                        pid=lambda s: ("module", "os", "system", "")), {"0": bytes(16)})),
+    # -- placeholders (plain-data types) stay inert: never called, never a callable ---------
+    ("reduce-on-a-placeholder", "REDUCE on Placeholder is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + b")R" + f"(Vtouch {c}\ntR.".encode())),
+    ("reduce-on-a-dict-placeholder", "REDUCE on PlaceholderDict is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("collections", "Counter") + b")R)R.")),
+    ("placeholder-with-evil-argument", "global posix.system is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + glob("posix", "system") + b"\x85R.")),
+    ("numpy-scalar-with-evil-dtype", "global builtins.eval is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("numpy.core.multiarray", "scalar") + glob("builtins", "eval")
+                         + f"Vopen('{c}','w')\n\x86R.".encode())),
+    ("newobj-on-tensor-machinery", "opcode NEWOBJ is not allowed on torch._utils._rebuild_tensor_v2",
+     lambda t, c: in_zip(b"\x80\x02" + glob("torch._utils", "_rebuild_tensor_v2") + b")\x81.")),
+    ("newobj-on-a-placeholder-instance", "opcode NEWOBJ is not allowed on Placeholder",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + b")R)\x81.")),
+    ("reconstructor-of-a-non-placeholder", "copyreg._reconstructor of torch.float32 is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("copyreg", "_reconstructor") + glob("torch", "float32")
+                         + glob("builtins", "object") + b"N\x87R.")),
+    ("placeholder-as-persistent-id", "persistent id is not a storage",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + b")RQ.")),
+    ("from-type-v2-placeholder-type", "type argument is not torch.Tensor",
+     lambda t, c: in_zip(b"\x80\x02" + glob("torch._tensor", "_rebuild_from_type_v2") + b"("
+                         + glob("torch._utils", "_rebuild_tensor_v2") + glob("argparse", "Namespace")
+                         + b")}tR.")),
+    ("from-type-v2-placeholder-func", "first argument is not a torch tensor rebuild function",
+     lambda t, c: in_zip(b"\x80\x02" + glob("torch._tensor", "_rebuild_from_type_v2") + b"("
+                         + glob("argparse", "Namespace") + glob("torch", "Tensor") + b")}tR.")),
+    ("inert-value-global-reduced", "REDUCE on builtins.object is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("builtins", "object") + b")R.")),
     # -- torch zip structure ---------------------------------------------------------------
     ("torchscript-archive", "TorchScript archive", lambda t, c: torchscript(t)),
     ("constants-pkl", "constants.pkl: TorchScript archive",

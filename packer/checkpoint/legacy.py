@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.pickle_vm import TruncatedPickle, run_pickle
+from packer.checkpoint.pickle_vm import DEFAULT_POLICY, NO_GLOBALS, TruncatedPickle, run_pickle
+from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
 from packer.checkpoint.tree import STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
 from packer.errors import CheckpointError, UnsafeInputError
@@ -23,7 +24,6 @@ MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 MAX_PICKLE_BYTES = 256 << 20
 _FIRST_READ = 1 << 20
-_NONE: frozenset[tuple[str, str]] = frozenset()
 
 
 class _Pickles:
@@ -135,22 +135,22 @@ def _expect(path: Path, what: str, value: object, ok: Callable[[object], bool]) 
         raise CheckpointError(f"{path}: {what}: unexpected value {str(value)[:60]}")
 
 
-def load_legacy(f: BinaryIO, path: Path, size: int) -> object:
+def load_legacy(f: BinaryIO, path: Path, size: int, *, policy: GlobalPolicy = DEFAULT_POLICY) -> object:
     """Parse a legacy stacked-pickle checkpoint; return the main pickle's root object.
 
     Raises:
         CheckpointError / UnsafeInputError: a malformed layout or a disallowed pickle.
     """
     pickles = _Pickles(f, path, size)
-    magic, pos = pickles.run(0, "magic number pickle", allowed=_NONE)
+    magic, pos = pickles.run(0, "magic number pickle", policy=NO_GLOBALS)
     if type(magic) is not int or magic != MAGIC_NUMBER:
         raise CheckpointError(f"{path}: magic number pickle: not the torch legacy magic number")
-    version, pos = pickles.run(pos, "protocol version pickle", allowed=_NONE)
+    version, pos = pickles.run(pos, "protocol version pickle", policy=NO_GLOBALS)
     _expect(path, "protocol version", version, lambda v: type(v) is int and v == PROTOCOL_VERSION)
-    info, pos = pickles.run(pos, "sys_info pickle", allowed=_NONE)
+    info, pos = pickles.run(pos, "sys_info pickle", policy=NO_GLOBALS)
     _expect(path, "sys_info", info, lambda v: isinstance(v, dict) and v.get("little_endian", True) is True)
     storages = _Storages(path)
-    root, pos = pickles.run(pos, "main pickle", persistent_load=storages)
-    keys, pos = pickles.run(pos, "storage key list", allowed=_NONE)
+    root, pos = pickles.run(pos, "main pickle", persistent_load=storages, policy=policy)
+    keys, pos = pickles.run(pos, "storage key list", policy=NO_GLOBALS)
     storages.locate(f, keys, pos, size)
     return root

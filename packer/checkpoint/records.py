@@ -62,3 +62,4 @@ class CheckpointContents:
     skipped: tuple[str, ...] = ()  # names of non-tensor entries, reported, never fatal
     metadata: tuple[tuple[str, str], ...] = ()  # safetensors __metadata__ of an input
     left_out: tuple[str, ...] = ()  # top-level entries beside the selected key, reported
+    notes: tuple[str, ...] = ()  # placeholders left out, tensor attributes dropped: reported

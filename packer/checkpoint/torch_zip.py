@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.pickle_vm import run_pickle
+from packer.checkpoint.pickle_vm import DEFAULT_POLICY, run_pickle
+from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
 from packer.checkpoint.tree import STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
 from packer.errors import CheckpointError, UnsafeInputError
@@ -297,12 +298,14 @@ def _storage_loader(path: Path, prefix: str, rel: dict[str, ZipMember]) -> Calla
     return load
 
 
-def load_torch_zip(f: BinaryIO, path: Path, size: int, *, verify_crc: bool = False) -> object:
+def load_torch_zip(f: BinaryIO, path: Path, size: int, *, verify_crc: bool = False,
+                   policy: GlobalPolicy = DEFAULT_POLICY) -> object:
     """Parse a torch zip checkpoint and run its data.pkl; return the pickled root object.
 
     Args:
         f: the open file; path: its name for messages; size: its length in bytes.
         verify_crc: also stream every storage through CRC-32 (costs one read of the file).
+        policy: the globals the pickle may name (placeholder types included).
 
     Raises:
         CheckpointError / UnsafeInputError: a malformed or disallowed archive or pickle.
@@ -313,7 +316,7 @@ def load_torch_zip(f: BinaryIO, path: Path, size: int, *, verify_crc: bool = Fal
         raise _fail(path, f"member {prefix}/byteorder", "only little-endian checkpoints are supported")
     pkl = _read_member(f, path, rel["data.pkl"], MAX_PICKLE_BYTES)
     root, _ = run_pickle(pkl, where=f"{path}: {prefix}/data.pkl",
-                         persistent_load=_storage_loader(path, prefix, rel))  # fmt: skip
+                         persistent_load=_storage_loader(path, prefix, rel), policy=policy)  # fmt: skip
     if verify_crc:
         for name, m in rel.items():
             if name.startswith("data/"):

@@ -44,14 +44,20 @@ CALLABLES: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
     (_U, "_rebuild_tensor"), (_U, "_rebuild_tensor_v2"), (_U, "_rebuild_tensor_v3"),
     (_U, "_rebuild_parameter"), (_U, "_rebuild_parameter_with_state"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
     ("torch", "Size"), ("_codecs", "encode"),
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
     # protocol-2 pickles written by Python 3 spell builtins the Python 2 way
     ("__builtin__", "set"), ("__builtin__", "frozenset"), ("__builtin__", "bytearray"),
 })  # fmt: skip
+# The types _rebuild_from_type_v2 may name: a plain tensor or a parameter, nothing else.
+TENSOR_TYPES: frozenset[tuple[str, str]] = frozenset({("torch", "Tensor"), ("torch.nn.parameter", "Parameter")})
 VALUE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {("torch", n) for n in STORAGE_TYPES} | {("torch.storage", "UntypedStorage")} | {("torch", n) for n in TORCH_DTYPES}
+    {("torch", n) for n in STORAGE_TYPES} | {("torch.storage", "UntypedStorage")}
+    | {("torch", n) for n in TORCH_DTYPES} | TENSOR_TYPES
 )
+_REBUILDS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                       "_rebuild_parameter_with_state"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class TensorRef:
     stride: tuple[int, ...]
     dtype: str  # torch dtype name
     extra: dict[str, object] = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()  # Python attribute names the tensor carried, not converted
 
 
 def _ints(value: object, what: str) -> tuple[int, ...]:
@@ -167,6 +174,37 @@ def _plain(key: object) -> bool:
     return isinstance(key, str | int | float | bytes) or key is None
 
 
+def _attribute_names(state: object) -> list[str]:
+    # torch's _set_obj_state takes a dict or a (dict, slots) pair
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    names: list[str] = []
+    for part in parts:
+        if isinstance(part, dict):
+            names.extend(str(k) for k in part)
+        elif part is not None:
+            raise ValueError("state is not a dict or a (dict, slots) pair")
+    return names
+
+
+def _from_type(args: tuple[object, ...]) -> TensorRef:
+    # torch pickles a tensor with Python attributes as _rebuild_from_type_v2(func, type, args,
+    # state): the tensor is func(*args); the attributes are dropped and named in ``extra``.
+    func, new_type, inner, state = args
+    if not isinstance(func, Global) or func.module != _U or func.name not in _REBUILDS:
+        raise ValueError("first argument is not a torch tensor rebuild function")
+    if not isinstance(new_type, Global) or new_type.key not in TENSOR_TYPES:
+        raise ValueError("type argument is not torch.Tensor or torch.nn.Parameter")
+    if not isinstance(inner, tuple):
+        raise ValueError("rebuild arguments are not a tuple")
+    ref = reduce_call(func, inner)
+    if not isinstance(ref, TensorRef):
+        raise ValueError("rebuild function did not describe a tensor")
+    dropped = _attribute_names(state)
+    if dropped:
+        ref.dropped = tuple(dropped)
+    return ref
+
+
 def reduce_call(func: Global, args: tuple[object, ...]) -> object:
     """The value ``func(*args)`` stands for, built by rule; ValueError on bad arguments."""
     module, name = func.key
@@ -182,7 +220,11 @@ def reduce_call(func: Global, args: tuple[object, ...]) -> object:
     if name in ("_rebuild_parameter", "_rebuild_parameter_with_state") and n in (3, 4):
         if not isinstance(args[0], TensorRef):
             raise ValueError("parameter data is not a tensor")
+        if n == 4 and name == "_rebuild_parameter_with_state" and (dropped := _attribute_names(args[3])):
+            args[0].dropped = tuple(dropped)
         return args[0]  # nn.Parameter unwraps to its tensor
+    if name == "_rebuild_from_type_v2" and n == 4:
+        return _from_type(args)
     if name == "Size" and n == 1:
         return _ints(args[0], "size")
     if name == "encode" and n == 2:

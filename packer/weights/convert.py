@@ -25,15 +25,17 @@ from packer.weights.verify import verify_written
 from packer.weights.writer import Sources, StagedFiles, write_shard
 
 
-def read_inputs(inputs: InputSet, key: str | None) -> list[CheckpointContents]:
+def read_inputs(inputs: InputSet, key: str | None, allow_globals: Sequence[str] = ()) -> list[CheckpointContents]:
     """Read every input file's records with the safe checkpoint reader.
+
+    ``allow_globals`` are the user's plain-data classes, read as inert placeholders.
 
     Raises:
         CheckpointError: from the reader, naming the file.
     """
     from packer.checkpoint.reader import read_checkpoint
 
-    return [read_checkpoint(path, key=key) for path in inputs.files]
+    return [read_checkpoint(path, key=key, allow_globals=allow_globals) for path in inputs.files]
 
 
 def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str]:
@@ -45,6 +47,7 @@ def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str
         if c.left_out:
             notes.append(f"{inputs.rel(c.path)}: not converted (beside the selected key): "
                          f"{_shown(c.left_out)}")
+        notes.extend(f"{inputs.rel(c.path)}: {note}" for note in c.notes)
     return notes
 
 
@@ -145,7 +148,7 @@ def convert(
     root = Path(rel_root) if rel_root is not None else dest_dir
     prefix = dest_dir.relative_to(root).as_posix() + "/" if dest_dir != root else ""
     inputs = find_inputs(src, cfg.files, pickles_first=cfg.key is not None)
-    contents = read_inputs(inputs, cfg.key)
+    contents = read_inputs(inputs, cfg.key, cfg.allow_globals)
     notes = _notes(inputs, contents)
     plan = plan_weights(contents, cfg)
     section = _section(plan, prefix, inputs, contents)
