@@ -7,11 +7,11 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, StorageRange, TensorRecord
+from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, StorageRange, TensorRecord, torch_shape
 from packer.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own cap
-_COMPLEX = {"C64", "C128", "C32"}
+_COMPLEX = {"C128", "C32"}
 
 
 def _fail(path: Path, place: str, reason: str) -> CheckpointError:
@@ -72,6 +72,10 @@ def _record(path: Path, name: str, info: object, base: int) -> tuple[TensorRecor
             and all(type(o) is int and 0 <= o < 2**63 for o in offsets)):  # fmt: skip
         raise _fail(path, place, "data_offsets must be two non-negative integers")
     begin, end = offsets
+    stored = tuple(shape)
+    shape = torch_shape(dtype, stored)
+    if shape is None:
+        raise _fail(path, place, f"{dtype} shape {list(stored)} does not fill whole bytes in its last dimension")
     numel = 1
     for d in shape:
         numel *= d
@@ -82,7 +86,7 @@ def _record(path: Path, name: str, info: object, base: int) -> tuple[TensorRecor
         stride.append(acc)
         acc *= d
     rng = StorageRange(name, path, base + begin, end - begin)
-    rec = TensorRecord(name, dtype, tuple(shape), tuple(reversed(stride)), rng, 0)
+    rec = TensorRecord(name, dtype, shape, tuple(reversed(stride)), rng, 0)
     return rec, begin, end
 
 

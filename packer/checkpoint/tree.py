@@ -21,11 +21,11 @@ TORCH_DTYPES: dict[str, tuple[str | None, int]] = {
     "int64": ("I64", 8), "long": ("I64", 8), "int32": ("I32", 4), "int": ("I32", 4),
     "int16": ("I16", 2), "short": ("I16", 2), "int8": ("I8", 1),
     "uint8": ("U8", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8),
-    "bool": ("BOOL", 1),
-    "complex32": (None, 4), "chalf": (None, 4), "complex64": (None, 8), "cfloat": (None, 8),
+    "bool": ("BOOL", 1), "complex64": ("C64", 8), "cfloat": ("C64", 8), "float4_e2m1fn_x2": ("F4", 1),
+    "complex32": (None, 4), "chalf": (None, 4),
     "complex128": (None, 16), "cdouble": (None, 16),
     "qint8": (None, 1), "quint8": (None, 1), "qint32": (None, 4), "quint4x2": (None, 1),
-    "quint2x4": (None, 1), "float4_e2m1fn_x2": (None, 1),
+    "quint2x4": (None, 1),
 }  # fmt: skip
 
 # typed storage class name -> torch dtype name of its elements

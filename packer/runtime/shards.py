@@ -88,7 +88,8 @@ def _check_header(rel: str, raw: bytes, data_len: int,
         begin, end = rec["data_offsets"]
         if not 0 <= begin <= end <= data_len:
             raise ArtifactMismatchError(f"{rel}: tensor {name!r} lies outside the data section")
-        out.append((name, rec["dtype"], list(rec["shape"]), begin, end))
+        # packed float4: the header counts single values, the manifest keeps the torch shape
+        out.append((name, rec["dtype"], list(rec.get("torch_shape", rec["shape"])), begin, end))
     out.sort(key=lambda t: (t[3], t[0]))
     return out
 

@@ -16,7 +16,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, TensorRecord
+from packer.checkpoint.records import (
+    DTYPE_SIZES,
+    PACKED,
+    TORCH_SHAPES_KEY,
+    CheckpointContents,
+    TensorRecord,
+    stored_shape,
+    torch_shape,
+)
 from packer.errors import WeightsError
 from packer.fsutil import canonical_json
 from packer.recipe import WeightsConfig
@@ -45,7 +53,18 @@ class PlannedTensor:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape safetensors records (packed float4 counts single values)."""
+        return stored_shape(self.dtype, self.record.shape)
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The shape of the torch tensor (what a loader must give back)."""
         return self.record.shape
+
+    @property
+    def shape_recorded(self) -> bool:
+        """True when the stored shape alone cannot give the torch shape back (0-d float4)."""
+        return self.dtype in PACKED and torch_shape(self.dtype, self.shape) != self.torch_shape
 
     @property
     def cast(self) -> bool:
@@ -101,7 +120,8 @@ class WeightsPlan:
             "total_size": self.total_size,
             "tensors": {
                 name: {"file": prefix + f, "dtype": t.dtype, "shape": list(t.shape),
-                       "data_offsets": [t.begin, t.end]}
+                       "data_offsets": [t.begin, t.end],
+                       **({"torch_shape": list(t.torch_shape)} if t.dtype in PACKED else {})}
                 for name, (f, t) in sorted(self.tensors.items())
             },
             "aliases": dict(self.aliases),
@@ -225,6 +245,9 @@ def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str]) -> bytes:
     meta = {"format": "pt"}
     if aliases:
         meta[ALIASES_KEY] = canonical_json(aliases).decode().rstrip("\n")
+    recorded = {t.name: list(t.torch_shape) for t in tensors if t.shape_recorded}
+    if recorded:
+        meta[TORCH_SHAPES_KEY] = canonical_json(recorded).decode().rstrip("\n")
     table: dict[str, Any] = {"__metadata__": meta}
     for t in tensors:
         table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
