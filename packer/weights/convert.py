@@ -21,6 +21,7 @@ from packer.recipe import WeightsConfig
 from packer.stage import StageOutput
 from packer.weights.inputs import InputSet, check_index, find_inputs
 from packer.weights.plan import INDEX_NAME, WeightsPlan, plan_weights
+from packer.weights.ties import read_tie_config
 from packer.weights.verify import verify_written
 from packer.weights.writer import Sources, StagedFiles, write_shard
 
@@ -150,7 +151,7 @@ def convert(
     inputs = find_inputs(src, cfg.files, pickles_first=cfg.key is not None)
     contents = read_inputs(inputs, cfg.key, cfg.allow_globals)
     notes = _notes(inputs, contents)
-    plan = plan_weights(contents, cfg)
+    plan = plan_weights(contents, cfg, ties=read_tie_config(src if src.is_dir() else None))
     section = _section(plan, prefix, inputs, contents)
     if dry_run:
         return StageOutput(section=section, notes=tuple(notes))
