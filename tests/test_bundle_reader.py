@@ -156,6 +156,9 @@ TAR_ATTACKS = {
     "pax-path": (tar(pax({"path": "../../etc/passwd"}), member("safe.txt", b"x")), "renames"),
     "pax-path-same": (tar(pax({"path": "safe.txt"}), member("safe.txt", b"x")), "renames"),
     "pax-linkpath": (tar(pax({"linkpath": "/etc"}), member("a", b"x")), "renames"),
+    "pax-long-path-traversal": (tar(pax({"path": "../" + "x" * 120}), member("x" * 100, b"x")), "'..' component"),
+    "pax-long-path-absolute": (tar(pax({"path": "/" + "x" * 120}), member("x" * 100, b"x")), "absolute name"),
+    "pax-splittable-path": (tar(pax({"path": "d/" + "x" * 99}), member("x" * 100, b"x")), "renames"),
     "pax-size": (tar(pax({"size": "4096"}), member("a", b"x")), "PAX size"),
     "pax-sparse": (tar(pax({"GNU.sparse.map": "0,1"}), member("a", b"x")), "unsupported PAX record"),
     "pax-charset": (tar(pax({"hdrcharset": "BINARY"}), member("a", b"x")), "unsupported PAX record"),
@@ -516,3 +519,11 @@ def test_unbundle_cli_rejects_corpus(case: str, tmp_path: Path) -> None:
     assert re.search(reason, result.output) and "Traceback" not in result.output
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [work / "in.tar.zst"]  # no canary, no output
     assert not (work / "out").exists()
+
+
+def test_pax_path_for_a_name_ustar_cannot_hold_is_read() -> None:
+    long = "tokenizer_" + "x" * 110 + ".json"  # 125 bytes, no '/' to split at
+    body = tar(member("a.json", b"A"), pax({"path": long}), member(long[:100], b"LONG"))
+    bundle = Bundle.from_bytes(zst(body))
+    assert bundle.names() == ["a.json", long]
+    assert bundle.read(long) == b"LONG"

@@ -156,7 +156,7 @@ def _decompress(data: bytes | bytearray, max_bytes: int, max_window: int) -> byt
 
 
 # ---------------------------------------------------------------------------------------
-# tar: ustar headers and PAX "x" records, parsed here
+# tar: ustar headers and PAX "x" records (a "path" only for a name ustar cannot hold)
 
 
 def _octal(field: bytes, what: str, at: int) -> int:
@@ -219,9 +219,35 @@ def _parse_pax(buf: bytes, at: int) -> dict[str, str]:
     return records
 
 
+def _fits_ustar(name: bytes) -> bool:
+    """True when a ustar header holds ``name`` (100 bytes, or a '/' split into 155 + 100)."""
+    if len(name) <= 100:
+        return True
+    parts = name.split(b"/")
+    return any(len(b"/".join(parts[:i])) <= 155 and 0 < len(b"/".join(parts[i:])) <= 100 for i in range(1, len(parts)))
+
+
+def _pax_path(pax: dict[str, str], raw: bytes) -> bytes:
+    """The member's name: a PAX ``path`` record only for a name no ustar header can hold.
+
+    A ``path`` record for a name that would fit is a rename (tools that ignore PAX would see
+    another name): refused, like ``linkpath``.
+    """
+    value = pax.get("path")
+    if value is None:
+        return raw
+    name = value.encode("utf-8", "surrogateescape")
+    if _fits_ustar(name):
+        shown = raw.decode("utf-8", "replace")
+        raise BundleFormatError(f"member {shown!r}: PAX header renames it (path={value!r})")
+    return name
+
+
 def _apply_pax(pax: dict[str, str], name: str, size: int) -> None:
     for key, value in pax.items():
-        if key in ("path", "linkpath"):
+        if key == "path":
+            continue  # taken as the name by _pax_path
+        if key == "linkpath":
             raise BundleFormatError(f"member {name!r}: PAX header renames it ({key}={value!r})")
         if key == "size" and value != str(size):
             raise BundleFormatError(f"member {name!r}: PAX size {value!r} differs from the header's {size}")
@@ -294,7 +320,7 @@ def _parse_tar(data: bytearray, max_members: int, max_depth: int) -> dict[tuple[
                 raise BundleFormatError(f"PAX header at byte {pos}: repeated or over {_MAX_PAX} bytes")
             pax, pax_at = _parse_pax(bytes(view[start : start + size]), pos), pos
         else:
-            name, parts = _member(kind, raw, mode, size, pos, max_depth)
+            name, parts = _member(kind, _pax_path(pax or {}, raw), mode, size, pos, max_depth)
             _apply_pax(pax or {}, name, size)
             index.add(name, parts, kind == b"5")
             members[parts] = (start, size, kind == b"5")

@@ -7,7 +7,6 @@ left under the output names.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 from collections.abc import Callable, Sequence
@@ -16,7 +15,7 @@ from typing import Any
 
 from packer.checkpoint.records import CheckpointContents
 from packer.errors import PackerError, WeightsError
-from packer.fsutil import FileEntry, umask
+from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import WeightsConfig
 from packer.stage import StageOutput
 from packer.weights.inputs import InputSet, check_index, find_inputs
@@ -164,14 +163,15 @@ def convert(
                                      framing=layer_framing, prefix=prefix)  # fmt: skip
         staged.commit()
     except BaseException as e:
-        staged.discard()
-        if created:
-            with contextlib.suppress(OSError):
-                dest_dir.rmdir()
+        # removing what was staged must never raise over the error that caused it
+        quiet_cleanup(e, staged.discard, *([dest_dir.rmdir] if created else []))
         if isinstance(e, OSError):
             raise WeightsError(f"{dest_dir}: cannot write: {e.strerror or e}") from e
         if isinstance(e, PackerError) and not str(e).startswith(str(src)):
-            raise e.with_context(f"converting {src}") from e.__cause__
+            new = e.with_context(f"converting {src}")
+            for note in getattr(e, "__notes__", ()):  # a failed cleanup stays on record
+                new.add_note(note)
+            raise new from e.__cause__
         raise
     files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)
     digests = {f"layer:{prefix}{name}": f"sha256:{hexd}" for name, hexd in framed.items()}
