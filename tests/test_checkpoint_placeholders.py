@@ -224,3 +224,31 @@ def test_an_allowed_global_is_never_called(tmp_path: Path) -> None:
     assert value["w"].type.qualname.endswith(".system")
     assert not canary.exists()
     assert set(sys.modules) == modules
+
+
+class _Touch:
+    """Pickles as ``os.system("touch <canary>")``: what an attacker's __reduce__ returns."""
+
+    def __init__(self, canary: Path) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        import os
+
+        return os.system, (f"touch {self.canary}",)
+
+
+def test_cli_allowing_a_dangerous_global_still_runs_nothing(tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    w = torch.arange(6.0)
+    torch.save({"w": w, "hook": _Touch(canary)}, tmp_path / "evil.pt")
+    refused = subprocess.run([sys.executable, "-m", "packer", "convert", str(tmp_path / "evil.pt"), "-o",
+                              str(tmp_path / "o1")], capture_output=True, text=True, check=False)  # fmt: skip
+    assert refused.returncode == 1 and "global posix.system is not allowed" in refused.stderr
+    run = subprocess.run([sys.executable, "-m", "packer", "convert", str(tmp_path / "evil.pt"), "-o",
+                          str(tmp_path / "o2"), "--allow-global", "posix.*", "--json"],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert not canary.exists()
+    assert any("hook (posix.system)" in n for n in json.loads(run.stdout)["notes"])
+    assert validate_output(tmp_path / "o2")["w"]["bytes"] == tensor_bytes(w)

@@ -159,3 +159,32 @@ def test_convert_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
     assert "tensor 'b': bytes read back at offset 8 differ" in str(e.value)
     assert "\n" not in str(e.value)
     assert any("cleanup also failed: PermissionError" in n for n in e.value.__notes__)
+
+
+def test_build_with_a_long_tokenizer_name_and_a_user_config_object(tmp_path: Path) -> None:
+    # issue 13 end to end through `packer build`: no traceback, exit codes, verify passes
+    from packer.demo import write_demo
+    from tests.test_checkpoint_placeholders import stand_in
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_demo(src)
+    (src / LONG).write_text('{"long": true}')
+    sd = torch.load(src / "pytorch_model.bin", weights_only=True)
+    with stand_in("mytrainer.config", "TrainConfig") as cfg_cls:
+        torch.save({"state_dict": sd, "config": cfg_cls()}, src / "pytorch_model.bin")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "m"\nversion = "1"\nsource = "{src}"\n[weights]\nkey = "state_dict"\n')
+
+    def packer(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "packer", *args], capture_output=True, text=True,
+                              check=False)  # fmt: skip
+
+    refused = packer("build", str(recipe), "-o", str(tmp_path / "out"))
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "--allow-global mytrainer.config.TrainConfig" in refused.stderr
+    built = packer("build", str(recipe), "-o", str(tmp_path / "out"), "--allow-global", "mytrainer.*")
+    assert built.returncode == 0, built.stderr
+    assert "config (mytrainer.config.TrainConfig)" in built.stdout + built.stderr
+    assert packer("verify", str(tmp_path / "out")).returncode == 0
+    assert LONG in Bundle.open(tmp_path / "out" / ARCHIVE_NAME).names()
