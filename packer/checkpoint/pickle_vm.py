@@ -429,23 +429,24 @@ class PickleVM:
 
     def op_reduce(self) -> None:
         args, func = self.pop(), self.pop()
-        policy = self.policy
-        if not isinstance(func, Global) or not (
-            func.key in policy.callables or func.key in _RECONSTRUCTORS or policy.is_placeholder(func.key)
-        ):
-            shown = func.qualname if isinstance(func, Global) else type(func).__name__
-            raise self.unsafe(f"REDUCE on {shown} is not allowed")
-        if not isinstance(args, tuple):
-            raise self.fail(f"REDUCE arguments for {func.qualname} are not a tuple")
-        if func.key in _RECONSTRUCTORS:
-            self.push(self._reconstruct(args))
-        elif func.key in policy.callables:
-            try:
-                self.push(reduce_call(func, args))
-            except ValueError as e:
-                raise self.fail(f"{func.qualname}: {e}") from None
-        else:  # a placeholder type: recorded with its arguments, never called
-            self.push(make_placeholder(func, args))
+        if isinstance(func, Global):
+            key, policy = func.key, self.policy
+            rule = key in policy.callables  # the hot path: tensor rebuilds
+            if rule or key in _RECONSTRUCTORS or policy.is_placeholder(key):
+                if not isinstance(args, tuple):
+                    raise self.fail(f"REDUCE arguments for {func.qualname} are not a tuple")
+                if rule:
+                    try:
+                        self.push(reduce_call(func, args))
+                    except ValueError as e:
+                        raise self.fail(f"{func.qualname}: {e}") from None
+                elif key in _RECONSTRUCTORS:
+                    self.push(self._reconstruct(args))
+                else:  # a placeholder type: recorded with its arguments, never called
+                    self.push(make_placeholder(func, args))
+                return
+        shown = func.qualname if isinstance(func, Global) else type(func).__name__
+        raise self.unsafe(f"REDUCE on {shown} is not allowed")
 
     def _reconstruct(self, args: tuple[object, ...]) -> object:
         cls = args[0] if len(args) == 3 else None
