@@ -252,3 +252,13 @@ def test_cli_allowing_a_dangerous_global_still_runs_nothing(tmp_path: Path) -> N
     assert not canary.exists()
     assert any("hook (posix.system)" in n for n in json.loads(run.stdout)["notes"])
     assert validate_output(tmp_path / "o2")["w"]["bytes"] == tensor_bytes(w)
+
+
+@pytest.mark.parametrize("protocol", range(6))
+def test_plain_data_reads_at_every_protocol(protocol: int) -> None:
+    obj = {"ns": argparse.Namespace(a=1), "when": datetime.datetime(2020, 1, 1), "counts": Counter("ab"),
+           "recent": deque([1]), "path": pathlib.PurePosixPath("/a"), "x": np.float32(1),
+           "arr": np.arange(3)}  # fmt: skip
+    value, _ = run_pickle(pickle.dumps(obj, protocol=protocol), where="x: data.pkl")
+    assert isinstance(value, dict) and set(value) == set(obj)
+    assert all(type(v).__name__.startswith("Placeholder") for v in value.values())

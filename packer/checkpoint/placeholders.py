@@ -38,6 +38,7 @@ LIST_TYPES: frozenset[tuple[str, str]] = frozenset({("collections", "deque")})
 PLACEHOLDER_TYPES: frozenset[tuple[str, str]] = frozenset(
     DICT_TYPES | LIST_TYPES
     | {(m, n) for m in _NUMPY for n in ("scalar", "_reconstruct")}
+    | {(m, "_frombuffer") for m in ("numpy.core.numeric", "numpy._core.numeric")}  # protocol 5 arrays
     | {("numpy", "ndarray"), ("numpy", "dtype"), ("argparse", "Namespace"), ("collections", "ChainMap")}
     | {("datetime", n) for n in ("date", "time", "datetime", "timedelta", "timezone")}
     | {(m, n) for m in ("pathlib", "pathlib._local") for n in _PATHS}

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, StorageRange, TensorRecord, torch_shape
+from packer.checkpoint.records import (
+    DTYPE_SIZES,
+    PACKED,
+    TORCH_SHAPES_KEY,
+    CheckpointContents,
+    StorageRange,
+    TensorRecord,
+    torch_shape,
+)
 from packer.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own cap
@@ -117,5 +126,22 @@ def read_safetensors(f: BinaryIO, path: Path, size: int) -> CheckpointContents:
         expected = end
     if base + expected != size:
         raise _fail(path, "safetensors data", f"{size - base - expected} bytes not covered by tensors")
-    tensors = tuple(s[2] for s in spans)  # file order: sequential reads
+    tensors = tuple(_recorded_shape(path, s[2], dict(meta)) for s in spans)  # file order: sequential reads
     return CheckpointContents(path, "safetensors", tensors, (), meta)
+
+
+def _recorded_shape(path: Path, rec: TensorRecord, meta: dict[str, str]) -> TensorRecord:
+    """A 0-d float4 stored as its one byte gets its recorded torch shape back (packer's own key)."""
+    raw = meta.get(TORCH_SHAPES_KEY)
+    if raw is None or rec.dtype not in PACKED:
+        return rec
+    try:
+        shapes = json.loads(raw)
+    except ValueError:
+        raise _fail(path, f"__metadata__ {TORCH_SHAPES_KEY}", "not JSON") from None
+    shape = shapes.get(rec.name) if isinstance(shapes, dict) else None
+    if shape is None:
+        return rec
+    if shape != [] or rec.shape != (1,):  # only the 0-d case is ever recorded
+        raise _fail(path, f"tensor {rec.name}", f"recorded torch shape {shape} does not fit {list(rec.shape)}")
+    return dataclasses.replace(rec, shape=(), stride=())
