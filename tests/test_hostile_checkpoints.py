@@ -334,8 +334,11 @@ def test_torch_refuses_none_of_the_benign_builders(tmp_path: Path) -> None:
         (Limits(max_memo=100), b"\x80\x04N" + b"\x94" * 200 + b".", "more than 100 memo entries"),
         (Limits(max_stack=100), b"\x80\x02" + b"N" * 200 + b".", "stack deeper than 100"),
         (Limits(max_line=64), b"c" + b"a" * 100 + b"\nb\n.", "longer than the line cap"),
+        # a memoised 10,000-item list reduced again and again: each REDUCE walks it
+        (Limits(max_ops=100_000), b"\x80\x02]q\x00(" + b"N" * 10_000 + b"e"
+         + (b"c__builtin__\nset\nh\x00\x85R0") * 50 + b"N.", "counting the work of REDUCE"),
     ],
-    ids=["ops", "memo", "stack", "line"],
+    ids=["ops", "memo", "stack", "line", "reduce-work"],
 )
 def test_vm_caps(limits: Limits, data: bytes, reason: str) -> None:
     with pytest.raises(CheckpointError, match=reason):

@@ -108,6 +108,7 @@ class PickleVM:
         self.memo: dict[int, object] = {}
         self.handlers: dict[int, Callable[[], None]] = _handler_table(self)
         self.done = False
+        self.work = 0  # argument elements walked by REDUCE rules, capped like opcodes
 
     # -- errors and input -------------------------------------------------------------
     def fail(self, reason: str) -> CheckpointError:
@@ -436,6 +437,7 @@ class PickleVM:
                 if not isinstance(args, tuple):
                     raise self.fail(f"REDUCE arguments for {func.qualname} are not a tuple")
                 if rule:
+                    self._charge(args)
                     try:
                         self.push(reduce_call(func, args))
                     except ValueError as e:
@@ -447,6 +449,20 @@ class PickleVM:
                 return
         shown = func.qualname if isinstance(func, Global) else type(func).__name__
         raise self.unsafe(f"REDUCE on {shown} is not allowed")
+
+    def _charge(self, args: tuple[object, ...]) -> None:
+        # A rule may walk or copy its arguments (set(list), OrderedDict(pairs), encode(str)):
+        # that work counts against the opcode cap, so a memoised argument reduced again and
+        # again cannot cost quadratic time.
+        work = 0
+        for a in args:
+            if isinstance(a, list | tuple | dict):
+                work += len(a)
+            elif isinstance(a, str | bytes):
+                work += len(a) >> 10
+        self.work += work
+        if self.work > self.limits.max_ops:
+            raise self.fail(f"more than {self.limits.max_ops} opcodes (cap), counting the work of REDUCE")
 
     def _reconstruct(self, args: tuple[object, ...]) -> object:
         cls = args[0] if len(args) == 3 else None

@@ -126,17 +126,16 @@ class GlobalPolicy:
 
 
 def make_placeholder(cls: Global, args: tuple[object, ...]) -> AnyPlaceholder:
-    """The inert stand-in for ``cls(*args)`` or ``cls.__new__(cls, *args)``; nothing is called."""
+    """The inert stand-in for ``cls(*args)`` or ``cls.__new__(cls, *args)``; nothing is called.
+
+    O(1): the arguments are kept by reference, never copied (a memoised list reduced a million
+    times must not cost a million copies). Items added by SETITEMS / APPENDS land in the
+    placeholder itself.
+    """
     if cls.key in DICT_TYPES:
-        d = PlaceholderDict(cls, args)
-        if len(args) == 1 and isinstance(args[0], dict):  # Counter(dict): its items
-            d.update(args[0])
-        return d
+        return PlaceholderDict(cls, args)
     if cls.key in LIST_TYPES:
-        lst = PlaceholderList(cls, args)
-        if args and isinstance(args[0], list | tuple):  # deque(iterable[, maxlen])
-            lst.extend(args[0])
-        return lst
+        return PlaceholderList(cls, args)
     return Placeholder(cls, args)
 
 
