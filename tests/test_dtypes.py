@@ -118,3 +118,32 @@ def test_the_runtime_loader_gives_packed_and_complex_tensors_back(tmp_path: Path
     for name, t in saved.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
         assert got[name].reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist(), name
+    cast = L.Loader(manifest, root, timeline=L.Timeline()).load_weights("cpu", dtype=torch.bfloat16)
+    assert cast["f4"].dtype == torch.float4_e2m1fn_x2 and cast["c64"].dtype == torch.complex64
+    assert cast["f8"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_the_runtime_loader_fills_a_module_with_packed_and_complex_buffers(tmp_path: Path, pipeline: bool) -> None:
+    import hashlib
+
+    from packer.runtime import loader as L
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("f4", torch.zeros(3, 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2))
+            self.register_buffer("z", torch.zeros(2, dtype=torch.complex64))
+
+    saved = {"f4": sample(torch.float4_e2m1fn_x2, (3, 2)), "z": torch.randn(2, dtype=torch.complex64)}
+    torch.save(saved, tmp_path / "m.pt")
+    root = tmp_path / "out"
+    result = convert(tmp_path / "m.pt", root / "weights", WeightsConfig(), rel_root=root)
+    files = {f.path: {"size": f.size, "sha256": hashlib.sha256((root / f.path).read_bytes()).hexdigest()}
+             for f in result.files}  # fmt: skip
+    manifest = {"name": "dtypes", "version": "1", "files": files, "weights": result.section, "bundle": None,
+                "runtime": {"device": "cpu", "warmup": []}}  # fmt: skip
+    model = M()
+    L.Loader(manifest, root, timeline=L.Timeline()).load_into(model, pipeline=pipeline)
+    assert torch.equal(model.f4.view(torch.uint8), saved["f4"].view(torch.uint8))
+    assert torch.equal(model.z, saved["z"])

@@ -30,7 +30,8 @@ def module_targets(module: Any, table: dict[str, Any],
     targets: dict[str, list[Any]] = {}
     for key, t in state.items():
         if key in names:
-            want = table[aliases.get(key, key)]["shape"]
+            rec = table[aliases.get(key, key)]
+            want = rec.get("torch_shape", rec["shape"])  # packed float4: the header counts values
             if list(t.shape) != list(want):
                 raise RuntimeError(f"load_into: size mismatch for {key}: the weights have shape "
                                    f"{want}, the module {list(t.shape)}")  # fmt: skip

@@ -131,7 +131,8 @@ def shard_tensors(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], 
         for name, code, shape, begin, end in s.tensors:
             t = tensor_view(torch, buf, base + begin, base + end, code, shape,
                             f"{s.rel}: tensor {name!r}")  # fmt: skip
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            # packed float4 has no cast in torch: it stays as stored, as integers do
+            if dtype is not None and code != "F4" and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
             out[name] = t
     for alias, kept in sorted(aliases.items()):
