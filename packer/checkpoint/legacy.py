@@ -17,7 +17,7 @@ from typing import BinaryIO
 from packer.checkpoint.pickle_vm import DEFAULT_POLICY, NO_GLOBALS, TruncatedPickle, run_pickle
 from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
-from packer.checkpoint.tree import STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
+from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
 from packer.errors import CheckpointError, UnsafeInputError
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -66,7 +66,7 @@ class _Storages:
             kind = pid[0] if isinstance(pid, tuple) and pid and isinstance(pid[0], str) else "?"
             raise UnsafeInputError(f"{self.path}: main pickle: persistent id '{kind}' is not a storage")
         _, stype, key, _, numel, view = pid
-        if not isinstance(stype, Global) or stype.name not in STORAGE_TYPES:
+        if not isinstance(stype, Global) or stype.module not in STORAGE_MODULES or stype.name not in STORAGE_TYPES:
             raise self.fail("persistent id has no storage type")
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
             raise self.fail(f"malformed storage id {str(pid)[:80]}")

@@ -5,9 +5,11 @@ accepted; ``REDUCE`` on an allowed marker builds a plain value (dict, bytes, a t
 description) by rules written in :mod:`packer.checkpoint.tree`, never by calling the named
 object. A second allowlist (:mod:`packer.checkpoint.placeholders`, plus the user's
 ``--allow-global`` patterns) names plain-data types: ``REDUCE`` or ``NEWOBJ`` on one of them
-yields an inert :class:`Placeholder` that records its arguments and is never called. Every length the
-input declares is checked against the bytes that remain before anything is allocated, and
-memo size, stack size, MARK depth and the number of opcodes are capped.
+yields an inert :class:`Placeholder` that records its arguments and is never called.
+
+Every length the input declares is checked against the bytes that remain before anything is
+allocated, and memo size, stack size, MARK depth, the number of opcodes and the work REDUCE
+rules do on their arguments are capped.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-DEFAULT_ALLOWED = CALLABLES | VALUE_GLOBALS
 DEFAULT_POLICY = GlobalPolicy(callables=CALLABLES, values=VALUE_GLOBALS)
 NO_GLOBALS = GlobalPolicy(callables=frozenset(), values=frozenset(), placeholder_types=frozenset())
 

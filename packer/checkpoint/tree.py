@@ -39,6 +39,8 @@ STORAGE_TYPES: dict[str, str] = {
     "UntypedStorage": "uint8",
 }  # fmt: skip
 
+# modules a storage type may come from (a user's --allow-global could admit others: not storages)
+STORAGE_MODULES = frozenset({"torch", "torch.storage"})
 _U = "torch._utils"
 CALLABLES: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
