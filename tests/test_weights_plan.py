@@ -230,3 +230,19 @@ def test_convert_reads_tie_info_from_the_source_config(tmp_path: Path, tied: boo
         assert sorted(found) == ["lm_head.weight", "model.decoder.embed_tokens.weight"]
         assert found["lm_head.weight"]["bytes"] == want
     assert found["model.decoder.embed_tokens.weight"]["bytes"] == want
+
+
+def test_config_beside_a_single_file_is_used_and_a_broken_one_ignored(tmp_path: Path) -> None:
+    import torch
+
+    from packer.weights.convert import convert
+    from tests.weights_validate import validate_output
+
+    emb = torch.randn(8, 4)
+    torch.save({"model.decoder.embed_tokens.weight": emb, "lm_head.weight": emb}, tmp_path / "m.bin")
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    convert(tmp_path / "m.bin", tmp_path / "a", WeightsConfig())
+    assert sorted(validate_output(tmp_path / "a")) == ["lm_head.weight", "model.decoder.embed_tokens.weight"]
+    (tmp_path / "config.json").write_text("not json")
+    convert(tmp_path / "m.bin", tmp_path / "b", WeightsConfig())
+    assert list(validate_output(tmp_path / "b")) == ["model.decoder.embed_tokens.weight"]

@@ -150,7 +150,10 @@ def convert(
     inputs = find_inputs(src, cfg.files, pickles_first=cfg.key is not None)
     contents = read_inputs(inputs, cfg.key, cfg.allow_globals)
     notes = _notes(inputs, contents)
-    plan = plan_weights(contents, cfg, ties=read_tie_config(src if src.is_dir() else None))
+    # the model's config.json: in the source directory, or beside a single checkpoint file
+    # (as the build's bundle takes it); beside a file, an unreadable one is not the model's
+    ties = read_tie_config(src) if src.is_dir() else read_tie_config(src.parent, strict=False)
+    plan = plan_weights(contents, cfg, ties=ties)
     section = _section(plan, prefix, inputs, contents)
     if dry_run:
         return StageOutput(section=section, notes=tuple(notes))

@@ -66,13 +66,14 @@ class TieConfig:
     source: Path | None = None
 
 
-def read_tie_config(directory: Path | None) -> TieConfig:
+def read_tie_config(directory: Path | None, *, strict: bool = True) -> TieConfig:
     """Read ``tie_word_embeddings`` from ``directory/config.json`` (top level or ``text_config``).
 
-    A missing file gives the transformers default (tied).
+    A missing file gives the transformers default (tied); so does an unreadable one when not
+    ``strict``.
 
     Raises:
-        WeightsError: the file is too large or not a JSON object.
+        WeightsError: ``strict`` and the file is too large or not a JSON object.
     """
     if directory is None or not (directory / "config.json").is_file():
         return TieConfig()
@@ -84,6 +85,8 @@ def read_tie_config(directory: Path | None) -> TieConfig:
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
+        if not strict:
+            return TieConfig()
         raise WeightsError(f"{path}: cannot read the model config: {e}") from e
     value = data.get("tie_word_embeddings")
     text = data.get("text_config")
