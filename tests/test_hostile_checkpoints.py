@@ -95,6 +95,14 @@ def memo_fanout() -> bytes:
     return bytes(out)
 
 
+def fanout_persid() -> bytes:
+    # a persistent id holding L64, where L(i+1) = [Li, Li]: 2**64 paths for str() to print
+    out = bytearray(b"\x80\x02]q\x000")
+    for i in range(64):
+        out += b"]h" + bytes([i]) + b"ah" + bytes([i]) + b"aq" + bytes([i + 1]) + b"0"
+    return bytes(out + b"h\x40\x85Q.")
+
+
 def deep_json() -> bytes:
     body = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     return struct.pack("<Q", len(body)) + body
@@ -219,6 +227,10 @@ CASES: list[tuple[str, str, Builder]] = [
                          + glob("argparse", "Namespace") + glob("torch", "Tensor") + b")}tR.")),
     ("inert-value-global-reduced", "REDUCE on builtins.object is not allowed",
      lambda t, c: in_zip(b"\x80\x02" + glob("builtins", "object") + b")R.")),
+    ("persid-fanout-graph", "persistent id is not a storage: ([[[...], [...]], [[...], [...]]],)",
+     lambda t, c: in_zip(fanout_persid())),
+    ("legacy-persid-fanout-graph", "persistent id '?' is not a storage",
+     lambda t, c: legacy_with(fanout_persid())),
     # -- torch zip structure ---------------------------------------------------------------
     ("torchscript-archive", "TorchScript archive", lambda t, c: torchscript(t)),
     ("constants-pkl", "constants.pkl: TorchScript archive",

@@ -17,7 +17,7 @@ from typing import BinaryIO
 from packer.checkpoint.pickle_vm import DEFAULT_POLICY, NO_GLOBALS, TruncatedPickle, run_pickle
 from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
-from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
+from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef, short
 from packer.errors import CheckpointError, UnsafeInputError
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -69,7 +69,7 @@ class _Storages:
         if not isinstance(stype, Global) or stype.module not in STORAGE_MODULES or stype.name not in STORAGE_TYPES:
             raise self.fail("persistent id has no storage type")
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise self.fail(f"malformed storage id {str(pid)[:80]}")
+            raise self.fail(f"malformed storage id {short(pid)}")
         dtype = STORAGE_TYPES[stype.name]
         root = self.roots.get(key)
         if root is None:
@@ -132,7 +132,7 @@ class _Storages:
 
 def _expect(path: Path, what: str, value: object, ok: Callable[[object], bool]) -> None:
     if not ok(value):
-        raise CheckpointError(f"{path}: {what}: unexpected value {str(value)[:60]}")
+        raise CheckpointError(f"{path}: {what}: unexpected value {short(value, 60)}")
 
 
 def load_legacy(f: BinaryIO, path: Path, size: int, *, policy: GlobalPolicy = DEFAULT_POLICY) -> object:

@@ -66,6 +66,9 @@ class Placeholder:
     items: list[object] = field(default_factory=list)
     dict_items: dict[object, object] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # bounded: the arguments may be a hostile graph
+        return f"<{self.type.qualname} placeholder>"
+
 
 class PlaceholderDict(PickleDict):
     """A dict-like placeholder (AttributeDict, defaultdict, Counter): a container of its items."""

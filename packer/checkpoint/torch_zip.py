@@ -18,7 +18,7 @@ from typing import BinaryIO
 from packer.checkpoint.pickle_vm import DEFAULT_POLICY, run_pickle
 from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
-from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
+from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef, short
 from packer.errors import CheckpointError, UnsafeInputError
 
 _EOCD = b"PK\x05\x06"
@@ -274,12 +274,12 @@ def _storage_loader(path: Path, prefix: str, rel: dict[str, ZipMember]) -> Calla
 
     def load(pid: object) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise UnsafeInputError(f"{where}: persistent id is not a storage: {str(pid)[:80]}")
+            raise UnsafeInputError(f"{where}: persistent id is not a storage: {short(pid)}")
         _, stype, key, _, numel = pid
         if not isinstance(stype, Global) or stype.module not in STORAGE_MODULES or stype.name not in STORAGE_TYPES:
             raise CheckpointError(f"{where}: persistent id has no storage type")
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise CheckpointError(f"{where}: malformed storage id {str(pid)[:80]}")
+            raise CheckpointError(f"{where}: malformed storage id {short(pid)}")
         dtype = STORAGE_TYPES[stype.name]
         member = rel.get(f"data/{key}")
         if member is None:

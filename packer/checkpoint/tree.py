@@ -7,6 +7,7 @@ only a :class:`Global` marker, and ``REDUCE`` on one of them builds a plain desc
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 
 from packer.checkpoint.records import StorageRange
@@ -41,6 +42,33 @@ STORAGE_TYPES: dict[str, str] = {
 
 # modules a storage type may come from (a user's --allow-global could admit others: not storages)
 STORAGE_MODULES = frozenset({"torch", "torch.storage"})
+class _Short(reprlib.Repr):
+    """reprlib by kind, not by exact type: a dict or list subclass is cut like a dict or list."""
+
+    def repr1(self, x: object, level: int) -> str:
+        if isinstance(x, dict) and type(x) is not dict:
+            return self.repr_dict(x, level)
+        if isinstance(x, list) and type(x) is not list:
+            return self.repr_list(x, level)
+        if isinstance(x, PickleSet):
+            return "set(" + self.repr_list(x.items, level) + ")"
+        return super().repr1(x, level)
+
+
+_SHORT = _Short()  # Python 3.11's Repr takes no arguments: the limits are set one by one
+_SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxset = 3, 4, 4, 4, 4
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def short(value: object, limit: int = 80) -> str:
+    """A bounded text of any unpickled value, for messages and names.
+
+    ``str()`` of a hostile graph (lists sharing lists, 2**64 paths) would never finish;
+    this looks at most a few levels and items deep.
+    """
+    return _SHORT.repr(value)[:limit]
+
+
 _U = "torch._utils"
 CALLABLES: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
@@ -182,7 +210,7 @@ def _attribute_names(state: object) -> list[str]:
     names: list[str] = []
     for part in parts:
         if isinstance(part, dict):
-            names.extend(str(k) for k in part)
+            names.extend(k if isinstance(k, str) else short(k) for k in part)
         elif part is not None:
             raise ValueError("state is not a dict or a (dict, slots) pair")
     return names
@@ -247,7 +275,7 @@ def reduce_call(func: Global, args: tuple[object, ...]) -> object:
 def children(node: object) -> list[tuple[str, object]] | None:
     """Named children of a dict, list or tuple; None for anything else."""
     if isinstance(node, dict):
-        return [(k if isinstance(k, str) else str(k), v) for k, v in node.items()]
+        return [(k if isinstance(k, str) else short(k), v) for k, v in node.items()]
     if isinstance(node, list | tuple):
         return [(str(i), v) for i, v in enumerate(node)]
     return None
