@@ -159,11 +159,11 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
       packer convert ckpt/ -o out --key state_dict --strip-prefix module. --dtype bfloat16
       packer convert last.ckpt -o out --key state_dict --allow-global 'mypkg.config.*'
     """
-    from packer.recipe import recipe_from_dict
+    from packer.recipe import recipe_from_dict, with_allowed_globals
     from packer.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
-                           "tie_prefer": list(tie_prefer), "allow_globals": list(allow_globals)}  # fmt: skip
+                           "tie_prefer": list(tie_prefer)}  # fmt: skip
     if key:
         raw["key"] = key
     if dtype:
@@ -175,7 +175,8 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
             raise click.BadParameter(f"{r!r}: expected REGEX=REPLACEMENT", param_hint="--rename")
         rename_rows.append({"pattern": pattern, "replace": repl})
     raw["renames"] = rename_rows
-    cfg = recipe_from_dict({"name": "convert", "version": "0", "source": str(src), "weights": raw}).weights
+    rec = recipe_from_dict({"name": "convert", "version": "0", "source": str(src), "weights": raw})
+    cfg = with_allowed_globals(rec, allow_globals).weights
     with ctx.progress("convert") as bar:
         result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     for note in result.notes:

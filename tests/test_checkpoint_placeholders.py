@@ -184,6 +184,10 @@ def test_allow_global_in_recipe_and_build_flag(tmp_path: Path) -> None:
     assert with_allowed_globals(rec, ["a.B"]).weights.allow_globals == ("mytrainer.config.*", "a.B")
     with pytest.raises(RecipeError, match="weights.allow_globals: expected 'module.Name' patterns"):
         recipe_from_dict({"name": "n", "version": "1", "source": "x", "weights": {"allow_globals": ["nodot"]}})
+    (tmp_path / "m.pt").write_bytes(b"")
+    run = subprocess.run([sys.executable, "-m", "packer", "convert", str(tmp_path / "m.pt"), "-o", str(tmp_path / "o"),
+                          "--allow-global", "nodot"], capture_output=True, text=True, check=False)  # fmt: skip
+    assert run.returncode == 1 and "--allow-global: expected 'module.Name' patterns" in run.stderr
 
 
 def test_tensor_with_python_attributes_is_kept_and_attributes_reported(tmp_path: Path) -> None:
