@@ -2,14 +2,14 @@
 
 Plan, then write: :func:`plan_bundle` walks the source and returns a frozen
 :class:`BundlePlan` (what ``--dry-run`` prints); :func:`write_bundle` streams the plan
-through a ustar writer of our own into one multi-threaded zstd frame and re-reads the result
+through a tar writer of our own (ustar headers; a PAX ``path`` record only for a name ustar
+cannot hold) into one multi-threaded zstd frame and re-reads the result
 with the runtime reader before renaming it into place. Reading and extraction live in
 :mod:`packer.runtime.bundle_reader`, shared with the emitted loader.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
@@ -24,7 +24,7 @@ from typing import Any
 from packer import tarfmt
 from packer.errors import BundleError, VerifyError
 from packer.formats import WEIGHT_SUFFIXES
-from packer.fsutil import FileEntry, umask
+from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
 from packer.stage import StageOutput
@@ -261,23 +261,38 @@ def _check_plan(plan: BundlePlan) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# writing: ustar headers of our own (no PAX records are ever needed), one zstd frame
+# writing: ustar headers (PAX "path" records for long names), one zstd frame
 
 
 def ustar_header(name: str, *, size: int, mtime: int, is_dir: bool) -> bytes:
-    """One ustar header (no PAX records: the reader refuses renaming ones), uid/gid 0."""
+    """One ustar header, uid/gid 0; a name ustar cannot hold (over 100 bytes with no '/' to
+    split at, or over 255) gets a PAX ``path`` record before it, as reproducible as the rest."""
     try:
         return tarfmt.header(name, size=size, mtime=mtime, is_dir=is_dir, pax=False)
-    except ValueError as e:
-        raise BundleError(f"{name!r}: name too long for a ustar header (255 bytes, split at a '/'); exclude it") from e
+    except ValueError:
+        return tarfmt.header(name, size=size, mtime=mtime, is_dir=is_dir, pax=True)
 
 
 def _padding(size: int) -> int:
     return len(tarfmt.padding(size))
 
 
-def _tar_size(plan: BundlePlan) -> int:
-    return 512 * (len(plan.dirs) + len(plan.members)) + sum(m.size + _padding(m.size) for m in plan.members) + 1024
+def _headers(plan: BundlePlan, mtime: int) -> list[tuple[bytes, BundleMember | None]]:
+    """Every entry's header bytes, in archive order, computed before anything is written."""
+    entries = sorted([(d + "/", None) for d in plan.dirs] + [(m.name, m) for m in plan.members], key=lambda e: e[0])
+    out: list[tuple[bytes, BundleMember | None]] = []
+    for name, member in entries:
+        if member is None:
+            out.append((ustar_header(name[:-1], size=0, mtime=mtime, is_dir=True), None))
+        else:
+            out.append((ustar_header(name, size=member.size, mtime=mtime, is_dir=False), member))
+    return out
+
+
+def _tar_size(plan: BundlePlan, headers: list[tuple[bytes, BundleMember | None]] | None = None) -> int:
+    """The exact tar stream size (header lengths do not depend on the mtime's value)."""
+    headers = _headers(plan, 0) if headers is None else headers
+    return sum(len(h) for h, _ in headers) + sum(m.size + _padding(m.size) for m in plan.members) + 1024
 
 
 def _copy_member(member: BundleMember, out: Any) -> MemberDigest:
@@ -296,18 +311,22 @@ def _copy_member(member: BundleMember, out: Any) -> MemberDigest:
 def _write_stream(plan: BundlePlan, fh: Any, level: int, threads: int) -> tuple[MemberDigest, ...]:
     import zstandard
 
-    mtime = tarfmt.source_date_epoch(BundleError)
-    entries = sorted([(d + "/", None) for d in plan.dirs] + [(m.name, m) for m in plan.members], key=lambda e: e[0])
+    headers = _headers(plan, tarfmt.source_date_epoch(BundleError))
+    size = _tar_size(plan, headers)
     digests = []
     cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True, write_content_size=True)
-    with cctx.stream_writer(fh, size=_tar_size(plan), closefd=False) as zw:
-        for name, member in entries:
-            if member is None:
-                zw.write(ustar_header(name[:-1], size=0, mtime=mtime, is_dir=True))
-            else:
-                zw.write(ustar_header(name, size=member.size, mtime=mtime, is_dir=False))
+    zw = cctx.stream_writer(fh, size=size, closefd=False)
+    try:
+        for header, member in headers:
+            zw.write(header)
+            if member is not None:
                 digests.append(_copy_member(member, zw))
         zw.write(bytes(1024))
+    except BaseException as e:
+        # closing a half-written frame raises ("Src size is incorrect"): never over ``e``
+        quiet_cleanup(e, zw.close)
+        raise
+    zw.close()
     return tuple(sorted(digests, key=lambda d: d.name))
 
 
@@ -344,9 +363,8 @@ def write_bundle(plan: BundlePlan, dest: Path, *, level: int = ZSTD_LEVEL, threa
             raise BundleError(f"{dest}: the archive just written does not match its sources; retry")
         size = os.stat(tmp).st_size
         os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as e:
+        quiet_cleanup(e, lambda: os.unlink(tmp))
         raise
     return WrittenBundle(dest, size, check.sha256, level, digests)
 

@@ -95,14 +95,20 @@ def main() -> None:
     """
 
 
+_ALLOW_HELP = ("Read globals matching this 'module.Name' pattern (fnmatch) as inert plain-data "
+               "placeholders: never imported or called, left out of the output (repeatable).")
+
+
 @main.command()
 @click.argument("recipe", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("dist"), show_default=True,
               help="Output directory (replaced atomically when the build succeeds).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bundle members, layers); write nothing.")
 @click.option("--no-sandbox", is_flag=True, help="Read checkpoints in this process (no isolated subprocess).")
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
-def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: bool) -> None:
+def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: bool,
+          allow_globals: tuple[str, ...]) -> None:  # fmt: skip
     """Build RECIPE (default: the embedded demo) into OUT.
 
     \b
@@ -112,9 +118,11 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
       packer build recipes/hf-model.toml --dry-run
     """
     from packer.build import build as run_build
-    from packer.recipe import demo_recipe, load_recipe
+    from packer.recipe import demo_recipe, load_recipe, with_allowed_globals
 
     rec = load_recipe(recipe) if recipe else demo_recipe()
+    if allow_globals:
+        rec = with_allowed_globals(rec, allow_globals)
     with ctx.progress("weights") as bar:
         result = run_build(rec, out, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     for note in result.notes:
@@ -138,18 +146,21 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
 @click.option("--tie-prefer", multiple=True, help="Name to keep for a tied group (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--no-sandbox", is_flag=True, help="Read the input in this process (no isolated subprocess).")
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
 def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tuple[str, ...],
             renames: tuple[str, ...], dtype: str | None, max_shard_size: str,
-            tie_prefer: tuple[str, ...], dry_run: bool, no_sandbox: bool) -> None:  # fmt: skip
+            tie_prefer: tuple[str, ...], dry_run: bool, no_sandbox: bool,
+            allow_globals: tuple[str, ...]) -> None:  # fmt: skip
     """Convert pickle checkpoints (or safetensors) in SRC to safetensors in OUT.
 
     \b
     Examples:
       packer convert pytorch_model.bin -o out
       packer convert ckpt/ -o out --key state_dict --strip-prefix module. --dtype bfloat16
+      packer convert last.ckpt -o out --key state_dict --allow-global 'mypkg.config.*'
     """
-    from packer.recipe import recipe_from_dict
+    from packer.recipe import recipe_from_dict, with_allowed_globals
     from packer.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
@@ -165,7 +176,8 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
             raise click.BadParameter(f"{r!r}: expected REGEX=REPLACEMENT", param_hint="--rename")
         rename_rows.append({"pattern": pattern, "replace": repl})
     raw["renames"] = rename_rows
-    cfg = recipe_from_dict({"name": "convert", "version": "0", "source": str(src), "weights": raw}).weights
+    rec = recipe_from_dict({"name": "convert", "version": "0", "source": str(src), "weights": raw})
+    cfg = with_allowed_globals(rec, allow_globals).weights
     with ctx.progress("convert") as bar:
         result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     for note in result.notes:
@@ -181,8 +193,9 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
 
 @main.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
-def inspect(ctx: Ctx, file: Path) -> None:
+def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
     """List a checkpoint's tensors and other entries without converting or executing anything.
 
     \b
@@ -192,15 +205,19 @@ def inspect(ctx: Ctx, file: Path) -> None:
     """
     from packer.checkpoint import inspect_checkpoint
 
-    report: dict[str, Any] = inspect_checkpoint(file)
+    report: dict[str, Any] = inspect_checkpoint(file, allow_globals=allow_globals)
     if not ctx.json:
         n = len(report["tensors"])
         ctx.log(f"{file}: {report['format']}, {n} tensor{'' if n == 1 else 's'}")
         for t in report["tensors"]:
             alias = f"  alias group {t['alias_group']}" if t.get("alias_group") is not None else ""
-            ctx.log(f"  {t['name']}  {t['dtype']}  {list(t['shape'])}  {t['nbytes']} B{alias}")
+            attrs = t.get("dropped_attributes")
+            dropped = f"  attributes dropped: {', '.join(attrs)}" if attrs else ""
+            ctx.log(f"  {t['name']}  {t['dtype']}  {list(t['shape'])}  {t['nbytes']} B{alias}{dropped}")
         for name in report.get("skipped", []):
             ctx.log(f"  (not a tensor) {name}")
+        for p in report.get("placeholders", []):
+            ctx.log(f"  (placeholder) {p['name']}  {p['type']}")
         for key, value in sorted(report.get("metadata", {}).items()):
             ctx.log(f"  metadata {key} = {value}")
     ctx.emit(report)

@@ -9,7 +9,7 @@ import os
 import queue
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -134,10 +134,25 @@ def atomic_open(path: str | Path, mode: int = 0o666) -> Iterator[IO[bytes]]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as e:
+        quiet_cleanup(e, lambda: os.unlink(tmp))
         raise
+
+
+def quiet_cleanup(error: BaseException, *steps: Callable[[], object]) -> None:
+    """Run cleanup ``steps`` after ``error``; a step's own failure never replaces ``error``.
+
+    Every step runs. A missing file counts as cleaned up; any other failure is chained onto
+    ``error`` as a note ("cleanup also failed: ..."), so the one-line message the user sees
+    stays the one that caused the cleanup and ``--debug`` still shows both.
+    """
+    for step in steps:
+        try:
+            step()
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - reported on the error that matters
+            error.add_note(f"cleanup also failed: {type(e).__name__}: {e}")
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o666) -> None:

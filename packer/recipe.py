@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ class WeightsConfig:
     dtype: str | None = None  # cast floating tensors to this dtype
     max_shard_size: int = 5 * 10**9
     tie_prefer: tuple[str, ...] = ()  # names preferred as the kept name of a tied group
+    # "module.Name" patterns (fnmatch) of plain-data classes read as inert placeholders
+    allow_globals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,17 @@ def _str_list(path: str, v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+_GLOBAL_PATTERN = re.compile(r"^[A-Za-z0-9_*?\[\]!]+(\.[A-Za-z0-9_*?\[\]!]+)+$")
+
+
+def _global_patterns(path: str, v: Any) -> tuple[str, ...]:
+    items = _str_list(path, v)
+    for item in items:
+        if not _GLOBAL_PATTERN.match(item):
+            raise _fail(path, "'module.Name' patterns such as 'mypkg.config.TrainConfig' or 'mypkg.config.*'", item)
+    return items
+
+
 def _size(path: str, v: Any) -> int:
     if isinstance(v, str):
         try:
@@ -230,6 +243,7 @@ def _shape(path: str, v: Any) -> tuple[int, ...]:
 _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
+    "allow_globals": _global_patterns,
 }  # fmt: skip
 _BUNDLE = {"include": _str_list, "exclude": _str_list}
 _IMAGE = {
@@ -259,6 +273,17 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
     if not prefix.startswith("/") or ".." in prefix.split("/"):
         raise _fail("image.prefix", "an absolute path without '..'", prefix)
     return Recipe(**top, base_dir=base_dir)
+
+
+def with_allowed_globals(recipe: Recipe, patterns: Sequence[str]) -> Recipe:
+    """``recipe`` with ``patterns`` added to ``weights.allow_globals`` (``--allow-global``).
+
+    Raises:
+        RecipeError: a pattern that is not ``module.Name``.
+    """
+    extra = _global_patterns("--allow-global", list(patterns))
+    weights = replace(recipe.weights, allow_globals=recipe.weights.allow_globals + extra)
+    return replace(recipe, weights=weights)
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -1,9 +1,10 @@
 """Reproducible tar primitives shared by the bundle and the image layers.
 
 Both write sorted entries with integer mtimes, uid/gid from the caller with empty names and
-fixed modes; only the header format differs: the bundle stays within ustar (its reader
-refuses PAX path records), image layers use PAX where ustar cannot hold a field (paths too
-long for ustar, sizes of 8 GiB or more).
+fixed modes; only the header format differs: the bundle writes ustar and falls back to a PAX
+``path`` record only for a name ustar cannot hold (its reader accepts ``path`` for such names
+alone), image layers use PAX where ustar cannot hold a field (paths over 100 bytes or not
+ASCII, sizes of 8 GiB or more).
 """
 
 from __future__ import annotations

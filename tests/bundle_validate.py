@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zstandard
 
-from packer.runtime.bundle_reader import DEFAULT_MAX_WINDOW, Bundle
+from packer.runtime.bundle_reader import DEFAULT_MAX_WINDOW, Bundle, _fits_ustar
 
 
 def validate_bundle(path: str | Path, *, mtime: int | None = None,
@@ -49,7 +49,10 @@ def validate_bundle(path: str | Path, *, mtime: int | None = None,
         for info in tf:
             block = tar[info.offset : info.offset + 512]
             assert block[257:265] == b"ustar\x0000", f"{info.name}: not a POSIX ustar header"
-            assert not info.pax_headers, f"{info.name}: unexpected PAX records {info.pax_headers}"
+            # a PAX "path" record only for a name no ustar header can hold
+            assert set(info.pax_headers) <= {"path"}, f"{info.name}: unexpected PAX records {info.pax_headers}"
+            if info.pax_headers:
+                assert not _fits_ustar(info.name.encode()), f"{info.name}: PAX path for a ustar-sized name"
             shown = info.name + "/" if info.isdir() else info.name
             assert shown > previous, f"entries not sorted: {previous!r} then {shown!r}"
             previous = shown

@@ -156,6 +156,9 @@ TAR_ATTACKS = {
     "pax-path": (tar(pax({"path": "../../etc/passwd"}), member("safe.txt", b"x")), "renames"),
     "pax-path-same": (tar(pax({"path": "safe.txt"}), member("safe.txt", b"x")), "renames"),
     "pax-linkpath": (tar(pax({"linkpath": "/etc"}), member("a", b"x")), "renames"),
+    "pax-long-path-traversal": (tar(pax({"path": "../" + "x" * 120}), member("x" * 100, b"x")), "'..' component"),
+    "pax-long-path-absolute": (tar(pax({"path": "/" + "x" * 120}), member("x" * 100, b"x")), "absolute name"),
+    "pax-splittable-path": (tar(pax({"path": "d/" + "x" * 99}), member("x" * 100, b"x")), "renames"),
     "pax-size": (tar(pax({"size": "4096"}), member("a", b"x")), "PAX size"),
     "pax-sparse": (tar(pax({"GNU.sparse.map": "0,1"}), member("a", b"x")), "unsupported PAX record"),
     "pax-charset": (tar(pax({"hdrcharset": "BINARY"}), member("a", b"x")), "unsupported PAX record"),
@@ -241,10 +244,12 @@ def test_256_mib_of_zeros_against_a_small_cap(tmp_path: Path) -> None:
 
 def test_frames_and_trailing_data(tmp_path: Path) -> None:
     good = zst(GOOD)
-    rejects(good + zst(tar(member("x", b"y"))), "extra zstd frame", tmp_path)
+    # a second frame is read in sequence: here it adds a tar after the end-of-archive marker
+    rejects(good + zst(tar(member("x", b"y"))), "data after the tar end-of-archive marker", tmp_path)
     skippable = (0x184D2A50).to_bytes(4, "little") + (4).to_bytes(4, "little") + b"evil"
-    rejects(good + skippable, "extra zstd frame", tmp_path)
-    rejects(skippable + good, "not a zstd frame", tmp_path)
+    rejects(skippable[:6], "truncated skippable zstd frame", tmp_path)
+    rejects(skippable[:4] + (1 << 20).to_bytes(4, "little") + good, "runs past the end", tmp_path)
+    rejects(skippable, "not a zstd frame", tmp_path)  # no data frame at all
     rejects(good + b"junk", "4 bytes of trailing data", tmp_path)
     rejects(good + b"\0", "1 bytes of trailing data", tmp_path)
     rejects(good[:-7], "truncated", tmp_path)
@@ -495,7 +500,7 @@ def test_tokenizers_reads_the_extracted_directory(tmp_path: Path) -> None:
 
 CLI_CORPUS = {**{f"tar-{k}": (zst(v[0]), v[1]) for k, v in TAR_ATTACKS.items()},
               "zstd-trailing": (zst(GOOD) + b"junk", "trailing data"),
-              "zstd-extra-frame": (zst(GOOD) + zst(GOOD), "extra zstd frame"),
+              "zstd-extra-frame": (zst(GOOD) + zst(GOOD), "data after the tar end-of-archive marker"),
               "zstd-huge-window": (frame([raw_block(b"")], window=b"\xf8"), "window"),
               "zstd-forged-size": (frame([raw_block(GOOD)], fhd=0x80, window=b"\x50",
                                          fcs=(len(GOOD) + 512).to_bytes(4, "little")), "corrupt|declares")}  # fmt: skip
@@ -516,3 +521,35 @@ def test_unbundle_cli_rejects_corpus(case: str, tmp_path: Path) -> None:
     assert re.search(reason, result.output) and "Traceback" not in result.output
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [work / "in.tar.zst"]  # no canary, no output
     assert not (work / "out").exists()
+
+
+def test_pax_path_for_a_name_ustar_cannot_hold_is_read() -> None:
+    long = "tokenizer_" + "x" * 110 + ".json"  # 125 bytes, no '/' to split at
+    body = tar(member("a.json", b"A"), pax({"path": long}), member(long[:100], b"LONG"))
+    bundle = Bundle.from_bytes(zst(body))
+    assert bundle.names() == ["a.json", long]
+    assert bundle.read(long) == b"LONG"
+
+
+def test_skippable_frames_are_skipped_and_frames_read_in_sequence() -> None:
+    def skippable(payload: bytes, nibble: int = 0) -> bytes:
+        return (0x184D2A50 + nibble).to_bytes(4, "little") + len(payload).to_bytes(4, "little") + payload
+
+    body = tar(member("b.txt", b"B" * 3000), member("d/a.json", b"{}"))
+    cut = 1024  # a cut inside the first member: the frames only make sense read in sequence
+    multi = zst(body[:cut]) + skippable(b"seekable index", 0xE) + zst_stream([body[cut:]])
+    for data in (skippable(b"meta") + zst(body), zst(body) + skippable(b""), multi, skippable(b"") + multi):
+        bundle = Bundle.from_bytes(data)
+        assert bundle.names() == ["b.txt", "d/a.json"] and bundle.read("b.txt") == b"B" * 3000
+
+
+def test_frame_caps_hold_across_frames(tmp_path: Path) -> None:
+    zeros = bytes(1 << 19)
+    # each frame alone is under the cap, together they are not
+    rejects(zst(zeros) + zst(zeros) + zst(zeros), "declares 1572864 bytes, over the cap", tmp_path,
+            max_bytes=1 << 20)  # fmt: skip
+    rejects(zst_stream([zeros]) * 3, "decompresses to more than the cap of 1048576", tmp_path, max_bytes=1 << 20)
+    empty = (0x184D2A50).to_bytes(4, "little") + bytes(4)
+    rejects(empty * 6000 + zst(GOOD), "too many zstd frames for the size cap", tmp_path, max_bytes=1 << 20)
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=25)
+    rejects(zst(GOOD) + zst_stream([GOOD], compression_params=params), "window of 33554432 bytes", tmp_path)

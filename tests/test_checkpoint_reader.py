@@ -54,7 +54,7 @@ def test_every_dtype_matches_torch_load(tmp_path: Path, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32])  # complex64 is C64
 def test_complex_is_an_error_naming_the_tensor(tmp_path: Path, fmt: str, dtype: torch.dtype) -> None:
     path = save({"ok": torch.ones(2), "z": torch.zeros(2, dtype=dtype)}, tmp_path / "c.pt", fmt)
     with pytest.raises(CheckpointError, match=r"tensor z: complex dtype complex\d+ cannot be stored"):

@@ -95,6 +95,14 @@ def memo_fanout() -> bytes:
     return bytes(out)
 
 
+def fanout_persid() -> bytes:
+    # a persistent id holding L64, where L(i+1) = [Li, Li]: 2**64 paths for str() to print
+    out = bytearray(b"\x80\x02]q\x000")
+    for i in range(64):
+        out += b"]h" + bytes([i]) + b"ah" + bytes([i]) + b"aq" + bytes([i + 1]) + b"0"
+    return bytes(out + b"h\x40\x85Q.")
+
+
 def deep_json() -> bytes:
     body = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     return struct.pack("<Q", len(body)) + body
@@ -191,6 +199,38 @@ CASES: list[tuple[str, str, Builder]] = [
     ("persid-not-a-storage-zip", "persistent id is not a storage",
      lambda t, c: in_zip(tensor_pickle(simple_tensor_dict(FakeStorage("0", 4)),
                                        pid=lambda s: ("module", "os", "system", "")), {"0": bytes(16)})),
+    # -- placeholders (plain-data types) stay inert: never called, never a callable ---------
+    ("reduce-on-a-placeholder", "REDUCE on Placeholder is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + b")R" + f"(Vtouch {c}\ntR.".encode())),
+    ("reduce-on-a-dict-placeholder", "REDUCE on PlaceholderDict is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("collections", "Counter") + b")R)R.")),
+    ("placeholder-with-evil-argument", "global posix.system is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + glob("posix", "system") + b"\x85R.")),
+    ("numpy-scalar-with-evil-dtype", "global builtins.eval is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("numpy.core.multiarray", "scalar") + glob("builtins", "eval")
+                         + f"Vopen('{c}','w')\n\x86R.".encode())),
+    ("newobj-on-tensor-machinery", "opcode NEWOBJ is not allowed on torch._utils._rebuild_tensor_v2",
+     lambda t, c: in_zip(b"\x80\x02" + glob("torch._utils", "_rebuild_tensor_v2") + b")\x81.")),
+    ("newobj-on-a-placeholder-instance", "opcode NEWOBJ is not allowed on Placeholder",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + b")R)\x81.")),
+    ("reconstructor-of-a-non-placeholder", "copyreg._reconstructor of torch.float32 is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("copyreg", "_reconstructor") + glob("torch", "float32")
+                         + glob("builtins", "object") + b"N\x87R.")),
+    ("placeholder-as-persistent-id", "persistent id is not a storage",
+     lambda t, c: in_zip(b"\x80\x02" + glob("argparse", "Namespace") + b")RQ.")),
+    ("from-type-v2-placeholder-type", "type argument is not torch.Tensor",
+     lambda t, c: in_zip(b"\x80\x02" + glob("torch._tensor", "_rebuild_from_type_v2") + b"("
+                         + glob("torch._utils", "_rebuild_tensor_v2") + glob("argparse", "Namespace")
+                         + b")}tR.")),
+    ("from-type-v2-placeholder-func", "first argument is not a torch tensor rebuild function",
+     lambda t, c: in_zip(b"\x80\x02" + glob("torch._tensor", "_rebuild_from_type_v2") + b"("
+                         + glob("argparse", "Namespace") + glob("torch", "Tensor") + b")}tR.")),
+    ("inert-value-global-reduced", "REDUCE on builtins.object is not allowed",
+     lambda t, c: in_zip(b"\x80\x02" + glob("builtins", "object") + b")R.")),
+    ("persid-fanout-graph", "persistent id is not a storage: ([[[...], [...]], [[...], [...]]],)",
+     lambda t, c: in_zip(fanout_persid())),
+    ("legacy-persid-fanout-graph", "persistent id '?' is not a storage",
+     lambda t, c: legacy_with(fanout_persid())),
     # -- torch zip structure ---------------------------------------------------------------
     ("torchscript-archive", "TorchScript archive", lambda t, c: torchscript(t)),
     ("constants-pkl", "constants.pkl: TorchScript archive",
@@ -306,8 +346,11 @@ def test_torch_refuses_none_of_the_benign_builders(tmp_path: Path) -> None:
         (Limits(max_memo=100), b"\x80\x04N" + b"\x94" * 200 + b".", "more than 100 memo entries"),
         (Limits(max_stack=100), b"\x80\x02" + b"N" * 200 + b".", "stack deeper than 100"),
         (Limits(max_line=64), b"c" + b"a" * 100 + b"\nb\n.", "longer than the line cap"),
+        # a memoised 10,000-item list reduced again and again: each REDUCE walks it
+        (Limits(max_ops=100_000), b"\x80\x02]q\x00(" + b"N" * 10_000 + b"e"
+         + (b"c__builtin__\nset\nh\x00\x85R0") * 50 + b"N.", "counting the work of REDUCE"),
     ],
-    ids=["ops", "memo", "stack", "line"],
+    ids=["ops", "memo", "stack", "line", "reduce-work"],
 )
 def test_vm_caps(limits: Limits, data: bytes, reason: str) -> None:
     with pytest.raises(CheckpointError, match=reason):

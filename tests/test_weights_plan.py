@@ -166,3 +166,83 @@ def test_is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], expected
 def test_reserved_name_is_refused() -> None:
     with pytest.raises(WeightsError, match=r"tensor name '__metadata__' cannot be written"):
         plan_weights([contents(rec("__metadata__", (1,)))], WeightsConfig())
+
+
+@pytest.mark.parametrize("names, kept", [
+    # OPT: the input embedding sits under "decoder"; it is the tie's source and is kept
+    (("model.decoder.embed_tokens.weight", "lm_head.weight"), "model.decoder.embed_tokens.weight"),
+    # T5 / BART: shared is the source of both embed_tokens and lm_head
+    (("decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight", "shared.weight"),
+     "shared.weight"),
+    (("model.decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight", "model.shared.weight"),
+     "model.shared.weight"),
+    # RoBERTa: lm_head.decoder is the head, tied to the word embeddings; its bias to lm_head.bias
+    (("lm_head.decoder.weight", "roberta.embeddings.word_embeddings.weight"),
+     "roberta.embeddings.word_embeddings.weight"),
+    (("lm_head.decoder.bias", "lm_head.bias"), "lm_head.bias"),
+    # Whisper / GPT-NeoX / Meta Llama heads
+    (("proj_out.weight", "model.decoder.embed_tokens.weight"), "model.decoder.embed_tokens.weight"),
+    (("embed_out.weight", "gpt_neox.embed_in.weight"), "gpt_neox.embed_in.weight"),
+    (("output.weight", "tok_embeddings.weight"), "tok_embeddings.weight"),
+    # a "decoder" or "output" path component is no output head
+    (("model.decoder.layers.0.w", "model.a.w"), "model.a.w"),
+])  # fmt: skip
+def test_kept_name_is_the_tie_source(names: tuple[str, ...], kept: str) -> None:
+    plan = plan_weights([contents(*(rec(n, (2, 2)) for n in names))], WeightsConfig())
+    assert list(plan.tensors) == [kept]
+    assert dict(plan.aliases) == {n: kept for n in names if n != kept}
+
+
+def test_config_saying_untied_keeps_the_head_as_its_own_tensor(tmp_path: Path) -> None:
+    from packer.weights.ties import read_tie_config
+
+    tied = [rec("lm_head.weight", (8, 4)), rec("model.decoder.embed_tokens.weight", (8, 4))]
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    plan = plan_weights([contents(*tied)], WeightsConfig(), ties=read_tie_config(tmp_path))
+    assert sorted(plan.tensors) == ["lm_head.weight", "model.decoder.embed_tokens.weight"]
+    assert plan.aliases == ()
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": True}}))
+    assert read_tie_config(tmp_path).tie_word_embeddings
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(WeightsError, match="config.json: cannot read the model config: not a JSON object"):
+        read_tie_config(tmp_path)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_convert_reads_tie_info_from_the_source_config(tmp_path: Path, tied: bool) -> None:
+    import torch
+
+    from packer.weights.convert import convert
+    from tests.weights_validate import aliases_of, validate_output
+
+    emb = torch.randn(8, 4)
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"model.decoder.embed_tokens.weight": emb, "lm_head.weight": emb}, src / "pytorch_model.bin")
+    (src / "config.json").write_text(json.dumps({"model_type": "opt", "tie_word_embeddings": tied}))
+    convert(src, tmp_path / "out", WeightsConfig())
+    found = validate_output(tmp_path / "out")
+    want = emb.numpy().tobytes()
+    if tied:
+        assert list(found) == ["model.decoder.embed_tokens.weight"]
+        assert aliases_of(tmp_path / "out") == {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+    else:
+        assert sorted(found) == ["lm_head.weight", "model.decoder.embed_tokens.weight"]
+        assert found["lm_head.weight"]["bytes"] == want
+    assert found["model.decoder.embed_tokens.weight"]["bytes"] == want
+
+
+def test_config_beside_a_single_file_is_used_and_a_broken_one_ignored(tmp_path: Path) -> None:
+    import torch
+
+    from packer.weights.convert import convert
+    from tests.weights_validate import validate_output
+
+    emb = torch.randn(8, 4)
+    torch.save({"model.decoder.embed_tokens.weight": emb, "lm_head.weight": emb}, tmp_path / "m.bin")
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    convert(tmp_path / "m.bin", tmp_path / "a", WeightsConfig())
+    assert sorted(validate_output(tmp_path / "a")) == ["lm_head.weight", "model.decoder.embed_tokens.weight"]
+    (tmp_path / "config.json").write_text("not json")
+    convert(tmp_path / "m.bin", tmp_path / "b", WeightsConfig())
+    assert list(validate_output(tmp_path / "b")) == ["model.decoder.embed_tokens.weight"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from packer.checkpoint.records import DTYPE_SIZES
+from packer.checkpoint.records import DTYPE_SIZES, PACKED
 from packer.fsutil import umask
 
 _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -47,7 +47,8 @@ def _check_file(path: Path) -> dict[str, dict[str, Any]]:
         numel = 1
         for d in info["shape"]:
             numel *= d
-        assert end - begin == numel * DTYPE_SIZES[info["dtype"]], f"{path}: {name} size"
+        per = PACKED.get(info["dtype"], 1)  # packed float4: the header counts single values
+        assert end - begin == -(-numel // per) * DTYPE_SIZES[info["dtype"]], f"{path}: {name} size"
         pos = end
     assert pos == len(data), f"{path}: {len(data)} data bytes, header covers {pos}"
     with safe_open(str(path), framework="numpy") as f:

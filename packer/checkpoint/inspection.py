@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.reader import _open, make_record, walk
 from packer.checkpoint.records import CheckpointContents, TensorRecord
 from packer.checkpoint.tree import TORCH_DTYPES
@@ -30,7 +32,7 @@ def _describe(
     return tensors, alias_groups
 
 
-def inspect_checkpoint(path: Path) -> dict[str, object]:
+def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = ()) -> dict[str, object]:
     """Describe a checkpoint: tensors, alias groups, non-tensor entries, containers.
 
     Tensors are listed under their full dotted names from the top of the pickle. A dtype
@@ -39,20 +41,24 @@ def inspect_checkpoint(path: Path) -> dict[str, object]:
 
     Args:
         path: a torch zip, legacy torch or safetensors file.
+        allow_globals: the user's plain-data classes (as :func:`read_checkpoint`).
 
     Returns:
         ``{"path", "format", "tensors": [{name, dtype, shape, nbytes, alias_group}],
         "alias_groups": [[names]], "skipped": [names], "containers": [{name, tensors}],
-        "metadata": {...}}``; alias groups are exact aliases (same storage, storage offset,
-        shape, stride and dtype).
+        "metadata": {...}, "placeholders": [{name, type}]}``; alias groups are exact
+        aliases (same storage, storage offset, shape, stride and dtype); a tensor whose
+        Python attributes would be dropped lists them as ``dropped_attributes``.
 
     Raises:
         UnsafeInputError / CheckpointError: as :func:`read_checkpoint`.
     """
     path = Path(path)
-    fmt, loaded = _open(path, verify_crc=False)
+    fmt, loaded = _open(path, verify_crc=False, allow_globals=allow_globals)
     rows: list[tuple[TensorRecord | None, str, str, tuple[int, ...], int]] = []
     unsupported: list[str] = []
+    dropped: dict[str, object] = {}
+    placeholders: list[tuple[str, str]] = []
     if isinstance(loaded, CheckpointContents):
         rows = [(r, r.name, r.dtype, r.shape, r.nbytes) for r in loaded.tensors]
         leaves: list[str] = []
@@ -60,8 +66,11 @@ def inspect_checkpoint(path: Path) -> dict[str, object]:
         metadata = dict(loaded.metadata)
     else:
         refs, leaves, containers = walk(loaded)
+        placeholders = find_placeholders(loaded)
         metadata = {}
         for name, ref in refs:
+            if ref.dropped:
+                dropped[name] = list(ref.dropped)
             code, item = TORCH_DTYPES[ref.dtype]
             if code is None:
                 numel = 1
@@ -75,6 +84,8 @@ def inspect_checkpoint(path: Path) -> dict[str, object]:
     tensors, alias_groups = _describe(rows)
     for t in tensors:
         t["supported"] = t["name"] not in unsupported
+        if t["name"] in dropped:
+            t["dropped_attributes"] = dropped[str(t["name"])]
     return {
         "path": str(path),
         "format": fmt,
@@ -83,4 +94,5 @@ def inspect_checkpoint(path: Path) -> dict[str, object]:
         "skipped": leaves,
         "containers": [{"name": n, "tensors": c} for n, c in containers],
         "metadata": metadata,
+        "placeholders": [{"name": n, "type": k} for n, k in placeholders],
     }

@@ -14,16 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.pickle_vm import run_pickle
+from packer.checkpoint.pickle_vm import DEFAULT_POLICY, NO_GLOBALS, run_pickle
+from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
-from packer.checkpoint.tree import STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
+from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef, short
 from packer.errors import CheckpointError, TruncatedPickle, UnsafeInputError
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 MAX_PICKLE_BYTES = 256 << 20
 _FIRST_READ = 1 << 20
-_NONE: frozenset[tuple[str, str]] = frozenset()
 
 
 class _Pickles:
@@ -66,10 +66,10 @@ class _Storages:
             kind = pid[0] if isinstance(pid, tuple) and pid and isinstance(pid[0], str) else "?"
             raise UnsafeInputError(f"{self.path}: main pickle: persistent id '{kind}' is not a storage")
         _, stype, key, _, numel, view = pid
-        if not isinstance(stype, Global) or stype.name not in STORAGE_TYPES:
+        if not isinstance(stype, Global) or stype.module not in STORAGE_MODULES or stype.name not in STORAGE_TYPES:
             raise self.fail("persistent id has no storage type")
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise self.fail(f"malformed storage id {str(pid)[:80]}")
+            raise self.fail(f"malformed storage id {short(pid)}")
         dtype = STORAGE_TYPES[stype.name]
         root = self.roots.get(key)
         if root is None:
@@ -132,25 +132,25 @@ class _Storages:
 
 def _expect(path: Path, what: str, value: object, ok: Callable[[object], bool]) -> None:
     if not ok(value):
-        raise CheckpointError(f"{path}: {what}: unexpected value {str(value)[:60]}")
+        raise CheckpointError(f"{path}: {what}: unexpected value {short(value, 60)}")
 
 
-def load_legacy(f: BinaryIO, path: Path, size: int) -> object:
+def load_legacy(f: BinaryIO, path: Path, size: int, *, policy: GlobalPolicy = DEFAULT_POLICY) -> object:
     """Parse a legacy stacked-pickle checkpoint; return the main pickle's root object.
 
     Raises:
         CheckpointError / UnsafeInputError: a malformed layout or a disallowed pickle.
     """
     pickles = _Pickles(f, path, size)
-    magic, pos = pickles.run(0, "magic number pickle", allowed=_NONE)
+    magic, pos = pickles.run(0, "magic number pickle", policy=NO_GLOBALS)
     if type(magic) is not int or magic != MAGIC_NUMBER:
         raise CheckpointError(f"{path}: magic number pickle: not the torch legacy magic number")
-    version, pos = pickles.run(pos, "protocol version pickle", allowed=_NONE)
+    version, pos = pickles.run(pos, "protocol version pickle", policy=NO_GLOBALS)
     _expect(path, "protocol version", version, lambda v: type(v) is int and v == PROTOCOL_VERSION)
-    info, pos = pickles.run(pos, "sys_info pickle", allowed=_NONE)
+    info, pos = pickles.run(pos, "sys_info pickle", policy=NO_GLOBALS)
     _expect(path, "sys_info", info, lambda v: isinstance(v, dict) and v.get("little_endian", True) is True)
     storages = _Storages(path)
-    root, pos = pickles.run(pos, "main pickle", persistent_load=storages)
-    keys, pos = pickles.run(pos, "storage key list", allowed=_NONE)
+    root, pos = pickles.run(pos, "main pickle", persistent_load=storages, policy=policy)
+    keys, pos = pickles.run(pos, "storage key list", policy=NO_GLOBALS)
     storages.locate(f, keys, pos, size)
     return root

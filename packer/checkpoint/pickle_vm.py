@@ -2,18 +2,29 @@
 
 Globals become inert :class:`Global` markers, and only those on an exact allowlist are
 accepted; ``REDUCE`` on an allowed marker builds a plain value (dict, bytes, a tensor
-description) by rules written here, never by calling the named object. Every length the
-input declares is checked against the bytes that remain before anything is allocated, and
-memo size, stack size, MARK depth and the number of opcodes are capped.
+description) by rules written in :mod:`packer.checkpoint.tree`, never by calling the named
+object. A second allowlist (:mod:`packer.checkpoint.placeholders`, plus the user's
+``--allow-global`` patterns) names plain-data types: ``REDUCE`` or ``NEWOBJ`` on one of them
+yields an inert :class:`Placeholder` that records its arguments and is never called.
+
+Every length the input declares is checked against the bytes that remain before anything is
+allocated, and memo size, stack size, MARK depth, the number of opcodes and the work REDUCE
+rules do on their arguments are capped.
 """
 
 from __future__ import annotations
 
 import encodings.raw_unicode_escape  # noqa: F401 - loaded now so reading imports nothing
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from packer.checkpoint.placeholders import (
+    GlobalPolicy,
+    Placeholder,
+    PlaceholderList,
+    make_placeholder,
+)
 from packer.checkpoint.tree import (
     CALLABLES,
     VALUE_GLOBALS,
@@ -41,12 +52,22 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-DEFAULT_ALLOWED = CALLABLES | VALUE_GLOBALS
+DEFAULT_POLICY = GlobalPolicy(callables=CALLABLES, values=VALUE_GLOBALS)
+NO_GLOBALS = GlobalPolicy(callables=frozenset(), values=frozenset(), placeholder_types=frozenset())
+
+
+def policy_for(allow_globals: Sequence[str] = ()) -> GlobalPolicy:
+    """The default policy plus the user's ``--allow-global`` patterns (``module.Name``, fnmatch)."""
+    if not allow_globals:
+        return DEFAULT_POLICY
+    return GlobalPolicy(callables=CALLABLES, values=VALUE_GLOBALS, patterns=allow_globals)
+
+
+# copyreg._reconstructor(cls, base, state): how protocols 0 and 1 pickle a plain object.
+_RECONSTRUCTORS = frozenset({("copyreg", "_reconstructor"), ("copy_reg", "_reconstructor")})
 
 # Opcodes that build arbitrary objects or reach outside the pickle: refused outright.
 _REFUSED = {
-    0x81: "NEWOBJ",
-    0x92: "NEWOBJ_EX",
     0x6F: "OBJ",
     0x82: "EXT1",
     0x83: "EXT2",
@@ -68,7 +89,7 @@ class PickleVM:
         where: str,
         start: int = 0,
         persistent_load: PersistentLoad | None = None,
-        allowed: frozenset[tuple[str, str]] = DEFAULT_ALLOWED,
+        policy: GlobalPolicy = DEFAULT_POLICY,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.data = data
@@ -77,13 +98,14 @@ class PickleVM:
         self.op_pos = start
         self.frame_end: int | None = None
         self.persistent_load = persistent_load
-        self.allowed = allowed
+        self.policy = policy
         self.limits = limits
         self.stack: list[object] = []
         self.metastack: list[list[object]] = []
         self.memo: dict[int, object] = {}
         self.handlers: dict[int, Callable[[], None]] = _handler_table(self)
         self.done = False
+        self.work = 0  # argument elements walked by REDUCE rules, capped like opcodes
 
     # -- errors and input -------------------------------------------------------------
     def fail(self, reason: str) -> CheckpointError:
@@ -278,6 +300,17 @@ class PickleVM:
         items = self.pop_mark()
         self._list_target("APPENDS").extend(items)
 
+    def op_newobj(self, ex: bool) -> None:
+        kwargs = self.pop() if ex else {}
+        args, cls = self.pop(), self.pop()
+        op = "NEWOBJ_EX" if ex else "NEWOBJ"
+        if not isinstance(cls, Global) or not self.policy.is_placeholder(cls.key):
+            shown = cls.qualname if isinstance(cls, Global) else type(cls).__name__
+            raise self.unsafe(f"opcode {op} is not allowed on {shown} (only plain-data placeholder types)")
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise self.fail(f"{op} arguments for {cls.qualname} are not a tuple and a dict")
+        self.push(make_placeholder(cls, args))
+
     def op_setitem(self) -> None:
         value, key = self.pop(), self.pop()
         self._set_items(self._dict_target("SETITEM"), [key, value])
@@ -288,12 +321,16 @@ class PickleVM:
 
     def _list_target(self, op: str) -> list[object]:
         target = self.stack[-1] if self.stack else None
+        if isinstance(target, Placeholder):  # a list subclass allowed by the user: kept aside
+            return target.items
         if not isinstance(target, list):
             raise self.unsafe(f"{op} on {type(target).__name__} (only lists allowed)")
         return target
 
     def _dict_target(self, op: str) -> dict[object, object]:
         target = self.stack[-1] if self.stack else None
+        if isinstance(target, Placeholder):  # a dict subclass allowed by the user: kept aside
+            return target.dict_items
         if not isinstance(target, dict):
             raise self.unsafe(f"{op} on {type(target).__name__} (only dicts allowed)")
         return target
@@ -373,30 +410,70 @@ class PickleVM:
             raise self.fail("global name is not ASCII") from None
 
     def _global(self, module: str, name: str) -> Global:
-        if (module, name) not in self.allowed:
+        key = (module, name)
+        if not self.policy.allowed(key) and not (key in _RECONSTRUCTORS and self.policy.placeholder_types):
+            qual = f"{module}.{name}"
+            hint = (
+                f"if {qual} is plain data, allow it as an inert placeholder with --allow-global {qual} "
+                "(recipe: weights.allow_globals)"
+                if self.policy.placeholder_types
+                else "this pickle holds no objects"
+            )
             raise self.unsafe(
-                f"global {module}.{name} is not allowed; packer reads only tensors and plain "
-                "containers (save a state_dict, not a model or other objects)"
+                f"global {qual} is not allowed; packer never imports or calls anything and reads tensors, "
+                f"plain containers and known plain-data types; {hint}"
             )
         return Global(module, name)
 
     def op_reduce(self) -> None:
         args, func = self.pop(), self.pop()
-        if not isinstance(func, Global) or func.key not in CALLABLES:
-            shown = func.qualname if isinstance(func, Global) else type(func).__name__
-            raise self.unsafe(f"REDUCE on {shown} is not allowed")
-        if not isinstance(args, tuple):
-            raise self.fail(f"REDUCE arguments for {func.qualname} are not a tuple")
-        try:
-            self.push(reduce_call(func, args))
-        except ValueError as e:
-            raise self.fail(f"{func.qualname}: {e}") from None
+        if isinstance(func, Global):
+            key, policy = func.key, self.policy
+            rule = key in policy.callables  # the hot path: tensor rebuilds
+            if rule or key in _RECONSTRUCTORS or policy.is_placeholder(key):
+                if not isinstance(args, tuple):
+                    raise self.fail(f"REDUCE arguments for {func.qualname} are not a tuple")
+                if rule:
+                    self._charge(args)
+                    try:
+                        self.push(reduce_call(func, args))
+                    except ValueError as e:
+                        raise self.fail(f"{func.qualname}: {e}") from None
+                elif key in _RECONSTRUCTORS:
+                    self.push(self._reconstruct(args))
+                else:  # a placeholder type: recorded with its arguments, never called
+                    self.push(make_placeholder(func, args))
+                return
+        shown = func.qualname if isinstance(func, Global) else type(func).__name__
+        raise self.unsafe(f"REDUCE on {shown} is not allowed")
+
+    def _charge(self, args: tuple[object, ...]) -> None:
+        # A rule may walk or copy its arguments (set(list), OrderedDict(pairs), encode(str)):
+        # that work counts against the opcode cap, so a memoised argument reduced again and
+        # again cannot cost quadratic time.
+        work = 0
+        for a in args:
+            if isinstance(a, list | tuple | dict):
+                work += len(a)
+            elif isinstance(a, str | bytes):
+                work += len(a) >> 10
+        self.work += work
+        if self.work > self.limits.max_ops:
+            raise self.fail(f"more than {self.limits.max_ops} opcodes (cap), counting the work of REDUCE")
+
+    def _reconstruct(self, args: tuple[object, ...]) -> object:
+        cls = args[0] if len(args) == 3 else None
+        if not isinstance(cls, Global) or not self.policy.is_placeholder(cls.key):
+            shown = cls.qualname if isinstance(cls, Global) else type(cls).__name__
+            raise self.unsafe(f"copyreg._reconstructor of {shown} is not allowed (only plain-data placeholder types)")
+        return make_placeholder(cls, ())
 
     def op_build(self) -> None:
         state = self.pop()
         target = self.stack[-1] if self.stack else None
-        # OrderedDict state (e.g. a state_dict's _metadata) is an attribute: drop it.
-        if not isinstance(target, PickleDict):
+        # OrderedDict state (e.g. a state_dict's _metadata) is an attribute: kept aside, as is
+        # a placeholder's; nothing is ever set on a real object.
+        if not isinstance(target, PickleDict | Placeholder | PlaceholderList):
             raise self.unsafe(f"BUILD on {type(target).__name__} would set object state")
         target.state = state
 
@@ -413,7 +490,7 @@ def _plain_key(key: object) -> bool:
         return True
     if isinstance(key, tuple) and len(key) <= 16:
         return all(isinstance(k, str | int | float | bytes) or k is None for k in key)
-    return isinstance(key, Global)
+    return isinstance(key, Global | Placeholder)
 
 
 def _handler_table(vm: PickleVM) -> dict[int, Callable[[], None]]:
@@ -443,6 +520,7 @@ def _handler_table(vm: PickleVM) -> dict[int, Callable[[], None]]:
         0x71: vm.op_binput, 0x72: lambda: vm.op_put("<I"), 0x94: vm.op_memoize,
         0x63: vm.op_global, 0x93: vm.op_stack_global, 0x69: vm.op_inst,
         0x52: vm.op_reduce, 0x62: vm.op_build, 0x51: vm.op_binpersid,
+        0x81: lambda: vm.op_newobj(False), 0x92: lambda: vm.op_newobj(True),
     }  # fmt: skip
     return t
 
@@ -453,7 +531,7 @@ def run_pickle(
     where: str,
     start: int = 0,
     persistent_load: PersistentLoad | None = None,
-    allowed: frozenset[tuple[str, str]] = DEFAULT_ALLOWED,
+    policy: GlobalPolicy = DEFAULT_POLICY,
     limits: Limits = DEFAULT_LIMITS,
     to_end: bool = True,
 ) -> tuple[object, int]:
@@ -464,7 +542,7 @@ def run_pickle(
         where: ``"<file>: <member>"`` used as the start of every error message.
         start: offset of the pickle's first opcode.
         persistent_load: maps a persistent id to a value; None refuses persistent ids.
-        allowed: the (module, name) globals accepted as inert markers.
+        policy: the globals accepted: tensor machinery, inert values and placeholder types.
         limits: caps on opcodes, memo, stack and MARK depth.
         to_end: require STOP to be the last byte of ``data`` (junk after STOP is an error).
 
@@ -477,7 +555,7 @@ def run_pickle(
     """
     vm = PickleVM(
         data, where=where, start=start, persistent_load=persistent_load,
-        allowed=allowed, limits=limits,
+        policy=policy, limits=limits,
     )  # fmt: skip
     try:
         value, end = vm.run()

@@ -9,10 +9,13 @@ integer arithmetic before it becomes a :class:`TensorRecord`.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from packer.checkpoint.legacy import load_legacy
+from packer.checkpoint.pickle_vm import policy_for
+from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.records import CheckpointContents, TensorRecord
 from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safetensors
 from packer.checkpoint.torch_zip import load_torch_zip
@@ -41,7 +44,7 @@ def _detect(f: BinaryIO, path: Path, size: int) -> str:
     raise CheckpointError(f"{path}: not a torch zip, legacy torch or safetensors file (first bytes {head[:8]!r})")
 
 
-def _open(path: Path, verify_crc: bool) -> tuple[str, object]:
+def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = ()) -> tuple[str, object]:
     """Return (format, root object) or (format, CheckpointContents) for safetensors."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below in every case
@@ -52,9 +55,10 @@ def _open(path: Path, verify_crc: bool) -> tuple[str, object]:
         fmt = _detect(f, path, size)
         if fmt == "safetensors":
             return fmt, read_safetensors(f, path, size)
+        policy = policy_for(allow_globals)
         if fmt == "torch-zip":
-            return fmt, load_torch_zip(f, path, size, verify_crc=verify_crc)
-        return fmt, load_legacy(f, path, size)
+            return fmt, load_torch_zip(f, path, size, verify_crc=verify_crc, policy=policy)
+        return fmt, load_legacy(f, path, size, policy=policy)
 
 
 def make_record(path: Path, name: str, ref: TensorRef) -> TensorRecord:
@@ -162,7 +166,23 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
     return tuple(records), tuple(skipped)
 
 
-def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = False) -> CheckpointContents:
+def _shown(items: Sequence[str]) -> str:
+    return ", ".join(items[:10]) + (f", and {len(items) - 10} more" if len(items) > 10 else "")
+
+
+def _notes(root: object, tensors: Sequence[tuple[str, TensorRef]]) -> tuple[str, ...]:
+    notes = []
+    found = find_placeholders(root)
+    if found:
+        notes.append(f"left as inert placeholders (not converted): {_shown([f'{n} ({t})' for n, t in found])}")
+    dropped = [f"{n} ({', '.join(ref.dropped)})" for n, ref in tensors if ref.dropped]
+    if dropped:
+        notes.append(f"Python attributes dropped from tensors (the tensors are kept): {_shown(dropped)}")
+    return tuple(notes)
+
+
+def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = False,
+                    allow_globals: Sequence[str] = ()) -> CheckpointContents:  # fmt: skip
     """Read a checkpoint's tensor records without executing or importing anything.
 
     Only the pickle and headers are read (storage bytes are not touched unless
@@ -172,18 +192,21 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
         path: a torch zip, legacy torch or safetensors file (detected from content).
         key: dotted path of the nested dict to use (e.g. ``state_dict``); pickle only.
         verify_crc: for torch zips, also check every storage's CRC-32 (reads all bytes).
+        allow_globals: ``module.Name`` patterns (fnmatch) of the user's plain-data classes,
+            read as inert placeholders beside the built-in list (never imported or called).
 
     Returns:
         The records (name, dtype code, shape, stride, storage byte range, offset), the
-        names of skipped non-tensor entries and, with ``key``, of the top-level entries
-        beside it (optimizer state, counters...), which are not converted.
+        names of skipped non-tensor entries, with ``key`` the top-level entries beside it
+        (optimizer state, counters...), which are not converted, and notes naming the
+        placeholders left out and the tensor attributes dropped.
 
     Raises:
         UnsafeInputError: the file asks for code to run (a global outside the allowlist...).
         CheckpointError: malformed input, a lying record, a complex dtype, a bad key.
     """
     path = Path(path)
-    fmt, loaded = _open(path, verify_crc)
+    fmt, loaded = _open(path, verify_crc, allow_globals)
     if isinstance(loaded, CheckpointContents):
         if key is not None:
             raise CheckpointError(f"{path}: key {key}: safetensors files have no nested dicts")
@@ -192,7 +215,9 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
     left_out = () if key is None else tuple(
         n for n, _ in children(loaded) or [] if n != key and not key.startswith(f"{n}.")
     )
-    return CheckpointContents(path, fmt, tensors, skipped, left_out=left_out)
+    node = loaded if key is None else (_resolve(loaded, key) or (None,))[0]
+    refs = [(n, v) for n, v in children(node) or [] if isinstance(v, TensorRef)]
+    return CheckpointContents(path, fmt, tensors, skipped, left_out=left_out, notes=_notes(loaded, refs))
 
 
 def walk(root: object) -> tuple[list[tuple[str, TensorRef]], list[str], list[tuple[str, int]]]:

@@ -10,13 +10,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-# safetensors dtype code -> bytes per element
+# safetensors dtype code -> bytes per torch element: every dtype both torch and the
+# safetensors library store (tests/test_dtypes.py checks this against safetensors.torch).
+# F4 is torch's float4_e2m1fn_x2: one byte holds two values, and safetensors counts values.
 DTYPE_SIZES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
-    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 8,
+    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1, "F4": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1,
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }  # fmt: skip
+# values packed into one torch element, for dtypes safetensors counts in single values
+PACKED = {"F4": 2}
+# __metadata__ key: JSON {name: torch shape} for packed tensors whose stored shape cannot
+# give the torch shape back (a 0-d float4_e2m1fn_x2 is stored as its one byte, shape [2])
+TORCH_SHAPES_KEY = "packer.torch_shapes"
+
+
+def stored_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape safetensors records for a torch tensor of ``dtype`` and ``shape``.
+
+    A packed dtype (F4) counts single values: the last dimension is multiplied by the
+    values per byte; a 0-d packed tensor becomes its one byte, shape ``(2,)``.
+    """
+    per = PACKED.get(dtype)
+    if per is None:
+        return shape
+    return (*shape[:-1], shape[-1] * per) if shape else (per,)
+
+
+def torch_shape(dtype: str, stored: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The torch shape of a stored safetensors shape; None when it cannot be expressed."""
+    per = PACKED.get(dtype)
+    if per is None:
+        return stored
+    if not stored or stored[-1] % per:
+        return None
+    return (*stored[:-1], stored[-1] // per)
 
 
 @dataclass(frozen=True)
@@ -62,3 +91,4 @@ class CheckpointContents:
     skipped: tuple[str, ...] = ()  # names of non-tensor entries, reported, never fatal
     metadata: tuple[tuple[str, str], ...] = ()  # safetensors __metadata__ of an input
     left_out: tuple[str, ...] = ()  # top-level entries beside the selected key, reported
+    notes: tuple[str, ...] = ()  # placeholders left out, tensor attributes dropped: reported

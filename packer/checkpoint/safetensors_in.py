@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, StorageRange, TensorRecord
+from packer.checkpoint.records import (
+    DTYPE_SIZES,
+    PACKED,
+    TORCH_SHAPES_KEY,
+    CheckpointContents,
+    StorageRange,
+    TensorRecord,
+    torch_shape,
+)
 from packer.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own cap
-_COMPLEX = {"C64", "C128", "C32"}
+_COMPLEX = {"C128", "C32"}
 
 
 def _fail(path: Path, place: str, reason: str) -> CheckpointError:
@@ -72,6 +81,10 @@ def _record(path: Path, name: str, info: object, base: int) -> tuple[TensorRecor
             and all(type(o) is int and 0 <= o < 2**63 for o in offsets)):  # fmt: skip
         raise _fail(path, place, "data_offsets must be two non-negative integers")
     begin, end = offsets
+    stored = tuple(shape)
+    shape = torch_shape(dtype, stored)
+    if shape is None:
+        raise _fail(path, place, f"{dtype} shape {list(stored)} does not fill whole bytes in its last dimension")
     numel = 1
     for d in shape:
         numel *= d
@@ -82,7 +95,7 @@ def _record(path: Path, name: str, info: object, base: int) -> tuple[TensorRecor
         stride.append(acc)
         acc *= d
     rng = StorageRange(name, path, base + begin, end - begin)
-    rec = TensorRecord(name, dtype, tuple(shape), tuple(reversed(stride)), rng, 0)
+    rec = TensorRecord(name, dtype, shape, tuple(reversed(stride)), rng, 0)
     return rec, begin, end
 
 
@@ -113,5 +126,22 @@ def read_safetensors(f: BinaryIO, path: Path, size: int) -> CheckpointContents:
         expected = end
     if base + expected != size:
         raise _fail(path, "safetensors data", f"{size - base - expected} bytes not covered by tensors")
-    tensors = tuple(s[2] for s in spans)  # file order: sequential reads
+    tensors = tuple(_recorded_shape(path, s[2], dict(meta)) for s in spans)  # file order: sequential reads
     return CheckpointContents(path, "safetensors", tensors, (), meta)
+
+
+def _recorded_shape(path: Path, rec: TensorRecord, meta: dict[str, str]) -> TensorRecord:
+    """A 0-d float4 stored as its one byte gets its recorded torch shape back (packer's own key)."""
+    raw = meta.get(TORCH_SHAPES_KEY)
+    if raw is None or rec.dtype not in PACKED:
+        return rec
+    try:
+        shapes = json.loads(raw)
+    except ValueError:
+        raise _fail(path, f"__metadata__ {TORCH_SHAPES_KEY}", "not JSON") from None
+    shape = shapes.get(rec.name) if isinstance(shapes, dict) else None
+    if shape is None:
+        return rec
+    if shape != [] or rec.shape != (1,):  # only the 0-d case is ever recorded
+        raise _fail(path, f"tensor {rec.name}", f"recorded torch shape {shape} does not fit {list(rec.shape)}")
+    return dataclasses.replace(rec, shape=(), stride=())

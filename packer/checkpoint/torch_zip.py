@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.pickle_vm import run_pickle
+from packer.checkpoint.pickle_vm import DEFAULT_POLICY, run_pickle
+from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
-from packer.checkpoint.tree import STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef
+from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef, short
 from packer.errors import CheckpointError, UnsafeInputError
 
 _EOCD = b"PK\x05\x06"
@@ -273,12 +274,12 @@ def _storage_loader(path: Path, prefix: str, rel: dict[str, ZipMember]) -> Calla
 
     def load(pid: object) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise UnsafeInputError(f"{where}: persistent id is not a storage: {str(pid)[:80]}")
+            raise UnsafeInputError(f"{where}: persistent id is not a storage: {short(pid)}")
         _, stype, key, _, numel = pid
-        if not isinstance(stype, Global) or stype.name not in STORAGE_TYPES:
+        if not isinstance(stype, Global) or stype.module not in STORAGE_MODULES or stype.name not in STORAGE_TYPES:
             raise CheckpointError(f"{where}: persistent id has no storage type")
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise CheckpointError(f"{where}: malformed storage id {str(pid)[:80]}")
+            raise CheckpointError(f"{where}: malformed storage id {short(pid)}")
         dtype = STORAGE_TYPES[stype.name]
         member = rel.get(f"data/{key}")
         if member is None:
@@ -297,12 +298,14 @@ def _storage_loader(path: Path, prefix: str, rel: dict[str, ZipMember]) -> Calla
     return load
 
 
-def load_torch_zip(f: BinaryIO, path: Path, size: int, *, verify_crc: bool = False) -> object:
+def load_torch_zip(f: BinaryIO, path: Path, size: int, *, verify_crc: bool = False,
+                   policy: GlobalPolicy = DEFAULT_POLICY) -> object:
     """Parse a torch zip checkpoint and run its data.pkl; return the pickled root object.
 
     Args:
         f: the open file; path: its name for messages; size: its length in bytes.
         verify_crc: also stream every storage through CRC-32 (costs one read of the file).
+        policy: the globals the pickle may name (placeholder types included).
 
     Raises:
         CheckpointError / UnsafeInputError: a malformed or disallowed archive or pickle.
@@ -313,7 +316,7 @@ def load_torch_zip(f: BinaryIO, path: Path, size: int, *, verify_crc: bool = Fal
         raise _fail(path, f"member {prefix}/byteorder", "only little-endian checkpoints are supported")
     pkl = _read_member(f, path, rel["data.pkl"], MAX_PICKLE_BYTES)
     root, _ = run_pickle(pkl, where=f"{path}: {prefix}/data.pkl",
-                         persistent_load=_storage_loader(path, prefix, rel))  # fmt: skip
+                         persistent_load=_storage_loader(path, prefix, rel), policy=policy)  # fmt: skip
     if verify_crc:
         for name, m in rel.items():
             if name.startswith("data/"):

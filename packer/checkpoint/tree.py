@@ -7,6 +7,7 @@ only a :class:`Global` marker, and ``REDUCE`` on one of them builds a plain desc
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 
 from packer.checkpoint.records import StorageRange
@@ -21,11 +22,11 @@ TORCH_DTYPES: dict[str, tuple[str | None, int]] = {
     "int64": ("I64", 8), "long": ("I64", 8), "int32": ("I32", 4), "int": ("I32", 4),
     "int16": ("I16", 2), "short": ("I16", 2), "int8": ("I8", 1),
     "uint8": ("U8", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8),
-    "bool": ("BOOL", 1),
-    "complex32": (None, 4), "chalf": (None, 4), "complex64": (None, 8), "cfloat": (None, 8),
+    "bool": ("BOOL", 1), "complex64": ("C64", 8), "cfloat": ("C64", 8), "float4_e2m1fn_x2": ("F4", 1),
+    "complex32": (None, 4), "chalf": (None, 4),
     "complex128": (None, 16), "cdouble": (None, 16),
     "qint8": (None, 1), "quint8": (None, 1), "qint32": (None, 4), "quint4x2": (None, 1),
-    "quint2x4": (None, 1), "float4_e2m1fn_x2": (None, 1),
+    "quint2x4": (None, 1),
 }  # fmt: skip
 
 # typed storage class name -> torch dtype name of its elements
@@ -39,19 +40,54 @@ STORAGE_TYPES: dict[str, str] = {
     "UntypedStorage": "uint8",
 }  # fmt: skip
 
+# modules a storage type may come from (a user's --allow-global could admit others: not storages)
+STORAGE_MODULES = frozenset({"torch", "torch.storage"})
+class _Short(reprlib.Repr):
+    """reprlib by kind, not by exact type: a dict or list subclass is cut like a dict or list."""
+
+    def repr1(self, x: object, level: int) -> str:
+        if isinstance(x, dict) and type(x) is not dict:
+            return self.repr_dict(x, level)
+        if isinstance(x, list) and type(x) is not list:
+            return self.repr_list(x, level)
+        if isinstance(x, PickleSet):
+            return "set(" + self.repr_list(x.items, level) + ")"
+        return super().repr1(x, level)
+
+
+_SHORT = _Short()  # Python 3.11's Repr takes no arguments: the limits are set one by one
+_SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxset = 3, 4, 4, 4, 4
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def short(value: object, limit: int = 80) -> str:
+    """A bounded text of any unpickled value, for messages and names.
+
+    ``str()`` of a hostile graph (lists sharing lists, 2**64 paths) would never finish;
+    this looks at most a few levels and items deep.
+    """
+    return _SHORT.repr(value)[:limit]
+
+
 _U = "torch._utils"
 CALLABLES: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
     (_U, "_rebuild_tensor"), (_U, "_rebuild_tensor_v2"), (_U, "_rebuild_tensor_v3"),
     (_U, "_rebuild_parameter"), (_U, "_rebuild_parameter_with_state"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
     ("torch", "Size"), ("_codecs", "encode"),
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
     # protocol-2 pickles written by Python 3 spell builtins the Python 2 way
     ("__builtin__", "set"), ("__builtin__", "frozenset"), ("__builtin__", "bytearray"),
 })  # fmt: skip
+# The types _rebuild_from_type_v2 may name: a plain tensor or a parameter, nothing else.
+TENSOR_TYPES: frozenset[tuple[str, str]] = frozenset({("torch", "Tensor"), ("torch.nn.parameter", "Parameter")})
 VALUE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {("torch", n) for n in STORAGE_TYPES} | {("torch.storage", "UntypedStorage")} | {("torch", n) for n in TORCH_DTYPES}
+    {("torch", n) for n in STORAGE_TYPES} | {("torch.storage", "UntypedStorage")}
+    | {("torch", n) for n in TORCH_DTYPES} | TENSOR_TYPES
 )
+_REBUILDS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                       "_rebuild_parameter_with_state"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,7 @@ class TensorRef:
     stride: tuple[int, ...]
     dtype: str  # torch dtype name
     extra: dict[str, object] = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()  # Python attribute names the tensor carried, not converted
 
 
 def _ints(value: object, what: str) -> tuple[int, ...]:
@@ -167,6 +204,37 @@ def _plain(key: object) -> bool:
     return isinstance(key, str | int | float | bytes) or key is None
 
 
+def _attribute_names(state: object) -> list[str]:
+    # torch's _set_obj_state takes a dict or a (dict, slots) pair
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    names: list[str] = []
+    for part in parts:
+        if isinstance(part, dict):
+            names.extend(k if isinstance(k, str) else short(k) for k in part)
+        elif part is not None:
+            raise ValueError("state is not a dict or a (dict, slots) pair")
+    return names
+
+
+def _from_type(args: tuple[object, ...]) -> TensorRef:
+    # torch pickles a tensor with Python attributes as _rebuild_from_type_v2(func, type, args,
+    # state): the tensor is func(*args); the attributes are dropped and named in ``extra``.
+    func, new_type, inner, state = args
+    if not isinstance(func, Global) or func.module != _U or func.name not in _REBUILDS:
+        raise ValueError("first argument is not a torch tensor rebuild function")
+    if not isinstance(new_type, Global) or new_type.key not in TENSOR_TYPES:
+        raise ValueError("type argument is not torch.Tensor or torch.nn.Parameter")
+    if not isinstance(inner, tuple):
+        raise ValueError("rebuild arguments are not a tuple")
+    ref = reduce_call(func, inner)
+    if not isinstance(ref, TensorRef):
+        raise ValueError("rebuild function did not describe a tensor")
+    dropped = _attribute_names(state)
+    if dropped:
+        ref.dropped = tuple(dropped)
+    return ref
+
+
 def reduce_call(func: Global, args: tuple[object, ...]) -> object:
     """The value ``func(*args)`` stands for, built by rule; ValueError on bad arguments."""
     module, name = func.key
@@ -182,7 +250,11 @@ def reduce_call(func: Global, args: tuple[object, ...]) -> object:
     if name in ("_rebuild_parameter", "_rebuild_parameter_with_state") and n in (3, 4):
         if not isinstance(args[0], TensorRef):
             raise ValueError("parameter data is not a tensor")
+        if n == 4 and name == "_rebuild_parameter_with_state" and (dropped := _attribute_names(args[3])):
+            args[0].dropped = tuple(dropped)
         return args[0]  # nn.Parameter unwraps to its tensor
+    if name == "_rebuild_from_type_v2" and n == 4:
+        return _from_type(args)
     if name == "Size" and n == 1:
         return _ints(args[0], "size")
     if name == "encode" and n == 2:
@@ -203,7 +275,7 @@ def reduce_call(func: Global, args: tuple[object, ...]) -> object:
 def children(node: object) -> list[tuple[str, object]] | None:
     """Named children of a dict, list or tuple; None for anything else."""
     if isinstance(node, dict):
-        return [(k if isinstance(k, str) else str(k), v) for k, v in node.items()]
+        return [(k if isinstance(k, str) else short(k), v) for k, v in node.items()]
     if isinstance(node, list | tuple):
         return [(str(i), v) for i, v in enumerate(node)]
     return None

@@ -13,7 +13,6 @@ one: the build syncs the staging directory once before publishing it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import mmap
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from packer.errors import ImageError
-from packer.fsutil import umask
+from packer.fsutil import quiet_cleanup, umask
 from packer.oci.tar_writer import FileRange
 
 CHUNK = 16 * 2**20
@@ -248,8 +247,8 @@ def write_layer(
             if not _DIGEST.fullmatch(digest):  # it names a file: never a path
                 raise ImageError(f"known layer digest {digest!r}: expected sha256:<64 hex digits>")
             size = _copy_known(pieces, fd)
-            _finish(fd, tmp, blobs_dir / digest.removeprefix("sha256:"))
-            fd = -1
+            done, fd = fd, -1  # _finish closes it, whatever happens
+            _finish(done, tmp, blobs_dir / digest.removeprefix("sha256:"))
             return Layer(digest, digest, size, MEDIA_TYPES["none"],
                          blobs_dir / digest.removeprefix("sha256:"))  # fmt: skip
         out = _HashingFile(fd)
@@ -272,20 +271,21 @@ def write_layer(
                     tee_out.write(piece)
         close()
         digest = "sha256:" + out.hash.hexdigest()
-        _finish(fd, tmp, blobs_dir / digest.removeprefix("sha256:"))
-        fd = -1
+        done, fd = fd, -1  # _finish closes it, whatever happens
+        _finish(done, tmp, blobs_dir / digest.removeprefix("sha256:"))
         if tee is not None:
-            _finish(tee_fd, tee_tmp, tee)
-            tee_fd = -1
+            done, tee_fd = tee_fd, -1
+            _finish(done, tee_tmp, tee)
         diff_id = digest if compression == "none" else "sha256:" + diff.hexdigest()
         return Layer(digest, diff_id, out.size, MEDIA_TYPES[compression],
                      blobs_dir / digest.removeprefix("sha256:"))
-    except BaseException:
+    except BaseException as e:
+        # a failed rename leaves its temp file behind too: remove both, never raising over e
         for f, t in ((fd, tmp), (tee_fd, tee_tmp)):
             if f >= 0:
-                os.close(f)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(t)
+                quiet_cleanup(e, lambda f=f: os.close(f))  # type: ignore[misc]
+            if t:
+                quiet_cleanup(e, lambda t=t: os.unlink(t))  # type: ignore[misc]
         raise
 
 
@@ -352,7 +352,9 @@ class _Tee:
 
 
 def _finish(fd: int, tmp: str, final: Path) -> None:
-    """Give the temp file the mode any new file gets (mkstemp made it 0600), rename it."""
-    os.fchmod(fd, 0o644 & ~umask())
-    os.close(fd)
+    """Give the temp file the mode any new file gets (mkstemp made it 0600), close, rename it."""
+    try:
+        os.fchmod(fd, 0o644 & ~umask())
+    finally:
+        os.close(fd)
     os.replace(tmp, final)

@@ -86,16 +86,17 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
                 missing += slot.names
             continue
         want = table[aliases.get(hits[0], hits[0])]
+        shape = list(want.get("torch_shape", want["shape"]))  # packed float4: the header counts values
         if slot.kind == "transient":
-            same = list(slot.tensor.shape) == want["shape"] and _code(slot.tensor) == want["dtype"]
+            same = list(slot.tensor.shape) == shape and _code(slot.tensor) == want["dtype"]
             slot.key = aliases.get(hits[0], hits[0]) if same else ""
             notes.append(f"{hits[0]}: a non-persistent buffer of the module; "
-                         + ("loaded into it" if same else f"skipped ({want['dtype']} {want['shape']} "
+                         + ("loaded into it" if same else f"skipped ({want['dtype']} {shape} "
                             f"against {_code(slot.tensor)} {list(slot.tensor.shape)})"))  # fmt: skip
             continue
-        if list(slot.tensor.shape) != list(want["shape"]):
+        if list(slot.tensor.shape) != shape:
             raise RuntimeError(f"load_into: size mismatch for {hits[0]}: the weights have shape "
-                               f"{want['shape']}, the module {list(slot.tensor.shape)}")  # fmt: skip
+                               f"{shape}, the module {list(slot.tensor.shape)}")  # fmt: skip
         slot.key = aliases.get(hits[0], hits[0])
         notes += [f"{n}: tied to {hits[0]} in the module; loaded once" for n in slot.names if n not in stored]
         notes += [f"{n}: also stored, but the module ties it to {hits[0]}; loaded from {hits[0]}"

@@ -2,8 +2,8 @@
 
 Self-contained on purpose (standard library + zstandard, no packer imports): the build
 inlines this module into the emitted loader. The archive is opened once and read once;
-the single zstd frame is walked by hand (window, declared size, trailing data) and then
-decompressed as a stream under an output cap; the tar headers are parsed here, not by
+its zstd frames are walked by hand (window, declared size, trailing data; skippable frames
+skipped) and then decompressed in sequence as a stream under one output cap; the tar headers are parsed here, not by
 ``tarfile``, whose filters have a long history of bypasses. Anything unexpected rejects
 the whole archive with :class:`BundleFormatError` before a single byte is written.
 
@@ -35,6 +35,8 @@ DEFAULT_MAX_WINDOW = 16 * 2**20  # zstd -19 uses 8 MiB, packer's level 3 at most
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_SKIPPABLE = 0x184D2A50  # skippable frames: magic 0x184D2A50..5F, 4-byte size, user data
+_MAX_FRAMES = 1 << 16
 _MAX_ZSTD_BLOCK = 128 * 1024
 _MAX_PAX = 64 * 1024
 # PAX records that change nothing we rely on; "size" must equal the ustar size field.
@@ -83,25 +85,28 @@ def check_name(name: str, *, max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[str, .
 
 
 # ---------------------------------------------------------------------------------------
-# zstd: one frame, walked by hand, then decompressed under caps
+# zstd: frames walked by hand (skippable ones skipped), then decompressed under caps
 
 
-def _frame_end(data: bytes | bytearray, max_window: int, max_bytes: int) -> int | None:
-    """Check the single zstd frame's header and block layout; return its declared size."""
+def _frame_end(data: bytes | bytearray, start: int, max_window: int, budget: list[int]) -> tuple[int, int | None]:
+    """Check one zstd frame's header and block layout; return its end and declared size.
+
+    ``budget`` holds the zstd blocks still allowed (shared by all frames: it bounds the walk).
+    """
     n = len(data)
-    if n < 6 or data[:4] != _ZSTD_MAGIC:
-        raise BundleFormatError("not a zstd frame (bad magic number)")
-    fhd = data[4]
+    if n - start < 6 or data[start : start + 4] != _ZSTD_MAGIC:
+        raise BundleFormatError(f"not a zstd frame at byte {start} (bad magic number)")
+    fhd = data[start + 4]
     fcs_flag, single, checksum, dict_flag = fhd >> 6, fhd >> 5 & 1, fhd >> 2 & 1, fhd & 3
     if fhd & 0x08:
         raise BundleFormatError("zstd frame header has its reserved bit set")
     if dict_flag:
         raise BundleFormatError("zstd frame needs a dictionary")
-    pos, window = 5, 0
+    pos, window = start + 5, 0
     if not single:
-        exponent, mantissa = data[5] >> 3, data[5] & 7
+        exponent, mantissa = data[pos] >> 3, data[pos] & 7
         base = 1 << (10 + exponent)
-        window, pos = base + (base >> 3) * mantissa, 6
+        window, pos = base + (base >> 3) * mantissa, pos + 1
     fcs_len = (single, 2, 4, 8)[fcs_flag]
     if pos + fcs_len > n:
         raise BundleFormatError("truncated zstd frame header")
@@ -112,12 +117,10 @@ def _frame_end(data: bytes | bytearray, max_window: int, max_bytes: int) -> int 
     pos += fcs_len
     if window > max_window:
         raise BundleFormatError(f"zstd window of {window} bytes is over the cap of {max_window}")
-    if declared is not None and declared > max_bytes:
-        raise BundleFormatError(f"zstd frame declares {declared} bytes, over the cap of {max_bytes}")
-    last, blocks = 0, max_bytes // 1024 + 4096  # zstd blocks hold up to 128 KiB; bounds the walk
+    last = 0
     while not last:
-        blocks -= 1
-        if blocks < 0:
+        budget[0] -= 1
+        if budget[0] < 0:
             raise BundleFormatError("too many zstd blocks for the size cap")
         if pos + 3 > n:
             raise BundleFormatError("truncated zstd frame (block header)")
@@ -129,34 +132,66 @@ def _frame_end(data: bytes | bytearray, max_window: int, max_bytes: int) -> int 
     pos += 4 * checksum
     if pos > n:
         raise BundleFormatError("truncated zstd frame")
-    if pos < n:
-        tail = data[pos : pos + 4]
-        skippable = len(tail) == 4 and int.from_bytes(tail, "little") & 0xFFFFFFF0 == 0x184D2A50
-        if tail == _ZSTD_MAGIC or skippable:
-            raise BundleFormatError(f"extra zstd frame at byte {pos}; a bundle is one frame")
-        raise BundleFormatError(f"{n - pos} bytes of trailing data after the zstd frame")
-    return declared
+    return pos, declared
+
+
+def _frames(data: bytes | bytearray, max_window: int, max_bytes: int) -> list[tuple[int, int, int | None]]:
+    """The zstd frames of ``data`` in order, as (start, end, declared size); skippable frames
+    are skipped, and anything that is no frame (trailing junk) is refused."""
+    frames: list[tuple[int, int, int | None]] = []
+    pos, n, declared_total = 0, len(data), 0
+    budget = [max_bytes // 1024 + 4096]  # zstd blocks hold up to 128 KiB; bounds the walk
+    while pos < n:
+        if len(frames) >= _MAX_FRAMES:
+            raise BundleFormatError(f"more than {_MAX_FRAMES} zstd frames")
+        magic = int.from_bytes(data[pos : pos + 4], "little") if n - pos >= 4 else -1
+        if magic & 0xFFFFFFF0 == _SKIPPABLE:
+            if n - pos < 8:
+                raise BundleFormatError(f"truncated skippable zstd frame at byte {pos}")
+            size = int.from_bytes(data[pos + 4 : pos + 8], "little")
+            if size > n - pos - 8:
+                raise BundleFormatError(f"skippable zstd frame at byte {pos} runs past the end")
+            pos += 8 + size
+            budget[0] -= 1  # a flood of empty skippable frames costs the walk too
+            if budget[0] < 0:
+                raise BundleFormatError("too many zstd frames for the size cap")
+            continue
+        if frames and data[pos : pos + 4] != _ZSTD_MAGIC:
+            raise BundleFormatError(f"{n - pos} bytes of trailing data after the zstd frames")
+        end, declared = _frame_end(data, pos, max_window, budget)
+        declared_total += declared or 0
+        if declared_total > max_bytes:
+            raise BundleFormatError(f"zstd data declares {declared_total} bytes, over the cap of {max_bytes}")
+        frames.append((pos, end, declared))
+        pos = end
+    if not frames:
+        raise BundleFormatError("not a zstd frame (bad magic number)")
+    return frames
 
 
 def _decompress(data: bytes | bytearray, max_bytes: int, max_window: int) -> bytearray:
-    declared = _frame_end(data, max_window, max_bytes)
+    frames = _frames(data, max_window, max_bytes)
     out = bytearray()
+    view = memoryview(data)
     try:
         dctx = zstandard.ZstdDecompressor(max_window_size=max(max_window, 1 << 10))
-        with dctx.stream_reader(data, read_size=1 << 20, read_across_frames=False) as reader:
-            while chunk := reader.read(1 << 20):
-                out += chunk
-                if len(out) > max_bytes:
-                    raise BundleFormatError(f"decompresses to more than the cap of {max_bytes} bytes")
+        for start, end, declared in frames:
+            before = len(out)
+            with dctx.stream_reader(view[start:end], read_size=1 << 20, read_across_frames=False) as reader:
+                while chunk := reader.read(1 << 20):
+                    out += chunk
+                    if len(out) > max_bytes:
+                        raise BundleFormatError(f"decompresses to more than the cap of {max_bytes} bytes")
+            if declared is not None and len(out) - before != declared:
+                raise BundleFormatError(f"zstd frame at byte {start} declares {declared} bytes "
+                                        f"but holds {len(out) - before}")  # fmt: skip
     except zstandard.ZstdError as e:
         raise BundleFormatError(f"corrupt zstd data: {e}") from e
-    if declared is not None and len(out) != declared:
-        raise BundleFormatError(f"zstd frame declares {declared} bytes but holds {len(out)}")
     return out
 
 
 # ---------------------------------------------------------------------------------------
-# tar: ustar headers and PAX "x" records, parsed here
+# tar: ustar headers and PAX "x" records (a "path" only for a name ustar cannot hold)
 
 
 def _octal(field: bytes, what: str, at: int) -> int:
@@ -219,9 +254,35 @@ def _parse_pax(buf: bytes, at: int) -> dict[str, str]:
     return records
 
 
+def _fits_ustar(name: bytes) -> bool:
+    """True when a ustar header holds ``name`` (100 bytes, or a '/' split into 155 + 100)."""
+    if len(name) <= 100:
+        return True
+    parts = name.split(b"/")
+    return any(len(b"/".join(parts[:i])) <= 155 and 0 < len(b"/".join(parts[i:])) <= 100 for i in range(1, len(parts)))
+
+
+def _pax_path(pax: dict[str, str], raw: bytes) -> bytes:
+    """The member's name: a PAX ``path`` record only for a name no ustar header can hold.
+
+    A ``path`` record for a name that would fit is a rename (tools that ignore PAX would see
+    another name): refused, like ``linkpath``.
+    """
+    value = pax.get("path")
+    if value is None:
+        return raw
+    name = value.encode("utf-8", "surrogateescape")
+    if _fits_ustar(name):
+        shown = raw.decode("utf-8", "replace")
+        raise BundleFormatError(f"member {shown!r}: PAX header renames it (path={value!r})")
+    return name
+
+
 def _apply_pax(pax: dict[str, str], name: str, size: int) -> None:
     for key, value in pax.items():
-        if key in ("path", "linkpath"):
+        if key == "path":
+            continue  # taken as the name by _pax_path
+        if key == "linkpath":
             raise BundleFormatError(f"member {name!r}: PAX header renames it ({key}={value!r})")
         if key == "size" and value != str(size):
             raise BundleFormatError(f"member {name!r}: PAX size {value!r} differs from the header's {size}")
@@ -294,7 +355,7 @@ def _parse_tar(data: bytearray, max_members: int, max_depth: int) -> dict[tuple[
                 raise BundleFormatError(f"PAX header at byte {pos}: repeated or over {_MAX_PAX} bytes")
             pax, pax_at = _parse_pax(bytes(view[start : start + size]), pos), pos
         else:
-            name, parts = _member(kind, raw, mode, size, pos, max_depth)
+            name, parts = _member(kind, _pax_path(pax or {}, raw), mode, size, pos, max_depth)
             _apply_pax(pax or {}, name, size)
             index.add(name, parts, kind == b"5")
             members[parts] = (start, size, kind == b"5")

@@ -31,7 +31,8 @@ _DTYPES = {
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
     "F8_E8M0": ("float8_e8m0fnu", 1), "I64": ("int64", 8), "I32": ("int32", 4),
     "I16": ("int16", 2), "I8": ("int8", 1), "U64": ("uint64", 8), "U32": ("uint32", 4),
-    "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+    "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1), "C64": ("complex64", 8),
+    "F4": ("float4_e2m1fn_x2", 1),  # two values a byte: the manifest's torch_shape is its shape
 }  # fmt: skip
 
 

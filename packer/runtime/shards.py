@@ -88,7 +88,8 @@ def _check_header(rel: str, raw: bytes, data_len: int,
         begin, end = rec["data_offsets"]
         if not 0 <= begin <= end <= data_len:
             raise ArtifactMismatchError(f"{rel}: tensor {name!r} lies outside the data section")
-        out.append((name, rec["dtype"], list(rec["shape"]), begin, end))
+        # packed float4: the header counts single values, the manifest keeps the torch shape
+        out.append((name, rec["dtype"], list(rec.get("torch_shape", rec["shape"])), begin, end))
     out.sort(key=lambda t: (t[3], t[0]))
     return out
 
@@ -130,7 +131,8 @@ def shard_tensors(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], 
         for name, code, shape, begin, end in s.tensors:
             t = tensor_view(torch, buf, base + begin, base + end, code, shape,
                             f"{s.rel}: tensor {name!r}")  # fmt: skip
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            # packed float4 has no cast in torch: it stays as stored, as integers do
+            if dtype is not None and code != "F4" and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
             out[name] = t
     for alias, kept in sorted(aliases.items()):

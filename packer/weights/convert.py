@@ -7,7 +7,6 @@ left under the output names.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 from collections.abc import Callable, Sequence
@@ -16,24 +15,27 @@ from typing import Any
 
 from packer.checkpoint.records import CheckpointContents
 from packer.errors import DependencyError, PackerError, WeightsError
-from packer.fsutil import FileEntry, umask
+from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import WeightsConfig
 from packer.stage import StageOutput
 from packer.weights.inputs import InputSet, check_index, find_inputs
 from packer.weights.plan import INDEX_NAME, WeightsPlan, plan_weights
+from packer.weights.ties import read_tie_config
 from packer.weights.verify import verify_written
 from packer.weights.writer import Sources, StagedFiles, write_shard
 
 
-def read_inputs(inputs: InputSet, key: str | None) -> list[CheckpointContents]:
+def read_inputs(inputs: InputSet, key: str | None, allow_globals: Sequence[str] = ()) -> list[CheckpointContents]:
     """Read every input file's records with the safe checkpoint reader.
+
+    ``allow_globals`` are the user's plain-data classes, read as inert placeholders.
 
     Raises:
         CheckpointError: from the reader, naming the file.
     """
     from packer.checkpoint.reader import read_checkpoint
 
-    return [read_checkpoint(path, key=key) for path in inputs.files]
+    return [read_checkpoint(path, key=key, allow_globals=allow_globals) for path in inputs.files]
 
 
 def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str]:
@@ -45,6 +47,7 @@ def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str
         if c.left_out:
             notes.append(f"{inputs.rel(c.path)}: not converted (beside the selected key): "
                          f"{_shown(c.left_out)}")
+        notes.extend(f"{inputs.rel(c.path)}: {note}" for note in c.notes)
     return notes
 
 
@@ -145,9 +148,12 @@ def convert(
     root = Path(rel_root) if rel_root is not None else dest_dir
     prefix = dest_dir.relative_to(root).as_posix() + "/" if dest_dir != root else ""
     inputs = find_inputs(src, cfg.files, pickles_first=cfg.key is not None)
-    contents = read_inputs(inputs, cfg.key)
+    contents = read_inputs(inputs, cfg.key, cfg.allow_globals)
     notes = _notes(inputs, contents)
-    plan = plan_weights(contents, cfg)
+    # the model's config.json: in the source directory, or beside a single checkpoint file
+    # (as the build's bundle takes it); beside a file, an unreadable one is not the model's
+    ties = read_tie_config(src) if src.is_dir() else read_tie_config(src.parent, strict=False)
+    plan = plan_weights(contents, cfg, ties=ties)
     section = _section(plan, prefix, inputs, contents)
     if dry_run:
         return StageOutput(section=section, notes=tuple(notes))
@@ -160,14 +166,15 @@ def convert(
                                      framing=layer_framing, prefix=prefix)  # fmt: skip
         staged.commit()
     except BaseException as e:
-        staged.discard()
-        if created:
-            with contextlib.suppress(OSError):
-                dest_dir.rmdir()
+        # removing what was staged must never raise over the error that caused it
+        quiet_cleanup(e, staged.discard, *([dest_dir.rmdir] if created else []))
         if isinstance(e, OSError):
             raise WeightsError(f"{dest_dir}: cannot write: {e.strerror or e}") from e
         if isinstance(e, PackerError) and not isinstance(e, DependencyError) and not str(e).startswith(str(src)):
-            raise e.with_context(f"converting {src}") from e.__cause__
+            new = e.with_context(f"converting {src}")
+            for note in getattr(e, "__notes__", ()):  # a failed cleanup stays on record
+                new.add_note(note)
+            raise new from e.__cause__
         raise
     files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)
     digests = {f"layer:{prefix}{name}": f"sha256:{hexd}" for name, hexd in framed.items()}

@@ -7,7 +7,6 @@ offsets, shard names, the index). The writer only has to move bytes where the pl
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 from collections.abc import Sequence
@@ -16,21 +15,25 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, TensorRecord
+from packer.checkpoint.records import (
+    DTYPE_SIZES,
+    PACKED,
+    TORCH_SHAPES_KEY,
+    CheckpointContents,
+    TensorRecord,
+    stored_shape,
+    torch_shape,
+)
 from packer.errors import WeightsError
 from packer.fsutil import canonical_json
 from packer.recipe import WeightsConfig
+from packer.weights.ties import TieConfig, split_group
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 ALIASES_KEY = "packer.aliases"
 CAST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 FLOAT_CODES = frozenset(CAST_DTYPES.values())
-# Kept-name ranking in a tied group: input embeddings first, output projections last, so the
-# name transformers loads (embed_tokens, wte...) survives and lm_head becomes the alias.
-_INPUT_EMBED = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embed_in|"
-                          r"shared|embeddings?)(\.|$)")
-_OUTPUT_PROJ = re.compile(r"(^|\.)(lm_head|decoder|output|embed_out)(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,18 @@ class PlannedTensor:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape safetensors records (packed float4 counts single values)."""
+        return stored_shape(self.dtype, self.record.shape)
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The shape of the torch tensor (what a loader must give back)."""
         return self.record.shape
+
+    @property
+    def shape_recorded(self) -> bool:
+        """True when the stored shape alone cannot give the torch shape back (0-d float4)."""
+        return self.dtype in PACKED and torch_shape(self.dtype, self.shape) != self.torch_shape
 
     @property
     def cast(self) -> bool:
@@ -101,7 +115,8 @@ class WeightsPlan:
             "total_size": self.total_size,
             "tensors": {
                 name: {"file": prefix + f, "dtype": t.dtype, "shape": list(t.shape),
-                       "data_offsets": [t.begin, t.end]}
+                       "data_offsets": [t.begin, t.end],
+                       **({"torch_shape": list(t.torch_shape)} if t.dtype in PACKED else {})}
                 for name, (f, t) in sorted(self.tensors.items())
             },
             "aliases": dict(self.aliases),
@@ -150,15 +165,6 @@ def map_name(name: str, cfg: WeightsConfig) -> str:
     return name
 
 
-def _rank(name: str, prefer: Sequence[str]) -> tuple[int, int, str]:
-    for i, pattern in enumerate(prefer):
-        if name == pattern or fnmatch.fnmatchcase(name, pattern):
-            return (0, i, name)
-    if _INPUT_EMBED.search(name) and not _OUTPUT_PROJ.search(name):
-        return (1, 0, name)
-    return (3, 0, name) if _OUTPUT_PROJ.search(name) else (2, 0, name)
-
-
 def _alias_key(r: TensorRecord) -> tuple[Any, ...]:
     return (str(r.storage.path), r.storage.key, r.storage.offset, r.storage_offset,
             r.shape, r.stride, r.dtype)
@@ -187,7 +193,7 @@ def _rename_all(
 
 
 def _dedupe(
-    tensors: dict[str, TensorRecord], prefer: Sequence[str]
+    tensors: dict[str, TensorRecord], prefer: Sequence[str], ties: TieConfig
 ) -> tuple[dict[str, TensorRecord], dict[str, str]]:
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, r in tensors.items():
@@ -197,9 +203,10 @@ def _dedupe(
     kept: dict[str, TensorRecord] = {}
     aliases: dict[str, str] = {}
     for names in groups.values():
-        keep = min(names, key=lambda n: _rank(n, prefer))
-        kept[keep] = tensors[keep]
-        aliases.update({n: keep for n in names if n != keep})
+        keep, own = split_group(names, prefer, ties)
+        for n in (keep, *own):
+            kept[n] = tensors[n]
+        aliases.update({n: keep for n in names if n != keep and n not in own})
     return kept, aliases
 
 
@@ -225,6 +232,9 @@ def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str]) -> bytes:
     meta = {"format": "pt"}
     if aliases:
         meta[ALIASES_KEY] = canonical_json(aliases).decode().rstrip("\n")
+    recorded = {t.name: list(t.torch_shape) for t in tensors if t.shape_recorded}
+    if recorded:
+        meta[TORCH_SHAPES_KEY] = canonical_json(recorded).decode().rstrip("\n")
     table: dict[str, Any] = {"__metadata__": meta}
     for t in tensors:
         table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
@@ -233,12 +243,17 @@ def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig) -> WeightsPlan:
+_UNTOLD = TieConfig()
+
+
+def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
+                 ties: TieConfig = _UNTOLD) -> WeightsPlan:  # fmt: skip
     """Plan the safetensors output for the tensors of one or more input files.
 
     Args:
         contents: what the reader found in each input file (shards in order).
         cfg: names, tie preference, cast dtype and maximum shard size.
+        ties: what the model's config.json says about tied weights (see :mod:`.ties`).
 
     Returns:
         The frozen plan: shards with exact headers, the index bytes when sharded, aliases.
@@ -246,7 +261,7 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig) -> 
     Raises:
         WeightsError: out-of-bounds views, unsupported dtypes, name collisions after renaming.
     """
-    kept, aliases = _dedupe(_rename_all(contents, cfg), cfg.tie_prefer)
+    kept, aliases = _dedupe(_rename_all(contents, cfg), cfg.tie_prefer, ties)
     dtypes = {n: _out_dtype(r, cfg) for n, r in kept.items()}
     sizes = {n: kept[n].numel * DTYPE_SIZES[dtypes[n]] for n in sorted(kept)}
     shards = []
