@@ -90,3 +90,20 @@ def test_version(tmp_path: Path) -> None:
     from packer import __version__
 
     assert proc.stdout.strip() == f"packer, version {__version__}"
+
+
+def test_emitted_loader_names_a_missing_zstandard(tmp_path: Path) -> None:
+    from packer.build import build
+    from packer.recipe import demo_recipe
+
+    out = tmp_path / "out"
+    build(demo_recipe(), out)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PACKER_TEST_BLOCK": "zstandard", "PYTHONPATH": str(shim)}
+    proc = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--selftest"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("packer_loader: self-test failed: packer_loader needs zstandard: "), last

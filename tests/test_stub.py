@@ -160,16 +160,19 @@ def test_embedded_strings_survive(text: str) -> None:
     assert digest == hashlib.sha256(canonical_json({"name": text, "version": "1"})).hexdigest()
 
 
-def test_import_cost_beyond_torch_is_small(out: tuple[Path, dict[str, Any]]) -> None:
+def test_import_beyond_torch_loads_only_the_standard_library(out: tuple[Path, dict[str, Any]]) -> None:
+    # what importing the loader costs beyond `import torch` is measured by benchmarks/load_cpu.py;
+    # here, the outcome that keeps it small: nothing but standard-library modules gets imported
     d, _ = out
     code = textwrap.dedent(f"""
-        import time, torch, importlib.util
-        t = time.perf_counter()
+        import importlib.util, json, sys, torch
+        before = set(sys.modules)
         spec = importlib.util.spec_from_file_location("pl", {str(d / LOADER_NAME)!r})
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        print(time.perf_counter() - t)
+        print(json.dumps(sorted(set(sys.modules) - before)))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert float(r.stdout) < 0.1  # the budget is 30 ms; CI machines are noisy
+    new = {name.split(".")[0] for name in json.loads(r.stdout)} - {"pl"}
+    assert new <= set(sys.stdlib_module_names), sorted(new - set(sys.stdlib_module_names))

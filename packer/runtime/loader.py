@@ -159,6 +159,14 @@ def report(trace: str | Path | None = None) -> list[dict[str, Any]]:
     return [dict(s) for s in TIMELINE.stages]
 
 
+def _why(e: Exception) -> str:
+    """One line for a failure; a missing package is named as itself, never as an artifact fault."""
+    if isinstance(e, ImportError):
+        top = (e.name or "a package").split(".")[0]
+        return f"packer_loader needs {top}: {e} (pip install {top})"
+    return str(e)
+
+
 def check_loaded(loader: Loader, tensors: dict[str, Any]) -> list[str]:
     """Compare every loaded tensor's bytes with the file; return the problems found."""
     torch = sys.modules["torch"]
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(model_dir(root=args.root))
         except Exception as e:  # one line, exit 1, as the self-test
-            sys.stderr.write(f"packer_loader: model dir failed: {e}\n")
+            sys.stderr.write(f"packer_loader: model dir failed: {_why(e)}\n")
             return 1
         return 0
     if not args.selftest:
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = selftest(loader, device, args.verify)
     except Exception as e:  # any failure is a failed self-test, reported in one line
         TIMELINE.flush()
-        sys.stderr.write(f"packer_loader: self-test failed: {e}\n")
+        sys.stderr.write(f"packer_loader: self-test failed: {_why(e)}\n")
         return 1
     TIMELINE.flush()
     if args.trace:
