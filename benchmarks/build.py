@@ -14,7 +14,6 @@ on with three cores or more), to show what moving that hash costs or saves here.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convert import WORK, generate, settle, stats, time_cp, warm  # noqa: E402
+from convert import WORK, base_parser, generate, settle, stats, time_cp, warm  # noqa: E402
 
 PACKER = Path(sys.executable).with_name("packer")
 
@@ -70,9 +69,7 @@ def time_in_process(root: Path, layer_digests: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--gb", type=float, default=1.0)
+    parser = base_parser(__doc__)
     parser.add_argument("--layer-digests", action="store_true", help="also compare build(layer_digests=...)")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)

@@ -202,10 +202,16 @@ def stats(values: list[float]) -> str:
     return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def base_parser(doc: str) -> argparse.ArgumentParser:
+    """``--reps`` and ``--gb``: the options of every benchmark built on :func:`generate`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB")
+    return parser
+
+
+def main() -> None:
+    parser = base_parser(__doc__)
     parser.add_argument("--small-gb", type=float, default=0.5)
     parser.add_argument("--clean", action="store_true", help="delete the generated files after")
     args = parser.parse_args()

@@ -16,7 +16,6 @@ Conversion runs with read-back verification on, as ``packer build`` and ``packer
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convert import WORK, generate, settle, stats, time_cp, warm  # noqa: E402
+from convert import WORK, base_parser, generate, settle, stats, time_cp, warm  # noqa: E402
 
 RUN = """
 import sys, time
@@ -89,9 +88,7 @@ def time_case(src: Path, name: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--gb", type=float, default=1.0)
+    parser = base_parser(__doc__)
     parser.add_argument("--clean", action="store_true", help="delete the generated checkpoint after")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,10 @@ save); each is saved with torch.save, converted by packer, compared byte for byt
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch as st
@@ -21,6 +23,18 @@ from packer.weights.convert import convert
 from tests.weights_validate import validate_output
 
 LIBRARY_DTYPES = sorted((d for d in st._SIZE if d is not None), key=str)
+
+
+def saved_and_converted(saved: dict[str, torch.Tensor], tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """torch.save ``saved``, convert it into ``tmp_path/out/weights``: the loader's manifest and root."""
+    torch.save(saved, tmp_path / "m.pt")
+    root = tmp_path / "out"
+    result = convert(tmp_path / "m.pt", root / "weights", WeightsConfig(), rel_root=root)
+    files = {f.path: {"size": f.size, "sha256": hashlib.sha256((root / f.path).read_bytes()).hexdigest()}
+             for f in result.files}  # fmt: skip
+    manifest = {"name": "dtypes", "version": "1", "files": files, "weights": result.section, "bundle": None,
+                "runtime": {"device": "cpu", "warmup": []}}  # fmt: skip
+    return manifest, root
 
 
 def code_of(dtype: torch.dtype) -> str:
@@ -101,19 +115,12 @@ def test_complex128_is_still_refused_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_the_runtime_loader_gives_packed_and_complex_tensors_back(tmp_path: Path) -> None:
-    import hashlib
 
     from packer.runtime import loader as L
 
     saved = {"f4": sample(torch.float4_e2m1fn_x2, (3, 2)), "f4_0d": sample(torch.float4_e2m1fn_x2, ()),
              "c64": torch.randn(2, 3, dtype=torch.complex64), "f8": sample(torch.float8_e8m0fnu, (4,))}  # fmt: skip
-    torch.save(saved, tmp_path / "m.pt")
-    root = tmp_path / "out"
-    result = convert(tmp_path / "m.pt", root / "weights", WeightsConfig(), rel_root=root)
-    files = {f.path: {"size": f.size, "sha256": hashlib.sha256((root / f.path).read_bytes()).hexdigest()}
-             for f in result.files}  # fmt: skip
-    manifest = {"name": "dtypes", "version": "1", "files": files, "weights": result.section, "bundle": None,
-                "runtime": {"device": "cpu", "warmup": []}}  # fmt: skip
+    manifest, root = saved_and_converted(saved, tmp_path)
     got = L.Loader(manifest, root, timeline=L.Timeline()).load_weights("cpu")
     for name, t in saved.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
@@ -125,7 +132,6 @@ def test_the_runtime_loader_gives_packed_and_complex_tensors_back(tmp_path: Path
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_the_runtime_loader_fills_a_module_with_packed_and_complex_buffers(tmp_path: Path, pipeline: bool) -> None:
-    import hashlib
 
     from packer.runtime import loader as L
 
@@ -136,13 +142,7 @@ def test_the_runtime_loader_fills_a_module_with_packed_and_complex_buffers(tmp_p
             self.register_buffer("z", torch.zeros(2, dtype=torch.complex64))
 
     saved = {"f4": sample(torch.float4_e2m1fn_x2, (3, 2)), "z": torch.randn(2, dtype=torch.complex64)}
-    torch.save(saved, tmp_path / "m.pt")
-    root = tmp_path / "out"
-    result = convert(tmp_path / "m.pt", root / "weights", WeightsConfig(), rel_root=root)
-    files = {f.path: {"size": f.size, "sha256": hashlib.sha256((root / f.path).read_bytes()).hexdigest()}
-             for f in result.files}  # fmt: skip
-    manifest = {"name": "dtypes", "version": "1", "files": files, "weights": result.section, "bundle": None,
-                "runtime": {"device": "cpu", "warmup": []}}  # fmt: skip
+    manifest, root = saved_and_converted(saved, tmp_path)
     model = M()
     L.Loader(manifest, root, timeline=L.Timeline()).load_into(model, pipeline=pipeline)
     assert torch.equal(model.f4.view(torch.uint8), saved["f4"].view(torch.uint8))
