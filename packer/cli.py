@@ -41,7 +41,8 @@ class Ctx:
 
     @contextlib.contextmanager
     def progress(self, desc: str) -> Iterator[Callable[[int], None] | None]:
-        """A tqdm bar on stderr fed with running byte totals; None when quiet, JSON or not a terminal."""
+        """A tqdm bar on stderr fed with byte increments (:data:`packer.stage.Progress`); None when
+        quiet, JSON or not a terminal."""
         if self.quiet or self.json or not sys.stderr.isatty():
             yield None
             return
@@ -49,10 +50,7 @@ class Ctx:
 
         with tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False) as bar:
 
-            def update(total: int) -> None:
-                bar.update(total - bar.n)
-
-            yield update
+            yield bar.update
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
