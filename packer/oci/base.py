@@ -85,13 +85,16 @@ def read_json(layout: Path, digest: str) -> dict[str, Any]:
     return data
 
 
-def _platform_matches(desc: dict[str, Any], platform: str) -> bool:
+def platform_fields(platform: str) -> dict[str, str]:
+    """``"os/arch[/variant]"`` (``linux/arm64/v8``) as OCI platform fields: os, architecture, variant."""
     os_, _, rest = platform.partition("/")
     arch, _, variant = rest.partition("/")
-    p = desc.get("platform") or {}
-    return (p.get("os"), p.get("architecture")) == (os_, arch) and (
-        not variant or p.get("variant") == variant
-    )
+    return {"os": os_, "architecture": arch, **({"variant": variant} if variant else {})}
+
+
+def _platform_matches(desc: dict[str, Any], platform: str) -> bool:
+    want, p = platform_fields(platform), desc.get("platform") or {}
+    return all(p.get(k) == v for k, v in want.items())
 
 
 def _pick(descs: list[dict[str, Any]], tag: str | None, where: str) -> dict[str, Any]:

@@ -24,13 +24,14 @@ from typing import Any
 
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
 from packer.errors import WeightsError
+from packer.formats import CAST_DTYPES
 from packer.fsutil import HashThread, umask
 from packer.stage import Progress
 from packer.weights.plan import PlannedTensor, ShardPlan
 
 CHUNK = 8 * 2**20  # small enough that read-back and hashing find the bytes still in cache
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_TORCH_DTYPES = {code: name for name, code in CAST_DTYPES.items()}  # safetensors code -> torch name
 
 
 @dataclass(frozen=True)
