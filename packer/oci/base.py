@@ -9,15 +9,13 @@ new config have new digests; ``base.digest`` records the base manifest digest as
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
+from packer.fsutil import link_or_copy
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -158,13 +156,6 @@ def link_blobs(base: BaseImage, blobs_dir: Path) -> int:
             raise ImageError(f"image.base {base.reference!r}: blob {d['digest']} is missing")
         if src.stat().st_size != d["size"]:
             raise ImageError(f"image.base {base.reference!r}: blob {d['digest']} has a wrong size")
-        tmp = blobs_dir / f".{hexd}.link"
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        try:
-            os.link(src, tmp)
-        except OSError:  # another file system, or links not allowed: copy instead
-            shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        link_or_copy(src, dst)
         total += d["size"]
     return total
