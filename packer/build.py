@@ -1,8 +1,8 @@
 """``packer build``: order the stages, time them, verify the result and publish it atomically.
 
 source → weights → bundle → loader → (artifact manifest) → image → manifest → verify → publish.
-Each stage is a function of one :class:`~packer.stage.StageContext` returning a
-:class:`~packer.stage.StageOutput` (:data:`packer.stage.STAGES`); this module only calls them in
+Each stage is a function of one :class:`~packer.build_stages.StageContext` returning a
+:class:`~packer.build_stages.StageOutput` (:data:`packer.build_stages.STAGES`); this module only calls them in
 order and times them, so it knows nothing of their internals.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from packer.build_stages import STAGES, Early, Progress, StageContext, StageOutput, default_layer_digests
 from packer.errors import PackerError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file, sha256_file_or_none
@@ -24,7 +25,6 @@ from packer.manifest import TIMINGS, artifact_manifest, files_map, verify
 from packer.publish import make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
-from packer.stage import STAGES, Early, Progress, StageContext, StageOutput, default_layer_digests
 from packer.timing import StageTimer
 
 
@@ -137,7 +137,7 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
 
     The weights stage, which reads untrusted checkpoints, runs in an isolated child process
     unless ``sandbox`` is false; ``progress`` receives the weight bytes as they are written (increments, see
-    :data:`packer.stage.Progress`), with or without the sandbox.
+    :data:`packer.build_stages.Progress`), with or without the sandbox.
     ``layer_digests`` computes the weight layers' digests during conversion (default: when
     there are three cores or more; the output is the same either way). The
     build runs in a staging directory beside ``out`` and is renamed into place only when every

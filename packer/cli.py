@@ -41,7 +41,7 @@ class Ctx:
 
     @contextlib.contextmanager
     def progress(self, desc: str) -> Iterator[Callable[[int], None] | None]:
-        """A tqdm bar on stderr fed with byte increments (:data:`packer.stage.Progress`); None when
+        """A tqdm bar on stderr fed with byte increments (:data:`packer.build_stages.Progress`); None when
         quiet, JSON or not a terminal."""
         if self.quiet or self.json or not sys.stderr.isatty():
             yield None
