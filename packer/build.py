@@ -1,8 +1,9 @@
 """``packer build``: order the stages, time them, verify the result and publish it atomically.
 
 source → weights → bundle → loader → (artifact manifest) → image → manifest → verify → publish.
-Each stage is a function of its own module with a narrow input and a :class:`StageOutput`;
-this module only calls them in order, so it knows nothing of their internals.
+Each stage is a function of one :class:`~packer.build_stages.StageContext` returning a
+:class:`~packer.build_stages.StageOutput` (:data:`packer.build_stages.STAGES`); this module only calls them in
+order and times them, so it knows nothing of their internals.
 """
 
 from __future__ import annotations
@@ -11,20 +12,19 @@ import contextlib
 import os
 import shutil
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from packer.build_stages import STAGES, Early, Progress, StageContext, StageOutput, default_layer_digests
 from packer.errors import PackerError
-from packer.formats import LOADER_NAME, MANIFEST_NAME
+from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file, sha256_file_or_none
 from packer.manifest import TIMINGS, artifact_manifest, files_map, verify
 from packer.publish import make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
-from packer.stage import StageOutput
 from packer.timing import StageTimer
 
 
@@ -48,9 +48,6 @@ class BuildResult:
 def _check_out(out: Path) -> None:
     if out.exists() and not (out.is_dir() and ((out / MANIFEST_NAME).is_file() or not any(out.iterdir()))):
         raise PackerError(f"{out}: exists and is not a packer build output; remove it or choose another -o")
-
-
-Early = dict[Path, "Future[tuple[int, str] | None]"]
 
 
 def _hash_inputs_early(snap: Snapshot, recipe: Recipe, pool: ThreadPoolExecutor,
@@ -88,92 +85,59 @@ def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | N
     return entries
 
 
-def _run_stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer,
-                dry_run: bool, sandbox: bool, progress: Callable[[int], None] | None,
-                layer_digests: bool | None) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+def _run_stage(ctx: StageContext, timer: StageTimer, name: str) -> StageOutput:
+    """Run the stage ``name`` under its timer and record its output in the context."""
+    with timer.stage(name) as t:
+        out = STAGES[name](ctx)
+        t.nbytes = out.bytes_processed
+    ctx.outputs[name] = out
+    return out
+
+
+def _run_stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[str]]:
     stop = threading.Event()
     pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="packer-inputs")
     try:
-        early = {} if dry_run else _hash_inputs_early(snap, recipe, pool, stop)
-        return _stages(recipe, snap, staging, timer, dry_run, sandbox, progress, layer_digests, early)
+        early = {} if ctx.dry_run else _hash_inputs_early(ctx.snap, ctx.recipe, pool, stop)
+        return _stages(replace(ctx, early=early), timer)
     finally:
         stop.set()  # a failed stage need not wait for the inputs to be hashed
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _stages(recipe: Recipe, snap: Snapshot, staging: Path, timer: StageTimer, dry_run: bool, sandbox: bool,
-            progress: Callable[[int], None] | None, layer_digests: bool | None,
-            early: Early) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
-    from packer.bundle import ARCHIVE_NAME, run_bundle
-    from packer.oci import build_image
-    from packer.sandbox import convert_cli
-    from packer.stub import emit_loader
-
-    notes: list[str] = []
-    # With a third core, each weight file's own layer digest is computed while the file is
-    # written (an extra hashing thread), and the image stage only copies it. On two cores both
-    # are already busy during conversion (and the inputs' hashing): moving the hash there changed
-    # the whole build by -0.3 % to +2.6 % in five runs (benchmarks/RESULTS.md).
-    img = recipe.image
-    if layer_digests is None:
-        layer_digests = (os.cpu_count() or 1) >= 3
-    layer_image = img if layer_digests and img.weights == "layer" and not img.single_layer else None
-    with timer.stage("weights") as t:
-        weights = convert_cli(snap.weights, staging / "weights", recipe.weights, rel_root=staging,
-                              dry_run=dry_run, sandbox=sandbox, progress=progress,
-                              layer_image=layer_image)  # fmt: skip
-        t.nbytes = weights.bytes_processed
-    bundle: StageOutput | None = None
-    if not snap.single_file:
-        with timer.stage("bundle") as t:
-            bundle = run_bundle(snap.root, recipe.bundle, staging, rel_root=staging,
-                                allowed_root=snap.allowed_root, dry_run=dry_run)  # fmt: skip
-            t.nbytes = bundle.bytes_processed
-    outputs = [*weights.files, *(bundle.files if bundle else ())]
-    embedded = {"name": recipe.name, "version": recipe.version, "files": files_map(outputs),
-                "weights": weights.section, "bundle": bundle.section if bundle else None,
-                "runtime": recipe.normalised()["runtime"]}  # fmt: skip
-    notes += [*weights.notes, *(bundle.notes if bundle else ())]
-    if dry_run:  # the image plan from the planned file names (sizes are not known yet)
-        planned = [*weights.section.get("files", []), *([weights.section["index"]] if weights.section.get("index")
-                   else []), *([ARCHIVE_NAME] if bundle else []), LOADER_NAME]  # fmt: skip
-        image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
-                            source=snap.identity(), artifact_files=[FileEntry(p, 0, "") for p in planned],
-                            artifact_manifest=b"", dry_run=True)  # fmt: skip
+def _stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[str]]:
+    recipe, snap = ctx.recipe, ctx.snap
+    weights = _run_stage(ctx, timer, "weights")
+    bundle = None if snap.single_file else _run_stage(ctx, timer, "bundle")
+    if ctx.dry_run:  # the image plan from the planned file names (sizes are not known yet)
+        image = STAGES["image"](ctx)
         manifest = {"recipe": recipe.normalised(), "source": snap.identity(), "weights": weights.section,
                     "bundle": bundle.section if bundle else None, "image": image.section}  # fmt: skip
-        return manifest, notes
-    with timer.stage("loader") as t:
-        loader = emit_loader(staging, embedded, rel_root=staging)
+        return manifest, [*weights.notes, *(bundle.notes if bundle else ())]
+    loader = _run_stage(ctx, timer, "loader")
     with timer.stage("inputs") as t:
-        inputs = _input_entries(snap, weights, bundle, early)
+        inputs = _input_entries(snap, weights, bundle, ctx.early)
         t.nbytes = sum(e.size for e in inputs)
-    files = [*outputs, *loader.files]
     sections = {"weights": weights.section, "bundle": bundle.section if bundle else None,
                 "loader": loader.section}  # fmt: skip
     manifest = artifact_manifest(recipe=recipe.normalised(), source=snap.identity(), inputs=inputs,
-                                 files=files, sections=sections)  # fmt: skip
-    artifact = canonical_json(manifest)
-    atomic_write_bytes(staging / MANIFEST_NAME, artifact)
-    with timer.stage("image") as t:
-        # verify=False: the build verifies the whole output once, before publishing
-        image = build_image(staging, cfg=recipe.image, name=recipe.name, version=recipe.version,
-                            source=snap.identity(), artifact_files=files, artifact_manifest=artifact,
-                            verify=False, known_digests=weights.digests)  # fmt: skip
-        t.nbytes = image.bytes_processed
+                                 files=ctx.artifacts(), sections=sections)  # fmt: skip
+    atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
+    image = _run_stage(ctx, timer, "image")
     manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
-    atomic_write_bytes(staging / MANIFEST_NAME, canonical_json(manifest))
-    notes += [*loader.notes, *image.notes]
+    atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
+    notes = [note for out in ctx.outputs.values() for note in out.notes]
     return manifest, notes
 
 
 def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bool = True,
-          cache_dir: Path | None = None, progress: Callable[[int], None] | None = None,
+          cache_dir: Path | None = None, progress: Progress | None = None,
           layer_digests: bool | None = None) -> BuildResult:  # fmt: skip
     """Build ``recipe`` into ``out``.
 
     The weights stage, which reads untrusted checkpoints, runs in an isolated child process
-    unless ``sandbox`` is false; ``progress`` receives the weight bytes written so far.
+    unless ``sandbox`` is false; ``progress`` receives the weight bytes as they are written (increments, see
+    :data:`packer.build_stages.Progress`), with or without the sandbox.
     ``layer_digests`` computes the weight layers' digests during conversion (default: when
     there are three cores or more; the output is the same either way). The
     build runs in a staging directory beside ``out`` and is renamed into place only when every
@@ -191,7 +155,9 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
         with contextlib.ExitStack() as stack:
             with timer.stage("source"):
                 snap = stack.enter_context(resolve_source(recipe, cache_dir=cache_dir))
-            manifest, notes = _run_stages(recipe, snap, staging, timer, dry_run, sandbox, progress, layer_digests)
+            ctx = StageContext(recipe, snap, staging, dry_run=dry_run, sandbox=sandbox, progress=progress,
+                               layer_digests=default_layer_digests() if layer_digests is None else layer_digests)
+            manifest, notes = _run_stages(ctx, timer)
         if dry_run:
             return BuildResult(out, manifest, timer, notes, dry_run=True)
         with timer.stage("verify") as t:

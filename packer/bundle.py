@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from packer import tarfmt
+from packer.build_stages import StageOutput
 from packer.errors import BundleError, VerifyError
 from packer.formats import WEIGHT_SUFFIXES
-from packer.fsutil import FileEntry, quiet_cleanup, umask
+from packer.fsutil import FileEntry, atomic_open, quiet_cleanup, umask
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
-from packer.stage import StageOutput
 
 ARCHIVE_NAME = "bundle.tar.zst"
 # Level 3 (zstd's default): ~400 MB/s per thread, ratio ~4-5x on tokenizer JSON; decoding speed
@@ -347,13 +347,10 @@ def write_bundle(plan: BundlePlan, dest: Path, *, level: int = ZSTD_LEVEL, threa
         BundleError: a source file changed while being read, or the result failed verification.
     """
     dest, threads = Path(dest), threads or 1
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~umask())
-        with os.fdopen(fd, "wb") as fh:
-            digests = _write_stream(plan, fh, level, threads)
-            fh.flush()
-            os.fsync(fh.fileno())
+    digests: tuple[MemberDigest, ...] = ()
+    checked: list[tuple[int, str]] = []  # (size, sha256) of the archive, once it read back
+
+    def read_back(tmp: Path) -> None:
         try:
             check = reader.Bundle.open(tmp)
         except reader.BundleFormatError as e:
@@ -361,12 +358,12 @@ def write_bundle(plan: BundlePlan, dest: Path, *, level: int = ZSTD_LEVEL, threa
         back = [MemberDigest(n, len(b := check.read(n)), hashlib.sha256(b).hexdigest()) for n in check.names()]
         if tuple(back) != digests:
             raise BundleError(f"{dest}: the archive just written does not match its sources; retry")
-        size = os.stat(tmp).st_size
-        os.replace(tmp, dest)
-    except BaseException as e:
-        quiet_cleanup(e, lambda: os.unlink(tmp))
-        raise
-    return WrittenBundle(dest, size, check.sha256, level, digests)
+        checked.append((os.stat(tmp).st_size, check.sha256))
+
+    with atomic_open(dest, check=read_back) as fh:
+        digests = _write_stream(plan, fh, level, threads)
+    size, sha256 = checked[0]
+    return WrittenBundle(dest, size, sha256, level, digests)
 
 
 def _plan_section(plan: BundlePlan) -> dict[str, Any]:

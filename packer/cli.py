@@ -21,7 +21,7 @@ import click
 
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
-from packer.formats import MANIFEST_NAME
+from packer.formats import CAST_DTYPES, MANIFEST_NAME
 
 
 class Ctx:
@@ -41,7 +41,8 @@ class Ctx:
 
     @contextlib.contextmanager
     def progress(self, desc: str) -> Iterator[Callable[[int], None] | None]:
-        """A tqdm bar on stderr fed with running byte totals; None when quiet, JSON or not a terminal."""
+        """A tqdm bar on stderr fed with byte increments (:data:`packer.build_stages.Progress`); None when
+        quiet, JSON or not a terminal."""
         if self.quiet or self.json or not sys.stderr.isatty():
             yield None
             return
@@ -49,10 +50,7 @@ class Ctx:
 
         with tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False) as bar:
 
-            def update(total: int) -> None:
-                bar.update(total - bar.n)
-
-            yield update
+            yield bar.update
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,7 +139,7 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
 @click.option("--key", help="Key of the nested dict holding the state dict (e.g. state_dict).")
 @click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Prefix to strip from names (repeatable).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", help="Regex rename (repeatable).")
-@click.option("--dtype", type=click.Choice(["float64", "float32", "float16", "bfloat16"]), help="Cast floats.")
+@click.option("--dtype", type=click.Choice(list(CAST_DTYPES)), help="Cast floats.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help='Decimal size such as "5GB".')
 @click.option("--tie-prefer", multiple=True, help="Name to keep for a tied group (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")

@@ -1,4 +1,4 @@
-"""File names and weight-file patterns that the build, the image, verify and the CLI share.
+"""File names, weight-file patterns and cast dtypes that the build, the image, verify and the CLI share.
 
 One spelling of each, so that a stage cannot write under one name what another reads under
 another. The emitted loader cannot import packer, so ``packer/runtime`` keeps its own copies;
@@ -16,3 +16,7 @@ SAFETENSORS_SUFFIX = ".safetensors"
 # names. The order is the one the weights stage names them in when it finds none it expects.
 WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".pt", ".pth", ".ckpt", ".bin")
 WEIGHT_PATTERNS = tuple(f"*{s}" for s in WEIGHT_SUFFIXES)
+
+# The dtypes floating tensors can be cast to (recipe ``weights.dtype``, ``convert --dtype``),
+# each with its safetensors code.
+CAST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}

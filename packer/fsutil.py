@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import queue
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -119,11 +120,13 @@ def umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | Path, mode: int = 0o666) -> Iterator[IO[bytes]]:
+def atomic_open(path: str | Path, mode: int = 0o666, *,
+                check: Callable[[Path], object] | None = None) -> Iterator[IO[bytes]]:  # fmt: skip
     """Open a temporary file next to ``path``; on success fsync and rename it into place.
 
-    The final file gets ``mode`` minus the umask (mkstemp alone would leave 0600). On any
-    error the temporary file is removed and ``path`` is untouched.
+    The final file gets ``mode`` minus the umask (mkstemp alone would leave 0600). ``check``,
+    if given, is called with the complete, closed temporary file before the rename; whatever
+    it raises leaves ``path`` untouched. On any error the temporary file is removed.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -133,6 +136,8 @@ def atomic_open(path: str | Path, mode: int = 0o666) -> Iterator[IO[bytes]]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:
+            check(Path(tmp))
         os.replace(tmp, path)
     except BaseException as e:
         quiet_cleanup(e, lambda: os.unlink(tmp))
@@ -153,6 +158,22 @@ def quiet_cleanup(error: BaseException, *steps: Callable[[], object]) -> None:
             pass
         except Exception as e:  # noqa: BLE001 - reported on the error that matters
             error.add_note(f"cleanup also failed: {type(e).__name__}: {e}")
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Make ``dst`` a hard link to ``src`` (a copy on another file system), atomically.
+
+    The link or copy is made under a temporary name beside ``dst`` and renamed over it, so a
+    reader never sees a partial ``dst``.
+    """
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        os.link(src, tmp)
+    except OSError:  # another file system, or links not allowed: copy instead
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o666) -> None:

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import RecipeError
+from packer.formats import CAST_DTYPES
 
-DTYPES = ("float64", "float32", "float16", "bfloat16")
+DTYPES = tuple(CAST_DTYPES)
 COMPRESSIONS = ("gzip", "zstd", "none")
 WEIGHTS_PLACEMENT = ("layer", "external")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.I)

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from packer import errors
+from packer.build_stages import Progress, StageOutput
 from packer.fsutil import FileEntry
 from packer.recipe import ImageConfig, Rename, WeightsConfig
-from packer.stage import StageOutput
 
 LayerFraming = Callable[[str, int], tuple[bytes, bytes]]
 
@@ -145,8 +145,9 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def _run_child(request: str, out: Path, progress: Callable[[int], None] | None) -> subprocess.CompletedProcess[str]:
-    """Run the child; while it works, report the bytes it has written under ``out``."""
+def _run_child(request: str, out: Path, progress: Progress | None) -> subprocess.CompletedProcess[str]:
+    """Run the child; while it works, report the bytes it writes under ``out`` as increments."""
+    reported = _dir_bytes(out)  # what was there before is not the child's
     with subprocess.Popen([sys.executable, "-m", "packer.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
         result: list[tuple[str, str]] = []
@@ -155,7 +156,10 @@ def _run_child(request: str, out: Path, progress: Callable[[int], None] | None) 
         while talker.is_alive():
             talker.join(0.2)
             if progress is not None:
-                progress(_dir_bytes(out))
+                now = _dir_bytes(out)
+                if now > reported:
+                    progress(now - reported)
+                    reported = now
         stdout, stderr = result[0]
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
@@ -169,7 +173,7 @@ def _layer_mtime(image: ImageConfig | None) -> int | None:
 
 
 def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
-                      dry_run: bool = False, progress: Callable[[int], None] | None = None,
+                      dry_run: bool = False, progress: Progress | None = None,
                       layer_image: ImageConfig | None = None) -> StageOutput:  # fmt: skip
     """Run :func:`packer.weights.convert.convert` in an isolated child process.
 
@@ -200,11 +204,12 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
 
 
 def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None, dry_run: bool = False,
-                sandbox: bool = True, progress: Callable[[int], None] | None = None,
+                sandbox: bool = True, progress: Progress | None = None,
                 layer_image: ImageConfig | None = None) -> StageOutput:  # fmt: skip
     """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
 
-    ``progress`` receives the bytes written so far (a total, not an increment). With
+    ``progress`` receives the bytes as they are written (increments, see
+    :data:`packer.build_stages.Progress`), with or without the sandbox. With
     ``layer_image``, each weight file's image-layer digest is computed while it is written
     and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``).
     """
@@ -213,7 +218,7 @@ def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | No
                                  layer_image=layer_image)  # fmt: skip
     from packer.weights.convert import convert
 
-    return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run,
+    return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
                    layer_framing=_framing(layer_image, _layer_mtime(layer_image)))  # fmt: skip
 
 

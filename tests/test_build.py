@@ -332,3 +332,20 @@ def test_plain_build_never_imports_torch(tmp_path: Path) -> None:
             "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("sandbox", [True, False])
+def test_weights_progress_is_reported_with_and_without_the_sandbox(tmp_path: Path, sandbox: bool) -> None:
+    from packer.demo import write_demo
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_demo(src)
+    got: list[int] = []
+    result = build(recipe_from_dict({"name": "m", "version": "1", "source": str(src)}), tmp_path / "out",
+                   sandbox=sandbox, progress=got.append)  # fmt: skip
+    weights = result.manifest["files"]["weights/model.safetensors"]["size"]
+    tensors = result.manifest["weights"]["total_size"]
+    assert got and all(n > 0 for n in got)  # increments, never a running total
+    # in process: the tensor bytes as written; sandboxed: the bytes the child wrote (headers too)
+    assert sum(got) == (weights if sandbox else tensors)

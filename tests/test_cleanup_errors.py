@@ -89,7 +89,9 @@ def test_bundle_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
         return real(member, out)
 
     monkeypatch.setattr(bundle_mod, "_copy_member", copy)
-    _failing_unlink(monkeypatch, bundle_mod)
+    from packer import fsutil  # the archive is written through fsutil.atomic_open
+
+    _failing_unlink(monkeypatch, fsutil)
     dest = tmp_path / ARCHIVE_NAME
     with pytest.raises(BundleError) as e:
         write_bundle(plan_bundle(src, BundleConfig()), dest)

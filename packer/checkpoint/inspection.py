@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from packer.checkpoint.allowlist import TORCH_DTYPES
 from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.reader import _open, make_record, walk
 from packer.checkpoint.records import CheckpointContents, TensorRecord
-from packer.checkpoint.tree import TORCH_DTYPES
 
 
 def _alias_key(r: TensorRecord) -> tuple[object, ...]:

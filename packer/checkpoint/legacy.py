@@ -14,10 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from packer.checkpoint.allowlist import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES
 from packer.checkpoint.pickle_vm import DEFAULT_POLICY, NO_GLOBALS, run_pickle
 from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
-from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef, short
+from packer.checkpoint.tree import Global, StorageRef, short
 from packer.errors import CheckpointError, TruncatedPickle, UnsafeInputError
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C

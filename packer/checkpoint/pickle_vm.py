@@ -19,6 +19,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from packer.checkpoint.allowlist import CALLABLES, VALUE_GLOBALS
 from packer.checkpoint.placeholders import (
     GlobalPolicy,
     Placeholder,
@@ -26,8 +27,6 @@ from packer.checkpoint.placeholders import (
     make_placeholder,
 )
 from packer.checkpoint.tree import (
-    CALLABLES,
-    VALUE_GLOBALS,
     Global,
     PickleDict,
     PickleSet,

@@ -10,7 +10,8 @@ out of the output.
 
 There are two allowlists. :data:`PLACEHOLDER_TYPES` (here) plus the user's
 ``--allow-global`` patterns name types that become placeholders; the tensor machinery in
-:mod:`packer.checkpoint.tree` names the few globals whose ``REDUCE`` builds a value by rule.
+:mod:`packer.checkpoint.allowlist` names the few torch globals whose ``REDUCE`` builds a value
+by a rule of :mod:`packer.checkpoint.tree`.
 Any other global is refused.
 """
 

@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from packer.checkpoint.allowlist import TORCH_DTYPES
 from packer.checkpoint.legacy import load_legacy
 from packer.checkpoint.pickle_vm import policy_for
 from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.records import CheckpointContents, TensorRecord
 from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safetensors
 from packer.checkpoint.torch_zip import load_torch_zip
-from packer.checkpoint.tree import TORCH_DTYPES, TensorRef, children, tensor_counts
+from packer.checkpoint.tree import TensorRef, children, tensor_counts
 from packer.errors import CheckpointError
 
 _I64 = 2**63

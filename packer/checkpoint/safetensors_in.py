@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,8 +17,8 @@ from packer.checkpoint.records import (
     torch_shape,
 )
 from packer.errors import CheckpointError
+from packer.safetensors_header import read_header
 
-MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own cap
 _COMPLEX = {"C128", "C32"}
 
 
@@ -27,37 +26,9 @@ def _fail(path: Path, place: str, reason: str) -> CheckpointError:
     return CheckpointError(f"{path}: {place}: {reason}")
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def looks_like_safetensors(head: bytes) -> bool:
     """True when the first bytes are a header length (checked later) followed by ``{``."""
     return len(head) >= 9 and head[8:9] == b"{"
-
-
-def read_header(f: BinaryIO, path: Path, size: int) -> tuple[dict[str, object], int]:
-    """Return the parsed header and the offset where tensor data begins."""
-    f.seek(0)
-    head = f.read(8)
-    if len(head) != 8:
-        raise _fail(path, "safetensors header", "file shorter than 8 bytes")
-    (n,) = struct.unpack("<Q", head)
-    if n > MAX_HEADER_BYTES or n > size - 8:
-        raise _fail(path, "safetensors header", f"declares {n} bytes (file {size}, cap {MAX_HEADER_BYTES})")
-    raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _fail(path, "safetensors header", f"invalid JSON ({str(e)[:80]})") from None
-    if not isinstance(header, dict):
-        raise _fail(path, "safetensors header", "not a JSON object")
-    return header, 8 + n
 
 
 def _metadata(path: Path, value: object) -> tuple[tuple[str, str], ...]:
@@ -108,7 +79,7 @@ def read_safetensors(f: BinaryIO, path: Path, size: int) -> CheckpointContents:
     Raises:
         CheckpointError: a malformed header, an unknown or complex dtype, bad offsets.
     """
-    header, base = read_header(f, path, size)
+    header, base = read_header(f, path, size, error=CheckpointError)
     meta: tuple[tuple[str, str], ...] = ()
     spans: list[tuple[int, int, TensorRecord]] = []
     for name, info in header.items():

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from packer.checkpoint.allowlist import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES
 from packer.checkpoint.pickle_vm import DEFAULT_POLICY, run_pickle
 from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
-from packer.checkpoint.tree import STORAGE_MODULES, STORAGE_TYPES, TORCH_DTYPES, Global, StorageRef, short
+from packer.checkpoint.tree import Global, StorageRef, short
 from packer.errors import CheckpointError, UnsafeInputError
 
 _EOCD = b"PK\x05\x06"

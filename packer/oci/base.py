@@ -9,15 +9,13 @@ new config have new digests; ``base.digest`` records the base manifest digest as
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
+from packer.fsutil import link_or_copy
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -85,13 +83,16 @@ def read_json(layout: Path, digest: str) -> dict[str, Any]:
     return data
 
 
-def _platform_matches(desc: dict[str, Any], platform: str) -> bool:
+def platform_fields(platform: str) -> dict[str, str]:
+    """``"os/arch[/variant]"`` (``linux/arm64/v8``) as OCI platform fields: os, architecture, variant."""
     os_, _, rest = platform.partition("/")
     arch, _, variant = rest.partition("/")
-    p = desc.get("platform") or {}
-    return (p.get("os"), p.get("architecture")) == (os_, arch) and (
-        not variant or p.get("variant") == variant
-    )
+    return {"os": os_, "architecture": arch, **({"variant": variant} if variant else {})}
+
+
+def _platform_matches(desc: dict[str, Any], platform: str) -> bool:
+    want, p = platform_fields(platform), desc.get("platform") or {}
+    return all(p.get(k) == v for k, v in want.items())
 
 
 def _pick(descs: list[dict[str, Any]], tag: str | None, where: str) -> dict[str, Any]:
@@ -155,13 +156,6 @@ def link_blobs(base: BaseImage, blobs_dir: Path) -> int:
             raise ImageError(f"image.base {base.reference!r}: blob {d['digest']} is missing")
         if src.stat().st_size != d["size"]:
             raise ImageError(f"image.base {base.reference!r}: blob {d['digest']} has a wrong size")
-        tmp = blobs_dir / f".{hexd}.link"
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        try:
-            os.link(src, tmp)
-        except OSError:  # another file system, or links not allowed: copy instead
-            shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        link_or_copy(src, dst)
         total += d["size"]
     return total

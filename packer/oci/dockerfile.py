@@ -7,16 +7,13 @@ zstd layers get an uncompressed ``.tar`` written in the same pass as the blob.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from packer.fsutil import atomic_write_bytes, canonical_json
+from packer.fsutil import atomic_write_bytes, canonical_json, link_or_copy
 from packer.oci.layer import Layer
 from packer.oci.plan import ImagePlan, PlannedLayer
 
@@ -48,15 +45,7 @@ def tarball_name(index: int, planned: PlannedLayer) -> str:
 
 def link_tarball(out_dir: Path, rel_path: str, layer: Layer) -> None:
     """Expose a tar or tar+gzip blob as a standalone tarball (hardlink, else copy)."""
-    dst = out_dir / rel_path
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    try:
-        os.link(layer.path, tmp)
-    except OSError:
-        shutil.copyfile(layer.path, tmp)
-    os.replace(tmp, dst)
+    link_or_copy(layer.path, out_dir / rel_path)
 
 
 def _label(value: str) -> str:

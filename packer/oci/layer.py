@@ -54,10 +54,6 @@ class Layer:
     media_type: str
     path: Path
 
-    def open(self) -> IO[bytes]:
-        """Open the stored blob for reading."""
-        return open(self.path, "rb")
-
     def descriptor(self) -> dict[str, Any]:
         """The OCI descriptor of this blob."""
         return {"mediaType": self.media_type, "digest": self.digest, "size": self.size}

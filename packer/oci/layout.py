@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.fsutil import atomic_write_bytes, canonical_json
-from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME, BaseImage
+from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME, BaseImage, platform_fields
 from packer.oci.layer import Layer
 from packer.oci.plan import ImagePlan
 
@@ -53,12 +53,8 @@ def image_config(
 ) -> dict[str, Any]:
     """The image config: the base's (env, cmd, user kept) plus packer's layers and history."""
     cfg: dict[str, Any] = dict(base.config) if base else {}
-    os_, _, rest = plan.platform.partition("/")
-    arch, _, variant = rest.partition("/")
-    cfg.setdefault("os", os_)
-    cfg.setdefault("architecture", arch)
-    if variant:
-        cfg.setdefault("variant", variant)
+    for key, value in platform_fields(plan.platform).items():
+        cfg.setdefault(key, value)
     cfg["created"] = created
     run = dict(cfg.get("config") or {})
     env = [e for e in run.get("Env") or [] if not e.startswith("PACKER_MODEL_DIR=")]
@@ -115,9 +111,7 @@ def write_layout(
         "annotations": manifest_annotations,
     }
     manifest_desc = write_json_blob(blobs, manifest, OCI_MANIFEST)
-    os_, _, rest = plan.platform.partition("/")
-    arch, _, variant = rest.partition("/")
-    platform = {"os": os_, "architecture": arch, **({"variant": variant} if variant else {})}
+    platform = platform_fields(plan.platform)
     index = {
         "schemaVersion": 2,
         "mediaType": OCI_INDEX,

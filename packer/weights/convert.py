@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from packer.build_stages import Progress, StageOutput
 from packer.checkpoint.records import CheckpointContents
 from packer.errors import DependencyError, PackerError, WeightsError
 from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import WeightsConfig
-from packer.stage import StageOutput
 from packer.weights.inputs import InputSet, check_index, find_inputs
 from packer.weights.plan import INDEX_NAME, WeightsPlan, plan_weights
 from packer.weights.ties import read_tie_config
@@ -78,7 +78,7 @@ LayerFraming = Callable[[str, int], tuple[bytes, bytes]]
 
 def _write_all(
     plan: WeightsPlan, dest_dir: Path, staged: StagedFiles, *, verify: bool,
-    progress: Callable[[int], None] | None, framing: LayerFraming | None, prefix: str,
+    progress: Progress | None, framing: LayerFraming | None, prefix: str,
 ) -> tuple[list[tuple[str, int, str]], dict[str, str]]:
     written: list[tuple[str, int, str]] = []
     framed: dict[str, str] = {}  # shard name -> sha256 of its framed bytes
@@ -118,7 +118,7 @@ def convert(
     cfg: WeightsConfig,
     *,
     rel_root: Path | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     dry_run: bool = False,
     verify: bool = True,
     layer_framing: LayerFraming | None = None,
@@ -130,7 +130,8 @@ def convert(
         dest_dir: where the shards and index go (created if missing).
         cfg: the recipe's weights section.
         rel_root: what file paths in the result are relative to (default ``dest_dir``).
-        progress: called with byte counts as tensor data is written.
+        progress: called with the tensor bytes just written (increments, see
+            :data:`packer.build_stages.Progress`).
         dry_run: plan only; ``section`` describes what would be written.
         verify: re-parse the outputs and compare every tensor's bytes with its source.
         layer_framing: given a shard's path relative to ``rel_root`` and its size, the bytes

@@ -25,6 +25,7 @@ from packer.checkpoint.records import (
     torch_shape,
 )
 from packer.errors import WeightsError
+from packer.formats import CAST_DTYPES
 from packer.fsutil import canonical_json
 from packer.recipe import WeightsConfig
 from packer.weights.ties import TieConfig, split_group
@@ -32,7 +33,6 @@ from packer.weights.ties import TieConfig, split_group
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 ALIASES_KEY = "packer.aliases"
-CAST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 FLOAT_CODES = frozenset(CAST_DTYPES.values())
 
 

@@ -15,30 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError, missing_dependency
+from packer.safetensors_header import read_header_file
 from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
 from packer.weights.writer import CHUNK, Sources, tensor_chunks
-
-_MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
-
-
-def read_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """Parse a safetensors header without the library: ``(data start, header dict)``.
-
-    Raises:
-        VerifyError: unreadable file or malformed header.
-    """
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if not 0 < n <= _MAX_HEADER:
-                raise VerifyError(f"{path}: not a safetensors file (header length {n})")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{path}: cannot read safetensors header: {e}") from e
-    if not isinstance(header, dict):
-        raise VerifyError(f"{path}: safetensors header is not a JSON object")
-    return 8 + n, header
 
 
 def library_table(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
@@ -77,7 +56,7 @@ def _check_table(path: Path, shard: ShardPlan, label: Path) -> None:
         first = _first_difference(table, want)
         raise VerifyError(f"{label}: tensor {first!r} differs from the plan: "
                           f"{table.get(first)} != {want.get(first)}")
-    _, header = read_header(path)
+    header, _ = read_header_file(path, error=VerifyError)
     for t in shard.tensors:
         if header[t.name]["data_offsets"] != [t.begin, t.end]:
             raise VerifyError(f"{label}: tensor {t.name!r}: data_offsets differ from the plan")
@@ -158,7 +137,7 @@ def verify_weights(out_dir: Path, section: dict[str, Any]) -> None:
     for rel in section.get("files", []):
         path = out_dir / rel
         table, meta = library_table(path)
-        start, header = read_header(path)
+        header, start = read_header_file(path, error=VerifyError)
         mine = {n: v for n, v in tensors.items() if v["file"] == rel}
         want = {n: (v["dtype"], list(v["shape"])) for n, v in mine.items()}
         if table != want:

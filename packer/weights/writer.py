@@ -17,19 +17,21 @@ import mmap
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packer.build_stages import Progress
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
 from packer.errors import WeightsError
+from packer.formats import CAST_DTYPES
 from packer.fsutil import HashThread, umask
 from packer.weights.plan import PlannedTensor, ShardPlan
 
 CHUNK = 8 * 2**20  # small enough that read-back and hashing find the bytes still in cache
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_TORCH_DTYPES = {code: name for name, code in CAST_DTYPES.items()}  # safetensors code -> torch name
 
 
 @dataclass(frozen=True)
@@ -178,11 +180,8 @@ def _kernel_copy(src_fd: int, dst_fd: int, src_pos: int, dst_pos: int, n: int) -
     return os.pwrite(dst_fd, data, dst_pos) if data else 0
 
 
-Progress = Callable[[int], None] | None
-
-
 def _copy_span(t: PlannedTensor, fd: int, data: memoryview, out: _Output, pos: int,
-               progress: Progress) -> None:
+               progress: Progress | None) -> None:
     src, end = t.source_offset, t.source_offset + (t.end - t.begin)
     while src < end:
         n = min(CHUNK, end - src)
@@ -197,7 +196,7 @@ def _copy_span(t: PlannedTensor, fd: int, data: memoryview, out: _Output, pos: i
 
 
 def _write_span(t: PlannedTensor, data: memoryview, out: _Output, pos: int,
-                progress: Progress) -> None:
+                progress: Progress | None) -> None:
     start = pos
     for chunk in tensor_chunks(t, data):
         view = memoryview(chunk)
@@ -218,7 +217,7 @@ def write_shard(
     sources: Sources,
     *,
     verify: bool = True,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     framing: tuple[bytes, bytes] | None = None,
 ) -> WrittenShard:
     """Write one planned shard to ``path`` (created; must not exist) and hash it on the way.
@@ -228,7 +227,8 @@ def write_shard(
         path: where to write; the caller renames it into place when all shards are done.
         sources: the open input files.
         verify: read every span back and compare it with what it should hold.
-        progress: called with the number of tensor bytes written after each chunk.
+        progress: called with the number of tensor bytes written after each chunk (an
+            increment, see :data:`packer.build_stages.Progress`).
         framing: ``(prefix, suffix)``: also hash ``prefix + file + suffix`` (the shard's
             image layer) on another thread, into ``framed_sha256``.
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from packer import tarfmt
+from packer.build_stages import Progress, StageOutput
 from packer.errors import ImageError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, file_entry
@@ -25,9 +26,6 @@ from packer.oci.layout import rfc3339, write_layout
 from packer.oci.plan import ImagePlan, PlannedLayer, plan_layers
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
-from packer.stage import StageOutput
-
-Progress = Callable[[str, int], None]  # (layer name, bytes written so far in the stage)
 
 
 def source_date_epoch() -> int:
@@ -86,13 +84,10 @@ def _write_layers(
         tee = out_dir / rels[-1] if planned.compression == "zstd" else None
         digest = None if tee else _known_digest(planned, known)
         jobs.append(LayerJob(tar_pieces(members, mtime=mtime), planned.compression, tee, digest))
-    done = 0
 
     def report(i: int) -> None:
-        nonlocal done
-        done += plan.layers[i].size
         if progress:
-            progress(plan.layers[i].name, done)
+            progress(plan.layers[i].size)
 
     try:
         layers = write_layers(jobs, blobs, on_done=report)
@@ -160,7 +155,8 @@ def build_image(
         artifact_manifest: the artifact manifest bytes; stored as ``<prefix>/manifest.json``.
         dry_run: only plan; the section is the plan and nothing is written.
         verify: re-read the written image with :func:`verify_image` (checks every byte).
-        progress: called after each layer with its name and the bytes done so far.
+        progress: called after each layer with its size (an increment, see
+            :data:`packer.build_stages.Progress`).
         known_digests: ``{"layer:<path in OUT>": "sha256:…"}`` of one-file uncompressed
             layers, hashed while the weights were written: those layers are copied, not
             hashed. Trusted: a wrong one is caught by ``verify`` (or the build's own check).

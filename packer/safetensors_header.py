@@ -1,0 +1,72 @@
+"""The build side's one safetensors header reader (inputs in, outputs verified).
+
+A safetensors file is an 8-byte little-endian header length ``n``, ``n`` bytes of a JSON object
+(tensor name -> ``{dtype, shape, data_offsets}``, plus an optional ``__metadata__``), then the
+data. The emitted loader cannot import packer and keeps its own reader in ``packer/runtime``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from packer.errors import PackerError
+
+# safetensors refuses larger headers: MAX_HEADER_SIZE = 100_000_000 (decimal bytes, not
+# 100 MiB) in huggingface/safetensors, safetensors/src/tensor.rs.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def read_header(f: BinaryIO, path: Path, size: int, *,
+                error: type[PackerError]) -> tuple[dict[str, Any], int]:  # fmt: skip
+    """Parse the header of the open safetensors file ``f`` (``size`` bytes long).
+
+    The length is checked against the file size and :data:`MAX_HEADER_BYTES` before anything
+    is allocated; duplicate keys are refused (JSON would keep the last one silently).
+
+    Returns:
+        ``(header, data_start)``: the header object and the offset where tensor data begins.
+
+    Raises:
+        error: ``"{path}: safetensors header: {reason}"`` for a short file, a length over the
+            cap or the file, invalid JSON, or a header that is not a JSON object.
+    """
+
+    def fail(reason: str) -> PackerError:
+        return error(f"{path}: safetensors header: {reason}")
+
+    f.seek(0)
+    head = f.read(8)
+    if len(head) != 8:
+        raise fail("file shorter than 8 bytes")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER_BYTES or n > size - 8:
+        raise fail(f"declares {n} bytes (file {size}, cap {MAX_HEADER_BYTES})")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise fail(f"invalid JSON ({str(e)[:80]})") from None
+    if not isinstance(header, dict):
+        raise fail("not a JSON object")
+    return header, 8 + n
+
+
+def read_header_file(path: Path, *, error: type[PackerError]) -> tuple[dict[str, Any], int]:
+    """:func:`read_header` of the file at ``path``; an unreadable file is ``error`` too."""
+    try:
+        with open(path, "rb") as f:
+            return read_header(f, path, os.fstat(f.fileno()).st_size, error=error)
+    except OSError as e:
+        raise error(f"{path}: cannot read safetensors header: {e.strerror or e}") from e
