@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from packer.runtime.timeline import _torch
 
 
 def _host_view(t: Any) -> memoryview:
@@ -87,7 +88,7 @@ class CpuEngine:
     name = "cpu"
 
     def __init__(self, copy_delay: float = 0.0) -> None:
-        self.torch = sys.modules["torch"]
+        self.torch = _torch()  # imported here when the caller has not (it is lazy everywhere)
         self.copy_delay = copy_delay  # tests slow the "stream" down to exercise waiting
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -147,7 +148,7 @@ class CudaEngine:
     name = "cuda"
 
     def __init__(self, device: Any, *, stall_cycles: int = 0) -> None:
-        self.torch = sys.modules["torch"]
+        self.torch = _torch()
         self.device = device
         self.stall_cycles = stall_cycles
         self.stream = self.torch.cuda.Stream(device=device)
