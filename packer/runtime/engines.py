@@ -1,6 +1,6 @@
 """Copy engines: where staged bytes go. CUDA (pinned slots, one stream) or a CPU stand-in.
 
-Both engines offer the same small protocol (``host_buffer``, ``device_buffer``, ``copy``,
+Both engines satisfy :class:`CopyEngine` (``host_buffer``, ``device_buffer``, ``copy``,
 ``query``, ``wait``, ``finish``, ``release``), so the ring's scheduling runs unchanged in tests
 against the CPU engine, whose copy thread plays the part of the CUDA stream.
 
@@ -19,9 +19,49 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from packer.runtime.timeline import _torch
+
+
+@runtime_checkable
+class CopyEngine(Protocol):
+    """Where the ring's staged bytes go: the CUDA engine, or a stand-in with the same scheduling.
+
+    An engine hands out buffers and copies staging slots to their destinations in the order
+    given, asynchronously; each :meth:`copy` returns an event that completes once its copies
+    are done. The ring refills a slot only after :meth:`query` or :meth:`wait` saw its event.
+    """
+
+    name: str  # the staging ring's key ("cuda", "cpu"); "cuda" names the host->device stage
+
+    def host_buffer(self, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+        """``nbytes`` of staging memory (uint8 CPU tensor), its ``free`` callable, how it was had."""
+        ...
+
+    def device_buffer(self, nbytes: int) -> Any:
+        """An ``ALIGN``-aligned uint8 tensor of ``nbytes`` on the target device."""
+        ...
+
+    def copy(self, pairs: list[tuple[Any, Any]]) -> Any:
+        """Queue ``dst.copy_(src)`` for each ``(dst, src)``; the event of the last one."""
+        ...
+
+    def query(self, event: Any) -> bool:
+        """Whether ``event``'s copies are done (never blocks)."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Block until ``event``'s copies are done; raise an error a copy met."""
+        ...
+
+    def finish(self) -> None:
+        """Block until every queued copy is done (the device's current stream waits for them)."""
+        ...
+
+    def release(self) -> None:
+        """Drop what this engine holds for one load (the ring's memory is not the engine's)."""
+        ...
 
 
 def _host_view(t: Any) -> memoryview:
@@ -194,6 +234,6 @@ class CudaEngine:
         pass  # the pinned ring belongs to the process (ring.release_ring frees it)
 
 
-def make_engine(dev: Any) -> Any:
+def make_engine(dev: Any) -> CopyEngine:
     """The engine for the torch device ``dev``: CUDA for ``cuda``, the CPU stand-in otherwise."""
     return CudaEngine(dev) if dev.type == "cuda" else CpuEngine()

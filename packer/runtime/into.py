@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from packer.runtime.cpu import map_shards, read_into
-from packer.runtime.engines import _host_view
+from packer.runtime.engines import CopyEngine, _host_view
 from packer.runtime.env import _dtype
 from packer.runtime.shards import Shard, shard_tensors, tensor_view
 from packer.runtime.timeline import Timeline
@@ -56,7 +56,7 @@ def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], rea
             t.copy_(views[src] if isinstance(src, str) else src)
 
 
-def plan_into(torch: Any, engine: Any, shards: list[Shard],
+def plan_into(torch: Any, engine: CopyEngine, shards: list[Shard],
               targets: dict[str, list[Any]]) -> tuple[list[tuple[int, int, int, Any]], list[Later]]:  # fmt: skip
     """Ring segments straight into the parameters (a staging tensor where dtypes differ).
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from packer.runtime.assign import LoadResult
 from packer.runtime.empty import init_empty
-from packer.runtime.engines import CpuEngine, CudaEngine
+from packer.runtime.engines import CopyEngine, CpuEngine, CudaEngine
 from packer.runtime.env import (
     DEFAULT_CHUNK,
     DEFAULT_SLOTS,
@@ -56,7 +56,7 @@ from packer.runtime.warm import prepare_loader, serve_warm, start_warm
 # the public names, as they were when all of this was one module
 __all__ = [
     "DEFAULT_CHUNK", "DEFAULT_SLOTS", "MAX_HEADER", "MAX_RING_BYTES", "MIB", "TIMELINE",
-    "ArtifactMismatchError", "Captured", "Chunk", "CpuEngine", "CudaEngine", "GraphPool", "Latch",
+    "ArtifactMismatchError", "Captured", "Chunk", "CopyEngine", "CpuEngine", "CudaEngine", "GraphPool", "Latch",
     "LoadResult", "Loader", "Readers", "RingStats", "Shard", "Slot", "Timeline", "bundle_dir",
     "bundle_reader", "check_loaded", "cuda_capture", "default_loader", "from_pretrained", "init_empty",
     "load_into", "load_weights", "main", "manifest", "model_dir", "open_shard", "plan_chunks",

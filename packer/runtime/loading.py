@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from packer.runtime.assign import LoadResult, load_module
 from packer.runtime.cpu import map_shards, prefetch_files, read_shards
-from packer.runtime.engines import make_engine
+from packer.runtime.engines import CopyEngine, make_engine
 from packer.runtime.env import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, ArtifactMismatchError, _env_int, bundle_reader
 from packer.runtime.into import finish_into, plan_into
 from packer.runtime.layout import Layout, layout_tensors, plan_layout
@@ -46,7 +47,7 @@ class Loader:
         self.slots = _env_int("PACKER_RING_SLOTS", DEFAULT_SLOTS)
         self.chunk = _env_int("PACKER_CHUNK_MB", DEFAULT_CHUNK // MIB) * MIB
         self.readers = max(1, _env_int("PACKER_READERS", min(8, os.cpu_count() or 1)))
-        self.make_engine = make_engine  # torch device -> copy engine (tests slow it down)
+        self.make_engine: Callable[[Any], CopyEngine] = make_engine  # torch device -> copy engine (tests slow it down)
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine."""
@@ -168,7 +169,7 @@ class Loader:
                 _check_sha(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
         return layout_tensors(torch, shards, bufs, layouts, dtype, self.manifest["weights"].get("aliases", {}))
 
-    def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: Any,
+    def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
                   hashers: dict[int, Any] | None) -> None:  # fmt: skip
         self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),
                                    readers=self.readers, hashers=hashers, timeline=self.timeline)  # fmt: skip

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from typing import Any
 
-from packer.runtime.engines import _host_view
+from packer.runtime.engines import CopyEngine, _host_view
 from packer.runtime.env import DEFAULT_CHUNK, MAX_RING_BYTES, MIB, ArtifactMismatchError
 from packer.runtime.shards import Shard
 from packer.runtime.timeline import Timeline
@@ -104,7 +104,7 @@ class StagingRing:
         self.kind = ""  # "registered", "torch-pinned" or "cpu": how the memory was had
         self._frees: list[Any] = []
 
-    def take(self, engine: Any, slots: int, size: int, budget: int,
+    def take(self, engine: CopyEngine, slots: int, size: int, budget: int,
              timeline: Timeline | None) -> tuple[list[Slot], float]:  # fmt: skip
         """``slots`` slots of ``size`` to ``budget`` bytes (lock held); the seconds spent pinning."""
         secs = 0.0
@@ -269,7 +269,7 @@ class RingStats:
         self.started = 0.0  # perf_counter when the ring was ready and the first read went out
 
 
-def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots: int,
+def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int,
                  chunk: int, readers: int, hashers: dict[int, Any] | None = None,
                  stats: RingStats | None = None, timeline: Timeline | None = None) -> Readers:  # fmt: skip
     """Move every chunk from disk through the ring into its destinations.
@@ -315,11 +315,11 @@ def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots
     return pool
 
 
-def _reusable(slot: Slot, engine: Any) -> bool:
+def _reusable(slot: Slot, engine: CopyEngine) -> bool:
     return (slot.event is None or engine.query(slot.event)) and slot.hashed.is_set()
 
 
-def _drive(shards: list[Shard], todo: deque[Chunk], engine: Any, ring: list[Slot], pool: Readers,
+def _drive(shards: list[Shard], todo: deque[Chunk], engine: CopyEngine, ring: list[Slot], pool: Readers,
            hasher: Hasher | None, stats: RingStats) -> None:  # fmt: skip
     free: deque[Slot] = deque(ring)
     busy: deque[tuple[Slot, Chunk]] = deque()
@@ -357,7 +357,7 @@ def _drive(shards: list[Shard], todo: deque[Chunk], engine: Any, ring: list[Slot
         raise hasher.error
 
 
-def run_ring(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots: int, chunk: int,
+def run_ring(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int, chunk: int,
              readers: int, hashers: dict[int, Any] | None, timeline: Timeline) -> RingStats:  # fmt: skip
     """:func:`run_pipeline`, then the read and host->device stages on ``timeline``.
 
