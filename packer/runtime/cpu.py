@@ -17,7 +17,7 @@ from typing import Any
 
 from packer.runtime.engines import _host_view
 from packer.runtime.env import MIB, _env_int
-from packer.runtime.ring import Latch, Readers
+from packer.runtime.ring import Latch, Read, Readers
 from packer.runtime.shards import Shard
 from packer.runtime.timeline import Timeline
 
@@ -52,16 +52,16 @@ def read_shards(torch: Any, shards: list[Shard], readers: int, timeline: Timelin
     """Private CPU buffers filled by the reader threads straight from the files."""
     with timeline.stage("read") as box:
         out = [(_anonymous(torch, s.size - s.data_start), 0) for s in shards]
-        read_into([(s.fd, s.data_start, _host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
+        read_into([Read(s.fd, s.data_start, _host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
         box["bytes"] = sum(s.size - s.data_start for s in shards)
     return out
 
 
-def read_into(reads: list[tuple[int, int, memoryview]], readers: int) -> None:
-    """Parallel preadv of ``(fd, offset, destination)`` straight into CPU memory."""
+def read_into(reads: list[Read], readers: int) -> None:
+    """Parallel preadv of ``reads`` straight into CPU memory."""
     pool, latch = Readers(readers, piece=8 * MIB), Latch()
     try:
-        pool.submit_many(latch, [r for r in reads if len(r[2])])
+        pool.submit_many(latch, [r for r in reads if len(r.view)])
         latch.wait()
     finally:
         pool.close()

@@ -20,7 +20,7 @@ from packer.runtime.engines import CopyEngine, make_engine
 from packer.runtime.env import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, ArtifactMismatchError, _env_int, bundle_reader
 from packer.runtime.into import finish_into, plan_into
 from packer.runtime.layout import Layout, layout_tensors, plan_layout
-from packer.runtime.ring import Chunk, RingStats, plan_chunks, ring_chunk, run_ring
+from packer.runtime.ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
 from packer.runtime.shards import Shard, _check_sha, open_shard, sha256_fd, shard_tensors
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
 
@@ -268,8 +268,8 @@ def _has_context(torch: Any, dev: Any) -> bool:
     return bool(has(index)) if has is not None else True
 
 
-def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[Any]) -> list[tuple[int, int, int, Any]]:
-    """``(shard, file offset, nbytes, destination)`` for :func:`plan_chunks`, in file order."""
-    return [(i, s.data_start + at, n, buf[dst: dst + n])
+def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[Any]) -> list[Segment]:
+    """The ring's segments into the shards' device buffers, in file order."""
+    return [Segment(i, s.data_start + at, n, buf[dst: dst + n])
             for i, (s, lay, buf) in enumerate(zip(shards, layouts, bufs, strict=True))
             for at, dst, n in lay.segments]  # fmt: skip

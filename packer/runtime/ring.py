@@ -13,12 +13,29 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from packer.runtime.engines import CopyEngine, _host_view
 from packer.runtime.env import DEFAULT_CHUNK, MAX_RING_BYTES, MIB, ArtifactMismatchError
 from packer.runtime.shards import Shard
 from packer.runtime.timeline import Timeline
+
+
+class Segment(NamedTuple):
+    """``nbytes`` at file ``offset`` of shard number ``shard``, bound for ``dst`` (a uint8 view)."""
+
+    shard: int
+    offset: int
+    nbytes: int
+    dst: Any
+
+
+class Read(NamedTuple):
+    """``len(view)`` bytes at ``offset`` of the open file ``fd``, read into ``view``."""
+
+    fd: int
+    offset: int
+    view: memoryview
 
 
 class Chunk:
@@ -31,8 +48,8 @@ class Chunk:
         self.copies: list[tuple[int, Any]] = []  # (offset in slot, destination uint8 view)
 
 
-def plan_chunks(segments: list[tuple[int, int, int, Any]], chunk: int) -> list[Chunk]:
-    """Cut ``(shard, file offset, nbytes, uint8 destination)`` segments into chunks.
+def plan_chunks(segments: list[Segment], chunk: int) -> list[Chunk]:
+    """Cut segments into chunks.
 
     Contiguous segments of one shard share a chunk; a chunk never exceeds ``chunk`` bytes.
     """
@@ -216,10 +233,10 @@ class Readers:
 
     def submit(self, latch: Latch, fd: int, offset: int, view: memoryview) -> None:
         """Read ``len(view)`` bytes at ``offset`` into ``view`` in pieces; ``latch`` counts them."""
-        self.submit_many(latch, [(fd, offset, view)])
+        self.submit_many(latch, [Read(fd, offset, view)])
 
-    def submit_many(self, latch: Latch, reads: list[tuple[int, int, memoryview]]) -> None:
-        """Queue several ``(fd, offset, view)`` reads under one latch."""
+    def submit_many(self, latch: Latch, reads: list[Read]) -> None:
+        """Queue several reads under one latch."""
         pieces = [(fd, off + a, view[a: a + self.piece]) for fd, off, view in reads
                   for a in range(0, len(view), self.piece)]  # fmt: skip
         latch.begin(len(pieces))
