@@ -16,7 +16,8 @@ from collections import deque
 from typing import Any, NamedTuple
 
 from packer.runtime.engines import CopyEngine, _host_view
-from packer.runtime.env import DEFAULT_CHUNK, MAX_RING_BYTES, MIB, ArtifactMismatchError
+from packer.runtime.env import MAX_RING_BYTES, ArtifactMismatchError
+from packer.runtime.settings import DEFAULT_CHUNK, MIB
 from packer.runtime.shards import Shard
 from packer.runtime.timeline import Timeline
 

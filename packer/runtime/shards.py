@@ -14,7 +14,8 @@ import struct
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from packer.runtime.env import MAX_HEADER, MIB, ArtifactMismatchError, _dtype
+from packer.runtime.env import MAX_HEADER, ArtifactMismatchError, _dtype
+from packer.runtime.settings import MIB
 
 
 class TensorEntry(NamedTuple):
