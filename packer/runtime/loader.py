@@ -4,7 +4,8 @@ This file is emitted into every build as ``packer_loader.py`` with the build's m
 embedded (``packer.stub`` joins the ``packer.runtime`` modules into that one file); inside
 the package it is importable as ``packer.runtime.loader`` and driven through :class:`Loader`
 with an explicit manifest. It needs the standard library and torch (imported lazily), plus
-zstandard for the bundle.
+zstandard for the bundle. In the package, ``loader.py`` is this entry (the public functions,
+``__all__`` and the command line); the :class:`Loader` class they drive is ``loading.py``.
 
 * CPU: tensors are views of a private copy-on-write mapping of each shard (no read at load).
 * CUDA: headers by ``pread``; one device buffer per shard (or the module's own parameters);

@@ -1,5 +1,9 @@
 """The :class:`Loader`: a build's artifacts under a root, checked against its manifest.
 
+Not ``loader.py``: that is the entry of the emitted ``packer_loader.py`` (its docstring,
+public functions such as ``load_weights`` and ``load_into``, ``__all__`` and command line),
+which drive a default :class:`Loader` made here.
+
 It drives the other runtime modules: shard checks (``shards``), the CPU target (``cpu``),
 the staging ring and its engines (``ring``, ``engines``), ``load_into`` (``into``) and the
 bundle reader, recording every stage on a :class:`Timeline`.
