@@ -25,6 +25,7 @@ Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to che
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -71,7 +72,13 @@ def default_loader(root: str | Path | None = None) -> Loader:
 
 def _settings() -> RuntimeSettings:
     """This build's settings: the environment over the embedded recipe's ``[runtime]``."""
-    return RuntimeSettings.from_sources(os.environ, manifest().get("runtime"))
+    return RuntimeSettings.from_sources(os.environ, _embedded_runtime())
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_runtime() -> dict[str, Any]:
+    """The embedded ``runtime`` section, parsed once (the whole manifest may be large)."""
+    return dict(manifest().get("runtime") or {})
 
 
 def warmup_inputs(device: str = "cuda") -> list[dict[str, Any]]:
