@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -16,9 +19,11 @@ from safetensors.torch import load_file
 
 from packer.runtime import loader as L
 from packer.runtime import ring
-from packer.runtime.engines import ALIGN, CpuEngine
+from packer.runtime.engines import ALIGN, CopyEngine, CpuEngine
 from packer.runtime.layout import plan_layout
 from tests.loader_fixtures import describe, make_artifacts, sample_tensors, write_raw_safetensors
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +82,33 @@ class RecordingEngine(CpuEngine):
         ptr = buf.data_ptr()
         RecordingEngine.made.append(ptr)
         return buf, lambda: RecordingEngine.freed.append(ptr), kind
+
+
+def test_cpu_engine_imports_torch_itself() -> None:
+    script = textwrap.dedent("""
+        import sys
+        from packer.runtime.engines import CpuEngine
+        assert "torch" not in sys.modules
+        engine = CpuEngine()
+        src, dst = engine.host_buffer(4)[0], engine.device_buffer(4)
+        src.fill_(7)
+        engine.wait(engine.copy([(dst, src)]))
+        engine.finish()
+        print(dst.tolist())
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[7, 7, 7, 7]"
+
+
+def test_engines_satisfy_the_copy_engine_protocol() -> None:
+    engines = [CpuEngine(), RecordingEngine(), CpuEngine(copy_delay=0.001)]
+    try:
+        assert all(isinstance(e, CopyEngine) for e in engines)
+        assert not isinstance(object(), CopyEngine)
+    finally:
+        for e in engines:
+            e.finish()
 
 
 def test_ring_is_kept_across_loads_and_freed_only_on_request(model: tuple[Path, dict[str, Any]]) -> None:

@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from packer.runtime.engines import _host_view
-from packer.runtime.env import MIB, _env_int
-from packer.runtime.ring import Latch, Readers
+from packer.runtime.ring import Latch, Read, Readers
+from packer.runtime.settings import MIB
 from packer.runtime.shards import Shard
 from packer.runtime.timeline import Timeline
 
 
-def _anonymous(torch: Any, nbytes: int) -> Any:
-    """A private CPU buffer; on transparent huge pages only when ``PACKER_HUGEPAGES=1``.
+def _anonymous(torch: Any, nbytes: int, hugepages: bool) -> Any:
+    """A private CPU buffer; on transparent huge pages only when ``hugepages``
+    (``PACKER_HUGEPAGES=1``).
 
     Huge pages fault fresh memory in far faster on an idle host, but on a virtual machine
     whose balloon hands free pages back to the host they fault in several times slower than
@@ -32,7 +33,7 @@ def _anonymous(torch: Any, nbytes: int) -> Any:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if _env_int("PACKER_HUGEPAGES", 0) and hasattr(mmap, "MADV_HUGEPAGE"):
+    if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             mm.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mm, dtype=torch.uint8)
@@ -48,20 +49,21 @@ def map_shards(torch: Any, shards: list[Shard], timeline: Timeline) -> list[tupl
     return out
 
 
-def read_shards(torch: Any, shards: list[Shard], readers: int, timeline: Timeline) -> list[tuple[Any, int]]:
+def read_shards(torch: Any, shards: list[Shard], readers: int, timeline: Timeline, *,
+                hugepages: bool = False) -> list[tuple[Any, int]]:  # fmt: skip
     """Private CPU buffers filled by the reader threads straight from the files."""
     with timeline.stage("read") as box:
-        out = [(_anonymous(torch, s.size - s.data_start), 0) for s in shards]
-        read_into([(s.fd, s.data_start, _host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
+        out = [(_anonymous(torch, s.size - s.data_start, hugepages), 0) for s in shards]
+        read_into([Read(s.fd, s.data_start, _host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
         box["bytes"] = sum(s.size - s.data_start for s in shards)
     return out
 
 
-def read_into(reads: list[tuple[int, int, memoryview]], readers: int) -> None:
-    """Parallel preadv of ``(fd, offset, destination)`` straight into CPU memory."""
+def read_into(reads: list[Read], readers: int) -> None:
+    """Parallel preadv of ``reads`` straight into CPU memory."""
     pool, latch = Readers(readers, piece=8 * MIB), Latch()
     try:
-        pool.submit_many(latch, [r for r in reads if len(r[2])])
+        pool.submit_many(latch, [r for r in reads if len(r.view)])
         latch.wait()
     finally:
         pool.close()

@@ -1,6 +1,6 @@
 """Copy engines: where staged bytes go. CUDA (pinned slots, one stream) or a CPU stand-in.
 
-Both engines offer the same small protocol (``host_buffer``, ``device_buffer``, ``copy``,
+Both engines satisfy :class:`CopyEngine` (``host_buffer``, ``device_buffer``, ``copy``,
 ``query``, ``wait``, ``finish``, ``release``), so the ring's scheduling runs unchanged in tests
 against the CPU engine, whose copy thread plays the part of the CUDA stream.
 
@@ -16,11 +16,52 @@ from __future__ import annotations
 import contextlib
 import mmap
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+from packer.runtime.timeline import _torch
+
+
+@runtime_checkable
+class CopyEngine(Protocol):
+    """Where the ring's staged bytes go: the CUDA engine, or a stand-in with the same scheduling.
+
+    An engine hands out buffers and copies staging slots to their destinations in the order
+    given, asynchronously; each :meth:`copy` returns an event that completes once its copies
+    are done. The ring refills a slot only after :meth:`query` or :meth:`wait` saw its event.
+    """
+
+    name: str  # the staging ring's key ("cuda", "cpu"); "cuda" names the host->device stage
+
+    def host_buffer(self, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+        """``nbytes`` of staging memory (uint8 CPU tensor), its ``free`` callable, how it was had."""
+        ...
+
+    def device_buffer(self, nbytes: int) -> Any:
+        """An ``ALIGN``-aligned uint8 tensor of ``nbytes`` on the target device."""
+        ...
+
+    def copy(self, pairs: list[tuple[Any, Any]]) -> Any:
+        """Queue ``dst.copy_(src)`` for each ``(dst, src)``; the event of the last one."""
+        ...
+
+    def query(self, event: Any) -> bool:
+        """Whether ``event``'s copies are done (never blocks)."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Block until ``event``'s copies are done; raise an error a copy met."""
+        ...
+
+    def finish(self) -> None:
+        """Block until every queued copy is done (the device's current stream waits for them)."""
+        ...
+
+    def release(self) -> None:
+        """Drop what this engine holds for one load (the ring's memory is not the engine's)."""
+        ...
 
 
 def _host_view(t: Any) -> memoryview:
@@ -87,7 +128,7 @@ class CpuEngine:
     name = "cpu"
 
     def __init__(self, copy_delay: float = 0.0) -> None:
-        self.torch = sys.modules["torch"]
+        self.torch = _torch()  # imported here when the caller has not (it is lazy everywhere)
         self.copy_delay = copy_delay  # tests slow the "stream" down to exercise waiting
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -147,7 +188,7 @@ class CudaEngine:
     name = "cuda"
 
     def __init__(self, device: Any, *, stall_cycles: int = 0) -> None:
-        self.torch = sys.modules["torch"]
+        self.torch = _torch()
         self.device = device
         self.stall_cycles = stall_cycles
         self.stream = self.torch.cuda.Stream(device=device)
@@ -193,6 +234,6 @@ class CudaEngine:
         pass  # the pinned ring belongs to the process (ring.release_ring frees it)
 
 
-def make_engine(dev: Any) -> Any:
+def make_engine(dev: Any) -> CopyEngine:
     """The engine for the torch device ``dev``: CUDA for ``cuda``, the CPU stand-in otherwise."""
     return CudaEngine(dev) if dev.type == "cuda" else CpuEngine()

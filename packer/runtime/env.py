@@ -2,7 +2,8 @@
 
 Holds what every other runtime module needs: the build's manifest and bundle reader source
 (embedded here by ``packer.stub``), the environment the loader applies before CUDA starts,
-``PACKER_*`` tunables, the safetensors dtype codes and :class:`ArtifactMismatchError`.
+the safetensors dtype codes and :class:`ArtifactMismatchError`. The ``PACKER_*`` knobs are
+parsed in ``settings``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import sys
 import warnings
 from typing import Any
 
+from packer.runtime.settings import MIB, setting
+
 # >>> packer:embedded (replaced by packer.stub when the loader is emitted)
 _EMBEDDED_JSON: str | None = None
 _BUNDLE_READER_SOURCE: str | None = None
 # <<< packer:embedded
 
-MIB = 2**20
-DEFAULT_SLOTS = 4
-DEFAULT_CHUNK = 64 * MIB
 MAX_RING_BYTES = 512 * MIB
 MAX_HEADER = 100 * MIB
 _ENV = {"CUDA_MODULE_LOADING": "LAZY"}
@@ -45,7 +45,7 @@ def _wanted_env() -> dict[str, str]:
     when ``PACKER_EXPANDABLE_SEGMENTS=1`` asks and no allocator setting was made (they break
     CUDA tensor sharing between processes in unprivileged containers, so never by default)."""
     out = {k: v for k, v in _ENV.items() if k not in os.environ}
-    if os.environ.get("PACKER_EXPANDABLE_SEGMENTS", "") == "1":
+    if setting("expandable_segments"):
         user = [k for k in _ALLOC_VARS if k in os.environ]
         if user:
             warnings.warn(f"packer_loader: PACKER_EXPANDABLE_SEGMENTS=1 ignored: {user[0]} is set; "
@@ -70,11 +70,6 @@ def _apply_env() -> None:
 
 
 _apply_env()
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
 
 
 def _dtype(code: str, where: str) -> tuple[Any, int]:

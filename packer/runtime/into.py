@@ -7,15 +7,24 @@ staging tensor on the device where they do not. Nothing crosses to the host twic
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from packer.runtime.cpu import map_shards, read_into
-from packer.runtime.engines import _host_view
+from packer.runtime.engines import CopyEngine, _host_view
 from packer.runtime.env import _dtype
+from packer.runtime.ring import Read, Segment
 from packer.runtime.shards import Shard, shard_tensors, tensor_view
 from packer.runtime.timeline import Timeline
 
-Later = tuple[list[Any], Any, str, list[int], str]  # (targets, source, dtype code, shape, name)
+
+class Later(NamedTuple):
+    """A copy :func:`finish_into` makes once the ring is done: a tie, or a staged cast."""
+
+    targets: list[Any]  # the module's tensors to fill
+    source: Any  # the loaded tensor (a tie), or the raw staging bytes (a cast)
+    code: str  # "" for a tie; else the stored dtype code of the staged bytes
+    shape: list[int]  # the stored shape (casts only)
+    name: str  # the stored tensor's name
 
 
 def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None) -> Any:
@@ -39,13 +48,14 @@ def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None)
 def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], readers: int,
              timeline: Timeline) -> None:  # fmt: skip
     """preadv straight into the parameters; a mapped view only where dtypes differ."""
-    reads, rest = [], []
+    reads: list[Read] = []
+    rest: list[tuple[Any, Any]] = []
     with timeline.stage("read into module") as box:
         for s in shards:
             for name, code, _, begin, end in s.tensors:
                 ts = targets.get(name, [])
                 if ts and ts[0].dtype == _dtype(code, name)[0] and ts[0].is_contiguous():
-                    reads.append((s.fd, s.data_start + begin, _host_view(ts[0].detach())))
+                    reads.append(Read(s.fd, s.data_start + begin, _host_view(ts[0].detach())))
                     box["bytes"] += end - begin
                     rest += [(t, ts[0]) for t in ts[1:] if t.data_ptr() != ts[0].data_ptr()]
                 elif ts:
@@ -56,14 +66,14 @@ def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], rea
             t.copy_(views[src] if isinstance(src, str) else src)
 
 
-def plan_into(torch: Any, engine: Any, shards: list[Shard],
-              targets: dict[str, list[Any]]) -> tuple[list[tuple[int, int, int, Any]], list[Later]]:  # fmt: skip
+def plan_into(torch: Any, engine: CopyEngine, shards: list[Shard],
+              targets: dict[str, list[Any]]) -> tuple[list[Segment], list[Later]]:  # fmt: skip
     """Ring segments straight into the parameters (a staging tensor where dtypes differ).
 
     Returns:
         ``(segments for plan_chunks, copies to make once the ring is done)``.
     """
-    segs: list[tuple[int, int, int, Any]] = []
+    segs: list[Segment] = []
     later: list[Later] = []
     for i, s in enumerate(shards):
         for name, code, shape, begin, end in s.tensors:
@@ -72,15 +82,14 @@ def plan_into(torch: Any, engine: Any, shards: list[Shard],
                 continue
             first = ts[0].detach()
             if first.dtype == _dtype(code, name)[0] and first.is_contiguous():
-                segs.append((i, s.data_start + begin, end - begin,
-                             first.view(-1).view(torch.uint8)))  # fmt: skip
+                segs.append(Segment(i, s.data_start + begin, end - begin, first.view(-1).view(torch.uint8)))
                 rest = [t for t in ts[1:] if t.data_ptr() != first.data_ptr()]
                 if rest:
-                    later.append((rest, first, "", [], name))
+                    later.append(Later(rest, first, "", [], name))
             else:
                 tmp = engine.device_buffer(end - begin)
-                segs.append((i, s.data_start + begin, end - begin, tmp))
-                later.append((ts, tmp, code, shape, name))
+                segs.append(Segment(i, s.data_start + begin, end - begin, tmp))
+                later.append(Later(ts, tmp, code, shape, name))
     return segs, later
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from packer.runtime.engines import ALIGN
-from packer.runtime.shards import Shard, tensor_view
+from packer.runtime.shards import Shard, TensorEntry, tensor_view
 
 
 class Layout:
@@ -29,9 +29,9 @@ class Layout:
         self.nbytes, self.segments, self.offsets = nbytes, segments, offsets
 
 
-def plan_layout(tensors: list[tuple[str, str, list[int], int, int]], data_len: int,
+def plan_layout(tensors: list[TensorEntry], data_len: int,
                 align: int = ALIGN) -> Layout:  # fmt: skip
-    """Device offsets for ``tensors`` (``(name, dtype, shape, begin, end)`` sorted by begin).
+    """Device offsets for ``tensors`` (sorted by begin).
 
     An empty tensor never splits a segment; neither does a tensor that overlaps the one
     before it (not produced by safetensors; it keeps the shift and may then be copied).

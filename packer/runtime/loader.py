@@ -4,7 +4,8 @@ This file is emitted into every build as ``packer_loader.py`` with the build's m
 embedded (``packer.stub`` joins the ``packer.runtime`` modules into that one file); inside
 the package it is importable as ``packer.runtime.loader`` and driven through :class:`Loader`
 with an explicit manifest. It needs the standard library and torch (imported lazily), plus
-zstandard for the bundle.
+zstandard for the bundle. In the package, ``loader.py`` is this entry (the public functions,
+``__all__`` and the command line); the :class:`Loader` class they drive is ``loading.py``.
 
 * CPU: tensors are views of a private copy-on-write mapping of each shard (no read at load).
 * CUDA: headers by ``pread``; one device buffer per shard (or the module's own parameters);
@@ -24,6 +25,7 @@ Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to che
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -33,22 +35,13 @@ from typing import Any
 
 from packer.runtime.assign import LoadResult
 from packer.runtime.empty import init_empty
-from packer.runtime.engines import CpuEngine, CudaEngine
-from packer.runtime.env import (
-    DEFAULT_CHUNK,
-    DEFAULT_SLOTS,
-    MAX_HEADER,
-    MAX_RING_BYTES,
-    MIB,
-    ArtifactMismatchError,
-    _dtype,
-    bundle_reader,
-    manifest,
-)
+from packer.runtime.engines import CopyEngine, CpuEngine, CudaEngine
+from packer.runtime.env import MAX_HEADER, MAX_RING_BYTES, ArtifactMismatchError, _dtype, bundle_reader, manifest
 from packer.runtime.graphs import Captured, GraphPool, cuda_capture, warmup
 from packer.runtime.hf import hf_from_pretrained, hf_model_dir
 from packer.runtime.loading import Loader
 from packer.runtime.ring import Chunk, Latch, Readers, RingStats, Slot, plan_chunks, release_ring, run_pipeline
+from packer.runtime.settings import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, RuntimeSettings
 from packer.runtime.shards import Shard, _pread_exact, open_shard, sha256_fd, tensor_view
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
 from packer.runtime.warm import prepare_loader, serve_warm, start_warm
@@ -56,8 +49,8 @@ from packer.runtime.warm import prepare_loader, serve_warm, start_warm
 # the public names, as they were when all of this was one module
 __all__ = [
     "DEFAULT_CHUNK", "DEFAULT_SLOTS", "MAX_HEADER", "MAX_RING_BYTES", "MIB", "TIMELINE",
-    "ArtifactMismatchError", "Captured", "Chunk", "CpuEngine", "CudaEngine", "GraphPool", "Latch",
-    "LoadResult", "Loader", "Readers", "RingStats", "Shard", "Slot", "Timeline", "bundle_dir",
+    "ArtifactMismatchError", "Captured", "Chunk", "CopyEngine", "CpuEngine", "CudaEngine", "GraphPool", "Latch",
+    "LoadResult", "Loader", "Readers", "RingStats", "RuntimeSettings", "Shard", "Slot", "Timeline", "bundle_dir",
     "bundle_reader", "check_loaded", "cuda_capture", "default_loader", "from_pretrained", "init_empty",
     "load_into", "load_weights", "main", "manifest", "model_dir", "open_shard", "plan_chunks",
     "prefetch", "prepare", "release_ring", "report", "run_pipeline", "selftest", "sha256_fd", "tensor_view",
@@ -69,12 +62,23 @@ _LOADERS: dict[tuple[str, str], Loader] = {}
 
 def default_loader(root: str | Path | None = None) -> Loader:
     """The loader for ``root`` (else ``$PACKER_ARTIFACTS``, else this file's directory)."""
-    base = root or os.environ.get("PACKER_ARTIFACTS") or Path(__file__).resolve().parent
-    wdir = os.environ.get("PACKER_WEIGHTS_DIR", "")
-    key = (str(base), wdir)
+    settings = _settings()
+    base = root or settings.artifacts or Path(__file__).resolve().parent
+    key = (str(base), settings.weights_dir)
     if key not in _LOADERS:
-        _LOADERS[key] = Loader(manifest(), base, weights_dir=wdir or None)
+        _LOADERS[key] = Loader(manifest(), base, weights_dir=settings.weights_dir or None, settings=settings)
     return _LOADERS[key]
+
+
+def _settings() -> RuntimeSettings:
+    """This build's settings: the environment over the embedded recipe's ``[runtime]``."""
+    return RuntimeSettings.from_sources(os.environ, _embedded_runtime())
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_runtime() -> dict[str, Any]:
+    """The embedded ``runtime`` section, parsed once (the whole manifest may be large)."""
+    return dict(manifest().get("runtime") or {})
 
 
 def warmup_inputs(device: str = "cuda") -> list[dict[str, Any]]:
@@ -82,7 +86,7 @@ def warmup_inputs(device: str = "cuda") -> list[dict[str, Any]]:
     torch = _torch()
     return [{w["name"]: torch.zeros(tuple(w["shape"]), dtype=getattr(torch, w.get("dtype", "int64")),
                                     device=device)}
-            for w in manifest().get("runtime", {}).get("warmup", [])]  # fmt: skip
+            for w in _settings().warmup]  # fmt: skip
 
 
 def load_weights(device: str = "cuda", *, dtype: Any = None, verify: bool = False,
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         loader = default_loader(args.root)
         loader.auto_flush = False
         torch = _torch(loader.timeline)
-        device = args.device or loader.manifest.get("runtime", {}).get("device", "cuda")
+        device = args.device or loader.settings.device
         if device == "cuda" and args.device is None and not torch.cuda.is_available():
             device = "cpu"
         problems = selftest(loader, device, args.verify)

@@ -1,5 +1,9 @@
 """The :class:`Loader`: a build's artifacts under a root, checked against its manifest.
 
+Not ``loader.py``: that is the entry of the emitted ``packer_loader.py`` (its docstring,
+public functions such as ``load_weights`` and ``load_into``, ``__all__`` and command line),
+which drive a default :class:`Loader` made here.
+
 It drives the other runtime modules: shard checks (``shards``), the CPU target (``cpu``),
 the staging ring and its engines (``ring``, ``engines``), ``load_into`` (``into``) and the
 bundle reader, recording every stage on a :class:`Timeline`.
@@ -10,16 +14,18 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from packer.runtime.assign import LoadResult, load_module
 from packer.runtime.cpu import map_shards, prefetch_files, read_shards
-from packer.runtime.engines import make_engine
-from packer.runtime.env import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, ArtifactMismatchError, _env_int, bundle_reader
+from packer.runtime.engines import CopyEngine, make_engine
+from packer.runtime.env import ArtifactMismatchError, bundle_reader
 from packer.runtime.into import finish_into, plan_into
 from packer.runtime.layout import Layout, layout_tensors, plan_layout
-from packer.runtime.ring import Chunk, RingStats, plan_chunks, ring_chunk, run_ring
+from packer.runtime.ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
+from packer.runtime.settings import RuntimeSettings
 from packer.runtime.shards import Shard, _check_sha, open_shard, sha256_fd, shard_tensors
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
 
@@ -32,21 +38,24 @@ class Loader:
         root: artifact root; weight files resolve under ``weights_dir`` when given.
         weights_dir: directory that holds the ``model*.safetensors`` files (mounted weights).
         timeline: where stage timings go (the process-wide one by default).
+        settings: the knobs (default: from the environment over ``manifest["runtime"]``);
+            ``slots``, ``chunk`` and ``readers`` start from them and may be set per loader.
     """
 
     def __init__(self, manifest: dict[str, Any], root: str | Path, *,
                  weights_dir: str | Path | None = None,
-                 timeline: Timeline | None = None) -> None:  # fmt: skip
+                 timeline: Timeline | None = None, settings: RuntimeSettings | None = None) -> None:  # fmt: skip
         self.manifest = manifest
         self.root = Path(root)
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.timeline = timeline or TIMELINE
         self.last_stats: RingStats | None = None
         self.auto_flush = True  # print the stage table after each verb (the self-test prints once)
-        self.slots = _env_int("PACKER_RING_SLOTS", DEFAULT_SLOTS)
-        self.chunk = _env_int("PACKER_CHUNK_MB", DEFAULT_CHUNK // MIB) * MIB
-        self.readers = max(1, _env_int("PACKER_READERS", min(8, os.cpu_count() or 1)))
-        self.make_engine = make_engine  # torch device -> copy engine (tests slow it down)
+        self.settings = settings or RuntimeSettings.from_sources(os.environ, manifest.get("runtime"))
+        self.slots = self.settings.ring_slots
+        self.chunk = self.settings.chunk_bytes
+        self.readers = self.settings.readers
+        self.make_engine: Callable[[Any], CopyEngine] = make_engine  # torch device -> copy engine (tests slow it down)
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine."""
@@ -127,8 +136,8 @@ class Loader:
             if dev.type == "cpu" and not use_ring:
                 if verify:
                     self._verify_shards(shards)
-                bufs = (read_shards(torch, shards, self.readers, self.timeline) if copy
-                        else map_shards(torch, shards, self.timeline))  # fmt: skip
+                bufs = (read_shards(torch, shards, self.readers, self.timeline, hugepages=self.settings.hugepages)
+                        if copy else map_shards(torch, shards, self.timeline))  # fmt: skip
                 out = self._tensors(torch, shards, bufs, dtype)
             else:
                 out = self._ringed(torch, dev, shards, verify, dtype)
@@ -168,7 +177,7 @@ class Loader:
                 _check_sha(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
         return layout_tensors(torch, shards, bufs, layouts, dtype, self.manifest["weights"].get("aliases", {}))
 
-    def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: Any,
+    def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
                   hashers: dict[int, Any] | None) -> None:  # fmt: skip
         self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),
                                    readers=self.readers, hashers=hashers, timeline=self.timeline)  # fmt: skip
@@ -228,7 +237,7 @@ class Loader:
         reader = bundle_reader()
         with self.timeline.stage("bundle", b["size"]):
             try:
-                out = reader.extract_cached(self.path(rel), os.environ.get("PACKER_BUNDLE_CACHE"),
+                out = reader.extract_cached(self.path(rel), self.settings.bundle_cache or None,
                                             expected_sha256=b["sha256"])  # fmt: skip
             except (reader.BundleFormatError, OSError) as e:
                 raise ArtifactMismatchError(f"{rel}: {e}") from None
@@ -267,8 +276,8 @@ def _has_context(torch: Any, dev: Any) -> bool:
     return bool(has(index)) if has is not None else True
 
 
-def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[Any]) -> list[tuple[int, int, int, Any]]:
-    """``(shard, file offset, nbytes, destination)`` for :func:`plan_chunks`, in file order."""
-    return [(i, s.data_start + at, n, buf[dst: dst + n])
+def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[Any]) -> list[Segment]:
+    """The ring's segments into the shards' device buffers, in file order."""
+    return [Segment(i, s.data_start + at, n, buf[dst: dst + n])
             for i, (s, lay, buf) in enumerate(zip(shards, layouts, bufs, strict=True))
             for at, dst, n in lay.segments]  # fmt: skip

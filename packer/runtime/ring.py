@@ -13,12 +13,30 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
-from packer.runtime.engines import _host_view
-from packer.runtime.env import DEFAULT_CHUNK, MAX_RING_BYTES, MIB, ArtifactMismatchError
+from packer.runtime.engines import CopyEngine, _host_view
+from packer.runtime.env import MAX_RING_BYTES, ArtifactMismatchError
+from packer.runtime.settings import DEFAULT_CHUNK, MIB
 from packer.runtime.shards import Shard
 from packer.runtime.timeline import Timeline
+
+
+class Segment(NamedTuple):
+    """``nbytes`` at file ``offset`` of shard number ``shard``, bound for ``dst`` (a uint8 view)."""
+
+    shard: int
+    offset: int
+    nbytes: int
+    dst: Any
+
+
+class Read(NamedTuple):
+    """``len(view)`` bytes at ``offset`` of the open file ``fd``, read into ``view``."""
+
+    fd: int
+    offset: int
+    view: memoryview
 
 
 class Chunk:
@@ -31,8 +49,8 @@ class Chunk:
         self.copies: list[tuple[int, Any]] = []  # (offset in slot, destination uint8 view)
 
 
-def plan_chunks(segments: list[tuple[int, int, int, Any]], chunk: int) -> list[Chunk]:
-    """Cut ``(shard, file offset, nbytes, uint8 destination)`` segments into chunks.
+def plan_chunks(segments: list[Segment], chunk: int) -> list[Chunk]:
+    """Cut segments into chunks.
 
     Contiguous segments of one shard share a chunk; a chunk never exceeds ``chunk`` bytes.
     """
@@ -104,7 +122,7 @@ class StagingRing:
         self.kind = ""  # "registered", "torch-pinned" or "cpu": how the memory was had
         self._frees: list[Any] = []
 
-    def take(self, engine: Any, slots: int, size: int, budget: int,
+    def take(self, engine: CopyEngine, slots: int, size: int, budget: int,
              timeline: Timeline | None) -> tuple[list[Slot], float]:  # fmt: skip
         """``slots`` slots of ``size`` to ``budget`` bytes (lock held); the seconds spent pinning."""
         secs = 0.0
@@ -216,10 +234,10 @@ class Readers:
 
     def submit(self, latch: Latch, fd: int, offset: int, view: memoryview) -> None:
         """Read ``len(view)`` bytes at ``offset`` into ``view`` in pieces; ``latch`` counts them."""
-        self.submit_many(latch, [(fd, offset, view)])
+        self.submit_many(latch, [Read(fd, offset, view)])
 
-    def submit_many(self, latch: Latch, reads: list[tuple[int, int, memoryview]]) -> None:
-        """Queue several ``(fd, offset, view)`` reads under one latch."""
+    def submit_many(self, latch: Latch, reads: list[Read]) -> None:
+        """Queue several reads under one latch."""
         pieces = [(fd, off + a, view[a: a + self.piece]) for fd, off, view in reads
                   for a in range(0, len(view), self.piece)]  # fmt: skip
         latch.begin(len(pieces))
@@ -269,7 +287,7 @@ class RingStats:
         self.started = 0.0  # perf_counter when the ring was ready and the first read went out
 
 
-def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots: int,
+def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int,
                  chunk: int, readers: int, hashers: dict[int, Any] | None = None,
                  stats: RingStats | None = None, timeline: Timeline | None = None) -> Readers:  # fmt: skip
     """Move every chunk from disk through the ring into its destinations.
@@ -315,11 +333,11 @@ def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots
     return pool
 
 
-def _reusable(slot: Slot, engine: Any) -> bool:
+def _reusable(slot: Slot, engine: CopyEngine) -> bool:
     return (slot.event is None or engine.query(slot.event)) and slot.hashed.is_set()
 
 
-def _drive(shards: list[Shard], todo: deque[Chunk], engine: Any, ring: list[Slot], pool: Readers,
+def _drive(shards: list[Shard], todo: deque[Chunk], engine: CopyEngine, ring: list[Slot], pool: Readers,
            hasher: Hasher | None, stats: RingStats) -> None:  # fmt: skip
     free: deque[Slot] = deque(ring)
     busy: deque[tuple[Slot, Chunk]] = deque()
@@ -357,7 +375,7 @@ def _drive(shards: list[Shard], todo: deque[Chunk], engine: Any, ring: list[Slot
         raise hasher.error
 
 
-def run_ring(shards: list[Shard], chunks: list[Chunk], engine: Any, *, slots: int, chunk: int,
+def run_ring(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int, chunk: int,
              readers: int, hashers: dict[int, Any] | None, timeline: Timeline) -> RingStats:  # fmt: skip
     """:func:`run_pipeline`, then the read and host->device stages on ``timeline``.
 

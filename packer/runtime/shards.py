@@ -12,19 +12,30 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from packer.runtime.env import MAX_HEADER, MIB, ArtifactMismatchError, _dtype
+from packer.runtime.env import MAX_HEADER, ArtifactMismatchError, _dtype
+from packer.runtime.settings import MIB
+
+
+class TensorEntry(NamedTuple):
+    """One tensor of a shard as the manifest pins it; bytes ``begin:end`` of the data section."""
+
+    name: str
+    code: str  # safetensors dtype code ("BF16", "F4", ...)
+    shape: list[int]  # the torch shape (a packed float4's manifest torch_shape)
+    begin: int
+    end: int
 
 
 class Shard:
     """One safetensors file, its header checked against the manifest, its fd open."""
 
     def __init__(self, rel: str, path: Path, fd: int, size: int, head: bytes,
-                 tensors: list[tuple[str, str, list[int], int, int]]) -> None:  # fmt: skip
+                 tensors: list[TensorEntry]) -> None:  # fmt: skip
         self.rel, self.path, self.fd, self.size, self.head = rel, path, fd, size, head
         self.data_start = len(head)
-        self.tensors = tensors  # (name, dtype code, shape, begin, end), sorted by begin
+        self.tensors = tensors  # sorted by begin
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -67,7 +78,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
 
 
 def _check_header(rel: str, raw: bytes, data_len: int,
-                  table: dict[str, Any]) -> list[tuple[str, str, list[int], int, int]]:  # fmt: skip
+                  table: dict[str, Any]) -> list[TensorEntry]:  # fmt: skip
     try:
         header = json.loads(raw)
     except ValueError as e:
@@ -89,8 +100,8 @@ def _check_header(rel: str, raw: bytes, data_len: int,
         if not 0 <= begin <= end <= data_len:
             raise ArtifactMismatchError(f"{rel}: tensor {name!r} lies outside the data section")
         # packed float4: the header counts single values, the manifest keeps the torch shape
-        out.append((name, rec["dtype"], list(rec.get("torch_shape", rec["shape"])), begin, end))
-    out.sort(key=lambda t: (t[3], t[0]))
+        out.append(TensorEntry(name, rec["dtype"], list(rec.get("torch_shape", rec["shape"])), begin, end))
+    out.sort(key=lambda t: (t.begin, t.name))
     return out
 
 

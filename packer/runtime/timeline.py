@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from packer.runtime.settings import setting
+
 
 class Timeline:
     """Start-up stages with bytes and throughput; prints ``[startup] name: 1.02s`` lines."""
@@ -47,7 +49,7 @@ class Timeline:
 
     def flush(self, stream: Any = None) -> None:
         """Print the stages recorded since the last flush and a total (``PACKER_STARTUP_LOG``)."""
-        mode = os.environ.get("PACKER_STARTUP_LOG", "text").lower()
+        mode = setting("startup_log")  # read at each print: the timeline is the process's
         with self._lock:
             new, self._printed = self.stages[self._printed:], len(self.stages)
         if not new or mode in ("off", "0", "none", "false"):

@@ -1,0 +1,121 @@
+"""The loader's settings: one frozen object from the environment and the recipe's ``[runtime]``.
+
+Every knob the loader honours is a field of :class:`RuntimeSettings`, parsed here and nowhere
+else. Two channels feed it:
+
+* the environment, ``PACKER_<FIELD>`` (``PACKER_RING_SLOTS``, ``PACKER_CHUNK_MB``, ...): set
+  per node or per container at deploy time;
+* the ``runtime`` section of the manifest embedded in the loader, i.e. the recipe's
+  ``[runtime]`` as built (today ``device`` and ``warmup``; a key named like a field below is
+  honoured too).
+
+**The environment wins over the recipe**: a deploy-time override beats the default the build
+chose. A field with no environment variable (``device``, ``warmup``) comes from the recipe
+only; an empty variable counts as unset. Defaults apply where neither channel says anything.
+
+A :class:`~packer.runtime.loading.Loader` takes one snapshot when it is made. Two knobs act
+before any build is known and so are read from the environment alone, through this parser:
+``PACKER_EXPANDABLE_SEGMENTS`` when the loader is imported (before CUDA starts) and
+``PACKER_STARTUP_LOG`` at each print of the process-wide stage table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+
+def _parse(name: str, value: Any) -> Any:  # first: the joined file's imports need a def after them
+    """One field's value as given (a variable's text or a recipe value), parsed.
+
+    Raises:
+        ValueError: a numeric setting that is not an integer.
+    """
+    if name in _INTS or name == "hugepages":
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"packer_loader: {_ENV_PREFIX + name.upper()}: expected an integer, "
+                             f"got {value!r}") from None  # fmt: skip
+        return max(1, number) if name == "readers" else bool(number) if name == "hugepages" else number
+    if name == "expandable_segments":
+        return value is True or value == "1"
+    if name == "warmup":
+        return tuple(value)
+    return str(value).lower() if name == "startup_log" else str(value)
+
+
+MIB = 2**20
+DEFAULT_SLOTS = 4
+DEFAULT_CHUNK = 64 * MIB
+DEFAULT_READERS = 8  # at most this many reader threads by default (never more than the CPUs)
+_ENV_PREFIX = "PACKER_"
+_NO_ENV = ("device", "warmup")  # recipe-only fields: no PACKER_DEVICE, no PACKER_WARMUP
+_INTS = ("ring_slots", "chunk_mb", "readers")
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One field from the environment alone (its default when unset), for the two knobs read
+    before a build is known: ``expandable_segments`` and ``startup_log``."""
+    value = (os.environ if environ is None else environ).get(_ENV_PREFIX + name.upper())
+    return _parse(name, value) if value else getattr(RuntimeSettings(), name)
+
+
+class RuntimeSettings(NamedTuple):
+    """Every loader knob, resolved: environment over recipe over default. Immutable.
+
+    A named tuple rather than a frozen dataclass: ``dataclass`` looks its module up in
+    ``sys.modules``, which a ``packer_loader.py`` loaded from a path need not be in.
+
+    Attributes:
+        artifacts: ``PACKER_ARTIFACTS``: the artifact directory ("" = the loader's own).
+        weights_dir: ``PACKER_WEIGHTS_DIR``: weights mounted elsewhere ("" = under artifacts).
+        bundle_cache: ``PACKER_BUNDLE_CACHE``: where the bundle is extracted ("" = a private
+            directory on /dev/shm).
+        startup_log: ``PACKER_STARTUP_LOG``: ``text``, ``json`` or ``off`` (lower case).
+        ring_slots: ``PACKER_RING_SLOTS``: staging slots of the ring (default 4).
+        chunk_mb: ``PACKER_CHUNK_MB``: staging chunk in MiB before rounding (default 64).
+        readers: ``PACKER_READERS``: reader threads, at least 1 (default min(8, CPUs)).
+        hugepages: ``PACKER_HUGEPAGES``: private CPU copies on transparent huge pages.
+        expandable_segments: ``PACKER_EXPANDABLE_SEGMENTS=1``: ask for expandable segments.
+        device: the recipe's ``runtime.device``, the self-test's default device.
+        warmup: the recipe's ``runtime.warmup`` entries (``{name, shape, dtype}``).
+    """
+
+    artifacts: str = ""
+    weights_dir: str = ""
+    bundle_cache: str = ""
+    startup_log: str = "text"
+    ring_slots: int = DEFAULT_SLOTS
+    chunk_mb: int = DEFAULT_CHUNK // MIB
+    readers: int = min(DEFAULT_READERS, os.cpu_count() or 1)
+    hugepages: bool = False
+    expandable_segments: bool = False
+    device: str = "cuda"
+    warmup: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The staging chunk in bytes (``chunk_mb`` MiB; the ring rounds it down)."""
+        return self.chunk_mb * MIB
+
+    @classmethod
+    def from_sources(cls, environ: Mapping[str, str] | None = None,
+                     runtime: Mapping[str, Any] | None = None) -> RuntimeSettings:  # fmt: skip
+        """The settings from ``environ`` (default ``os.environ``) over ``runtime`` (a recipe's
+        ``[runtime]`` as embedded in the manifest; default none) over the defaults.
+
+        Raises:
+            ValueError: a numeric variable or key that is not an integer.
+        """
+        env = os.environ if environ is None else environ
+        rt = runtime or {}
+        given: dict[str, Any] = {}
+        for name in cls._fields:
+            var = _ENV_PREFIX + name.upper()
+            if name not in _NO_ENV and env.get(var):
+                given[name] = _parse(name, env[var])
+            elif name in rt:
+                given[name] = _parse(name, rt[name])
+        return cls(**given)
