@@ -22,7 +22,7 @@ from packer.errors import PackerError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file, sha256_file_or_none
 from packer.manifest import TIMINGS, artifact_manifest, files_map, verify
-from packer.publish import make_staging, publish
+from packer.publish import make_scratch, make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
 from packer.timing import StageTimer
@@ -154,7 +154,10 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
     try:
         with contextlib.ExitStack() as stack:
             with timer.stage("source"):
-                snap = stack.enter_context(resolve_source(recipe, cache_dir=cache_dir))
+                # the demo goes to a scratch directory beside out, which a later build removes
+                # if this one is killed (a temporary directory elsewhere would stay forever)
+                scratch = make_scratch(out) if recipe.source == "demo" else None
+                snap = stack.enter_context(resolve_source(recipe, cache_dir=cache_dir, scratch=scratch))
             ctx = StageContext(recipe, snap, staging, dry_run=dry_run, sandbox=sandbox, progress=progress,
                                layer_digests=default_layer_digests() if layer_digests is None else layer_digests)
             manifest, notes = _run_stages(ctx, timer)

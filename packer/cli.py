@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -53,6 +54,10 @@ class Ctx:
             yield bar.update
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout; logs on stderr.")
@@ -60,6 +65,9 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(quiet: bool, as_json: bool, debug: bool, **kwargs: Any) -> None:
         ctx = Ctx(quiet, as_json, debug)
+        # SIGTERM (a cancelled CI job, a pod stopped) unwinds like Ctrl-C, so that staging and
+        # scratch directories are removed on the way out instead of left behind
+        signal.signal(signal.SIGTERM, _terminated)
         try:
             fn(ctx, **kwargs)
         except (PackerError, ImportError) as e:  # a missing package is named as itself

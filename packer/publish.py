@@ -25,7 +25,7 @@ _AT_FDCWD = -100
 
 
 def _staging_re(out: Path) -> re.Pattern[str]:
-    return re.compile(rf"^\.{re.escape(out.name)}\.packer-(?:staging|old)-(\d+)-")
+    return re.compile(rf"^\.{re.escape(out.name)}\.packer-(?:staging|old|scratch)-(\d+)-")
 
 
 def _alive(pid: int) -> bool:
@@ -53,6 +53,13 @@ def make_staging(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.packer-staging-{os.getpid()}-", dir=out.parent))
+
+
+def make_scratch(out: Path) -> Path:
+    """A scratch directory beside ``out`` (the generated demo source) that :func:`remove_stale`
+    removes if this process dies before removing it itself."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.packer-scratch-{os.getpid()}-", dir=out.parent))
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -153,13 +153,17 @@ def _run_child(request: str, out: Path, progress: Progress | None) -> subprocess
         result: list[tuple[str, str]] = []
         talker = threading.Thread(target=lambda: result.append(proc.communicate(request)), daemon=True)
         talker.start()
-        while talker.is_alive():
-            talker.join(0.2)
-            if progress is not None:
-                now = _dir_bytes(out)
-                if now > reported:
-                    progress(now - reported)
-                    reported = now
+        try:
+            while talker.is_alive():
+                talker.join(0.2)
+                if progress is not None:
+                    now = _dir_bytes(out)
+                    if now > reported:
+                        progress(now - reported)
+                        reported = now
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): the child's work is no longer wanted
+            proc.kill()
+            raise
         stdout, stderr = result[0]
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 

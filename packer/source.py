@@ -110,11 +110,12 @@ def _resolve_local(recipe: Recipe) -> Snapshot:
 
 
 @contextmanager
-def resolve_source(recipe: Recipe, *, cache_dir: Path | None = None) -> Iterator[Snapshot]:
+def resolve_source(recipe: Recipe, *, cache_dir: Path | None = None,
+                   scratch: Path | None = None) -> Iterator[Snapshot]:  # fmt: skip
     """Resolve the recipe's source for the duration of a build.
 
-    The demo is generated into a temporary directory removed on exit; other sources are used
-    in place.
+    The demo is generated into ``scratch`` (an empty directory the caller owns; default: a new
+    temporary directory) and removed on exit; other sources are used in place.
 
     Raises:
         SourceError: the source does not exist, is malformed or cannot be fetched.
@@ -122,7 +123,7 @@ def resolve_source(recipe: Recipe, *, cache_dir: Path | None = None) -> Iterator
     if recipe.source == "demo":
         from packer.demo import write_demo
 
-        tmp = Path(tempfile.mkdtemp(prefix="packer-demo-"))
+        tmp = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="packer-demo-"))
         try:
             write_demo(tmp)
             yield Snapshot(root=tmp, weights=tmp, kind="demo", uri="demo")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -200,7 +201,10 @@ _KILLER = textwrap.dedent(
 
 
 def _killed_build(mode: str, n: int, out: Path) -> int:
-    return subprocess.run([sys.executable, "-c", _KILLER, mode, str(n), str(out)], check=False).returncode
+    tmp = out.parent / "tmpdir"  # a killed build leaves nothing in TMPDIR (the demo is generated beside out)
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    return subprocess.run([sys.executable, "-c", _KILLER, mode, str(n), str(out)], env=env, check=False).returncode
 
 
 @pytest.mark.parametrize("previous", [False, True], ids=["fresh", "over-previous"])
@@ -230,6 +234,18 @@ def test_sigkill_at_every_stage_leaves_out_absent_or_previous(demo_out: Path, tm
     assert subprocess.run([sys.executable, "-m", "packer", "build", "-q", "-o", str(out)]).returncode == 0
     verify(out)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.packer-")]
+    assert not list((tmp_path / "tmpdir").iterdir())
+
+
+def test_sigterm_removes_staging_and_scratch(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "packer", "build", "-q", "-o", str(out)])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.packer-staging-*/weights")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the weights stage has begun
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not out.exists() and not list(tmp_path.iterdir())
 
 
 def test_full_disk_is_one_clear_error(tmp_path: Path) -> None:

@@ -88,6 +88,13 @@ def test_module_state_dict_with_metadata(tmp_path: Path, fmt: str) -> None:
     _assert_matches_torch(path, got.tensors, model.state_dict())
 
 
+def test_a_pickled_whole_module_is_refused_with_the_state_dict_hint(tmp_path: Path) -> None:
+    torch.save(torch.nn.Linear(3, 2), tmp_path / "whole.pt")
+    with pytest.raises(CheckpointError, match=r"global torch\.nn\.modules\.linear\.Linear is not allowed; .*"
+                       r"a pickled torch\.nn module, not a state dict: save model\.state_dict\(\) instead"):
+        read_checkpoint(tmp_path / "whole.pt")
+
+
 def test_nested_without_key_lists_candidates(tmp_path: Path) -> None:
     path = save(nested_checkpoint(), tmp_path / "ckpt.pt")
     with pytest.raises(CheckpointError) as e:

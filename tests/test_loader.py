@@ -400,6 +400,10 @@ def test_warmup_on_cpu_runs_examples_and_returns_a_fallback_pool() -> None:
     assert seen == [(1, 3), (1, 3), (2, 3), (2, 3), (4, 3), (4, 3)]
     assert fn.graphs == {} and torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
     assert [s["stage"] for s in tl.stages] == ["warm-up"]
+    seen.clear()
+    L.warmup(Probe(), {"x": torch.ones(5, 3)}, iters=1, timeline=tl)  # one kwargs example, not a list
+    L.warmup(Probe(), torch.ones(6, 3), iters=1, timeline=tl)  # one tensor
+    assert seen == [(5, 3), (6, 3)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")

@@ -128,6 +128,23 @@ def test_selftest_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         assert "CUDA is not available" in capsys.readouterr().err.splitlines()[-1]
 
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where CUDA is missing")
+def test_selftest_says_when_it_checks_a_cuda_build_on_cpu(tmp_path: Path) -> None:
+    from packer.build import build
+    from packer.recipe import demo_recipe
+
+    out = tmp_path / "out"
+    build(demo_recipe(), out)  # runtime.device = "cuda"
+    r = run_loader(out / LOADER_NAME, "--selftest")
+    assert r.returncode == 0, r.stderr
+    assert "the build's device is cuda but CUDA is not available here; checking on cpu" in r.stderr
+    r = run_loader(out / LOADER_NAME, "--selftest", "--device", "cuda")  # asked for: required
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("packer_loader: self-test failed: device 'cuda' asked for"), last
+
+
 def test_warmup_inputs_from_the_recipe(tmp_path: Path) -> None:
     body, _ = render({"runtime": {"device": "cpu", "warmup": [{"name": "input_ids", "shape": [2, 7], "dtype": "int64"},
                                                              {"name": "x", "shape": [3], "dtype": "float16"}]}})

@@ -412,12 +412,14 @@ class PickleVM:
         key = (module, name)
         if not self.policy.allowed(key) and not (key in _RECONSTRUCTORS and self.policy.placeholder_types):
             qual = f"{module}.{name}"
-            hint = (
-                f"if {qual} is plain data, allow it as an inert placeholder with --allow-global {qual} "
-                "(recipe: weights.allow_globals)"
-                if self.policy.placeholder_types
-                else "this pickle holds no objects"
-            )
+            if module == "torch.nn" or module.startswith("torch.nn."):  # a whole pickled module
+                hint = ("it is a pickled torch.nn module, not a state dict: save model.state_dict() "
+                        "instead, or convert once in a trusted environment")  # fmt: skip
+            elif self.policy.placeholder_types:
+                hint = (f"if {qual} is plain data, allow it as an inert placeholder with --allow-global {qual} "
+                        "(recipe: weights.allow_globals)")  # fmt: skip
+            else:
+                hint = "this pickle holds no objects"
             raise self.unsafe(
                 f"global {qual} is not allowed; packer never imports or calls anything and reads tensors, "
                 f"plain containers and known plain-data types; {hint}"

@@ -242,14 +242,15 @@ def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (example,), {}
 
 
-def warmup(model: Any, example_inputs: list[Any], *, cudnn_benchmark: bool = True,
+def warmup(model: Any, example_inputs: Any, *, cudnn_benchmark: bool = True,
            cuda_graphs: bool = False, iters: int = 3,
            timeline: Timeline | None = None) -> GraphPool:  # fmt: skip
     """Run each example a few times (cuDNN autotune); optionally capture one graph per shape.
 
     Args:
         model: the module (or any callable) to warm up.
-        example_inputs: examples; each a tensor, a tuple of positional args or a kwargs dict.
+        example_inputs: a list of examples, each a tensor, a tuple of positional args or a
+            kwargs dict (``[{"input_ids": ids}]``); a single tensor or kwargs dict is one example.
         cudnn_benchmark: turn on ``torch.backends.cudnn.benchmark`` first.
         cuda_graphs: capture one CUDA graph per example shape (CUDA inputs only).
         iters: eager runs per example.
@@ -261,6 +262,8 @@ def warmup(model: Any, example_inputs: list[Any], *, cudnn_benchmark: bool = Tru
     timeline = timeline or TIMELINE
     torch = _torch(timeline)
     pool = GraphPool(model)
+    if isinstance(example_inputs, dict) or hasattr(example_inputs, "shape"):
+        example_inputs = [example_inputs]  # one example, not a sequence of them
     calls = [_as_call(x) for x in example_inputs]
     with timeline.stage("warm-up"):
         if cudnn_benchmark:

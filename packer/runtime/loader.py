@@ -168,7 +168,7 @@ def _why(e: Exception) -> str:
     if isinstance(e, ImportError):
         top = (e.name or "a package").split(".")[0]
         return f"packer_loader needs {top}: {e} (pip install {top})"
-    return str(e)
+    return str(e).removeprefix("packer_loader: ")
 
 
 def check_loaded(loader: Loader, tensors: dict[str, Any]) -> list[str]:
@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         torch = _torch(loader.timeline)
         device = args.device or loader.settings.device
         if device == "cuda" and args.device is None and not torch.cuda.is_available():
-            device = "cpu"
+            device = "cpu"  # a CPU node can still check its artifacts; a GPU node passes --device cuda
+            sys.stderr.write("packer_loader: the build's device is cuda but CUDA is not available here; "
+                             "checking on cpu (--device cuda makes CUDA required)\n")  # fmt: skip
         problems = selftest(loader, device, args.verify)
     except Exception as e:  # any failure is a failed self-test, reported in one line
         TIMELINE.flush()

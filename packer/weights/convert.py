@@ -42,8 +42,9 @@ def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str
     notes = check_index(inputs, {c.path: [r.name for r in c.tensors] for c in contents})
     for c in contents:
         if c.skipped:
-            notes.append(f"{inputs.rel(c.path)}: skipped {len(c.skipped)} non-tensor "
-                         f"entries: {_shown(c.skipped)}")
+            n = len(c.skipped)
+            notes.append(f"{inputs.rel(c.path)}: skipped {n} non-tensor entr{'y' if n == 1 else 'ies'}: "
+                         f"{_shown(c.skipped)}")
         if c.left_out:
             notes.append(f"{inputs.rel(c.path)}: not converted (beside the selected key): "
                          f"{_shown(c.left_out)}")
