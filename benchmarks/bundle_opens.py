@@ -127,7 +127,7 @@ def strace_opens(code: str, needle: str) -> int | None:
         return None
     with tempfile.NamedTemporaryFile(suffix=".strace") as log:
         subprocess.run(["strace", "-f", "-qq", "-e", "trace=openat", "-o", log.name, sys.executable, "-c", code],
-                       check=True, cwd=ROOT)  # fmt: skip
+                       check=True, cwd=ROOT)
         return sum(needle in line for line in Path(log.name).read_text().splitlines())
 
 
@@ -165,7 +165,7 @@ def main() -> None:
         total = sum(m["size"] for m in section["members"])
         print(f"\n{args.files} files, {total / 1e6:.2f} MB; bundle {section['size'] / 1e6:.2f} MB "
               f"(zstd level {section['zstd_level']}); {args.reps} interleaved runs; "
-              "times min / median / max ms\n")  # fmt: skip
+              "times min / median / max ms\n")
         print(f"| read path | source opens | all opens | no delay | {args.delay_ms:g} ms per source open |")
         print("|---|---:|---:|---:|---:|")
         for k in paths:
@@ -174,13 +174,13 @@ def main() -> None:
         ref = statistics.median(slow["directory: open+read each file"][0])
         for k in list(paths)[1:]:
             print(f"\nwith {args.delay_ms:g} ms per open: directory / {k.split(': ')[1]} = "
-                  f"{ref / statistics.median(slow[k][0]):.1f}x (medians)")  # fmt: skip
+                  f"{ref / statistics.median(slow[k][0]):.1f}x (medians)")
         if args.strace:
             code_b = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from packer.runtime.bundle_reader import *; " \
-                     f"extract_cached({str(archive)!r}, {str(local / 'strace')!r})"  # fmt: skip
+                     f"extract_cached({str(archive)!r}, {str(local / 'strace')!r})"
             code_d = f"[open(p, 'rb').read() for p in {[str(src / n) for n in names]!r}]"
             print(f"\nstrace openat of the source: bundle {strace_opens(code_b, str(archive))}, "
-                  f"directory {strace_opens(code_d, str(src))}")  # fmt: skip
+                  f"directory {strace_opens(code_d, str(src))}")
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)

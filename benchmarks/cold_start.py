@@ -38,7 +38,7 @@ from typing import Any
 WORK = Path(__file__).resolve().parent / "_work" / "cold_start"
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ["interpreter", "import torch", "import transformers", "import loader", "config", "construction",
-          "weights", "tokenizer", "first forward"]  # fmt: skip
+          "weights", "tokenizer", "first forward"]
 LOADER = ("headers", "map", "assign", "read into module", "ring")  # the loader's own weight stages
 CONTENDERS = ["transformers", "naive", "packer", "warm"]  # transformers: the reference
 TEXT = "the quick brown fox jumps over the lazy dog " * 2  # 18 tokens: a short first request
@@ -56,7 +56,7 @@ def make_model(work: Path, layers: int) -> None:
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
                       num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=True,
-                      dtype="bfloat16")  # fmt: skip
+                      dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device("cpu"):
         torch.set_default_dtype(torch.bfloat16)
@@ -75,9 +75,9 @@ def make_model(work: Path, layers: int) -> None:
     recipe = work / "recipe.toml"
     recipe.write_text(f'name = "cold-start"\nversion = "1"\nsource = "{hf}"\n\n[weights]\n'
                       'files = ["pytorch_model.bin"]\ntie_prefer = ["model.embed_tokens.weight"]\n\n'
-                      '[image]\ncompression = "none"\n\n[runtime]\ndevice = "cpu"\n')  # fmt: skip
+                      '[image]\ncompression = "none"\n\n[runtime]\ndevice = "cpu"\n')
     subprocess.run([sys.executable, "-m", "packer", "build", str(recipe), "-o", str(out), "-q"],
-                   check=True, cwd=REPO)  # fmt: skip
+                   check=True, cwd=REPO)
 
 
 # --- the contenders, each run in a fresh process ----------------------------------------
@@ -147,7 +147,7 @@ def split(t: dict[str, float], stages: list[dict[str, Any]]) -> None:
 
 
 def forward(t: dict[str, float], clock: float, model: Any, tok: Any, torch: Any, device: str,
-            logits_file: Path) -> dict[str, Any]:  # fmt: skip
+            logits_file: Path) -> dict[str, Any]:
     import resource
 
     ids = tok(" ".join(TEXT.split()[: PROMPT["words"]]), return_tensors="pt")["input_ids"].to(device)
@@ -166,7 +166,7 @@ def warm_worker(work: str, device: str, asked: float, conn: Any, words: int) -> 
     """Runs in a worker forked from the warm server: load, tokenizer, first forward."""
     PROMPT["words"] = words
     t: dict[str, float] = {"interpreter": time.time() - asked, "import torch": 0.0,
-                           "import transformers": 0.0}  # fmt: skip
+                           "import transformers": 0.0}
     clock = time.perf_counter()
     import packer_loader as P
     import torch
@@ -189,7 +189,7 @@ def warm_owner(work: Path, device: str) -> dict[str, Any]:
     import packer_loader as P
 
     ctx = P.warm_context(["torch", "transformers", "transformers.models.llama.modeling_llama",
-                          "tokenizers"])  # fmt: skip
+                          "tokenizers"])
     server = time.perf_counter() - start
     recv, send = ctx.Pipe(duplex=False)
     p = ctx.Process(target=warm_worker, args=(str(work), device, time.time(), send, PROMPT["words"]))
@@ -206,7 +206,7 @@ def warm_owner(work: Path, device: str) -> dict[str, Any]:
 def run_one(name: str, work: Path, device: str) -> dict[str, Any]:
     role = "warm-owner" if name == "warm" else name
     cmd = [sys.executable, __file__, "--child", role, "--work", str(work), "--device", device,
-           "--prompt-words", str(PROMPT["words"]), "--spawned", repr(time.time())]  # fmt: skip
+           "--prompt-words", str(PROMPT["words"]), "--spawned", repr(time.time())]
     env = {**os.environ, "PACKER_STARTUP_LOG": "off", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)
     if r.returncode != 0:
@@ -272,7 +272,7 @@ def main() -> None:
     size = sum(f.stat().st_size for f in (args.work / "out" / "weights").glob("*.safetensors"))
     print(f"model: {size / 1e9:.2f} GB bf16, {args.layers} layers; device {args.device}; "
           f"first request {args.prompt_words} tokens; "
-          f"load average before: {os.getloadavg()}", flush=True)  # fmt: skip
+          f"load average before: {os.getloadavg()}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in CONTENDERS}
     import torch
 
@@ -291,9 +291,9 @@ def main() -> None:
     for name in ("packer", "warm"):
         xs = [x["loader_weight_stages_s"] * 1e3 for x in results[name]]
         print(f"{name}: the loader's weight stages (headers, map, assign): {min(xs):.1f} / "
-              f"{statistics.median(xs):.1f} / {max(xs):.1f} ms")  # fmt: skip
+              f"{statistics.median(xs):.1f} / {max(xs):.1f} ms")
     print(f"warm server start (once per pool, not in the worker's time): "
-          f"{[round(x['server_start_s'], 2) for x in results['warm']]} s")  # fmt: skip
+          f"{[round(x['server_start_s'], 2) for x in results['warm']]} s")
     print(json.dumps({n: [x["stages"] for x in runs] for n, runs in results.items()}))
     chart(results, args.chart)
     print(f"chart: {args.chart}; load average after: {os.getloadavg()}")

@@ -80,7 +80,7 @@ def time_case(src: Path, name: str) -> float:
     shutil.rmtree(out, ignore_errors=True)
     settle()
     done = subprocess.run([sys.executable, "-c", RUN, str(src), str(out), *CASES[name]],
-                          capture_output=True, text=True)  # fmt: skip
+                          capture_output=True, text=True)
     shutil.rmtree(out, ignore_errors=True)
     if done.returncode != 0:
         raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1]}")

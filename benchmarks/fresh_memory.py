@@ -37,7 +37,7 @@ print(time.perf_counter() - t)
 
 def sample(nbytes: int, huge: bool) -> float:
     done = subprocess.run([sys.executable, "-c", CHILD, str(nbytes), "1" if huge else "0"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+                          capture_output=True, text=True, check=True)
     return float(done.stdout)
 
 

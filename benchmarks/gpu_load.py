@@ -77,7 +77,7 @@ class Report:
     def __init__(self, out: Path) -> None:
         self.out = out
         self.data: dict[str, Any] = {"settings": {}, "env": {}, "probes": {}, "rounds": {}, "race": {},
-                                     "checks": {}, "problems": [], "stages": [], "finished": False}  # fmt: skip
+                                     "checks": {}, "problems": [], "stages": [], "finished": False}
         out.mkdir(parents=True, exist_ok=True)
 
     def save(self) -> None:
@@ -102,36 +102,36 @@ def render(d: dict[str, Any]) -> str:
     lines = [f"# gpu_load: {env.get('device', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}",
              "", f"model {size / 1e9:.2f} GB, {d['settings'].get('reps', '?')} warm rounds, "
              f"settings {json.dumps({k: v for k, v in d['settings'].items() if k != 'model_bytes'})}", "",
-             "| probe | GB/s (median, min-max) | what |", "|---|---|---|"]  # fmt: skip
+             "| probe | GB/s (median, min-max) | what |", "|---|---|---|"]
     for name, p in d["probes"].items():
         lines.append(f"| {name} | {_med(p['gbps']):.1f} ({min(p['gbps']):.1f}-{max(p['gbps']):.1f}) | {p['what']} |")
     lines += ["", "| contender | cache | rounds | median s | min-max s | GB/s (median) | bitwise, aligned |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+              "|---|---|---|---|---|---|---|"]
     for r in d["rounds"].values():
         secs = r["seconds"]
         if not secs:
             continue
         lines.append(f"| {r['label']} | {r['cache']} | {len(secs)} | {_med(secs):.3f} | {min(secs):.3f}-{max(secs):.3f}"
-                     f" | {size / 1e9 / _med(secs):.1f} | {r.get('ok', '')} |")  # fmt: skip
+                     f" | {size / 1e9 / _med(secs):.1f} | {r.get('ok', '')} |")
     warm = d["rounds"].get("packer_warm", {}).get("seconds")
     probes = [_med(p["gbps"]) for k, p in d["probes"].items() if k in ("read-only", "transfer")]
     if warm and len(probes) == 2:
         g = size / 1e9 / _med(warm)
         lines += ["", f"packer warm: {g:.1f} GB/s = {g / min(probes):.0%} of the slower probe "
                   f"({'read-only' if probes[0] <= probes[1] else 'transfer'}, {min(probes):.1f} GB/s); "
-                  "the pipeline reads and copies at once, so it cannot beat its slower stage"]  # fmt: skip
+                  "the pipeline reads and copies at once, so it cannot beat its slower stage"]
     if d["race"]:
         lines += ["", "| race hunt | seconds | chunks | early refills | bitwise |", "|---|---|---|---|---|"]
         lines += [f"| {k} | {v['seconds']:.3f} | {v['chunks']} | {v['early_refills']} | {v['ok']} |"
-                  for k, v in d["race"].items()]  # fmt: skip
+                  for k, v in d["race"].items()]
     if d["checks"]:
         lines += ["", "| check | result |", "|---|---|"] + [f"| {k} | {v} |" for k, v in d["checks"].items()]
     if d["stages"]:
         lines += ["", "stages of the last warm packer load:", ""]
         lines += [f"- {s['stage']}: {s['seconds']:.4f} s, {s['bytes'] / 1e9:.3f} GB, {s['gbps'] or 0:.1f} GB/s"
-                  for s in d["stages"]]  # fmt: skip
+                  for s in d["stages"]]
     lines += ["", f"problems: {'; '.join(d['problems']) if d['problems'] else 'none'}",
-              f"finished: {d['finished']}", ""]  # fmt: skip
+              f"finished: {d['finished']}", ""]
     return "\n".join(lines)
 
 
@@ -147,7 +147,7 @@ def generate(size_gb: float) -> tuple[Path, Path]:
 
     return save_model(WORK, size_gb, lambda g: {"odd": rand(1001, 3).cpu()},
                       lambda i, g: {f"layers.{i}.w": rand(n, n).to(torch.bfloat16).cpu(),
-                                    f"layers.{i}.b": rand(n).cpu()})  # fmt: skip
+                                    f"layers.{i}.b": rand(n).cpu()})
 
 
 def warm_cache(path: Path) -> None:
@@ -241,7 +241,7 @@ def differs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list
     for k, v in want.items():
         t = got.get(k)
         if (t is None or t.dtype != v.dtype or t.shape != v.shape
-                or not torch.equal(t.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))):  # fmt: skip
+                or not torch.equal(t.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))):
             bad.append(f"{k} differs")
         elif t.numel() and t.data_ptr() % 256:
             bad.append(f"{k} misaligned ({t.data_ptr() % 256})")
@@ -270,7 +270,7 @@ def main() -> int:
 
     if args.preflight:
         print(f"gpu_load: imports ok (packer from {Path(L.__file__).parents[2]}, torch {torch.__version__}, "
-              f"safetensors {safetensors.__version__}, zstandard {'zstandard' in sys.modules})")  # fmt: skip
+              f"safetensors {safetensors.__version__}, zstandard {'zstandard' in sys.modules})")
         return 0
     if DEV == "cuda" and not torch.cuda.is_available():
         print("gpu_load: no CUDA device here (torch.cuda.is_available() is False); nothing to measure")
@@ -291,7 +291,7 @@ def run(args: argparse.Namespace, rep: Report, L: Any) -> int:
         torch.cuda.init()
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke run)"
     d["env"] = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-                "cpus": os.cpu_count(), "python": sys.version.split()[0]}  # fmt: skip
+                "cpus": os.cpu_count(), "python": sys.version.split()[0]}
     st, pt = generate(args.size_gb)
     os.sync()
     from load_cpu import manifest
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace, rep: Report, L: Any) -> int:
     ld = L.Loader(m, WORK, timeline=L.Timeline())
     env = {k: v for k, v in os.environ.items() if k.startswith(("PACKER_", "PYTORCH_", "CUDA_"))}
     d["settings"] = {"model_bytes": st.stat().st_size, "reps": args.reps, "slots": ld.slots, "chunk": ld.chunk,
-                     "readers": ld.readers, "generate_s": round(time.perf_counter() - t0, 1), "env": env}  # fmt: skip
+                     "readers": ld.readers, "generate_s": round(time.perf_counter() - t0, 1), "env": env}
     rep.save()
     probes(rep, st, ld)
     warm_rounds(rep, ld, st, pt, args)
@@ -317,12 +317,12 @@ def probes(rep: Report, st: Path, ld: Any) -> None:
     d = rep.data
     pins = [pin_probe(ld.slots * ld.chunk) for _ in range(3)]
     d["probes"]["pinning"] = {"gbps": [g for g, _ in pins], "what": f"pin {ld.slots * ld.chunk // MIB} MiB "
-                              f"as the ring does ({pins[0][1]}); paid once per process"}  # fmt: skip
+                              f"as the ring does ({pins[0][1]}); paid once per process"}
     rep.save()
     warm_cache(st)
     d["probes"]["read-only"] = {"gbps": read_probe(st, ld.readers, ld.slots, 3),
                                 "what": f"{ld.readers} reader threads into {ld.slots} pinned 64 MiB slots, "
-                                        "warm cache, no copy"}  # fmt: skip
+                                        "warm cache, no copy"}
     rep.save()
     d["probes"]["transfer"] = {"gbps": transfer_probe(5), "what": "1 GiB pinned -> device, 64 MiB copies, no reads"}
     rep.save()
@@ -363,7 +363,7 @@ def warm_rounds(rep: Report, ld: Any, st: Path, pt: Path, args: argparse.Namespa
     s = ld.last_stats
     pin_first, pin_warm = first["pin_s"], max(pk["pin_s"])
     d["checks"]["pinned ring"] = (f"{s.host_bytes // MIB} MiB ({s.host_kind}), pinned by the first load "
-                                  f"in {pin_first:.3f} s, by the warm rounds in {pin_warm:.3f} s")  # fmt: skip
+                                  f"in {pin_first:.3f} s, by the warm rounds in {pin_warm:.3f} s")
     stages = ld.report(trace=rep.out / "gpu_load_trace.json")
     last = max(i for i, x in enumerate(stages) if x["stage"] == "headers")
     d["stages"] = stages[last:]
@@ -414,7 +414,7 @@ def race_hunt(rep: Report, m: dict[str, Any], L: Any) -> None:
         ("stream slowed 0.2 ms before each copy, 4 x 4 MiB",
          {"slots": 4, "chunk": 4 * MIB, "make_engine": slowed}, {}),
         ("verify=True (hash thread), default ring", {}, {"verify": True}),
-    ]  # fmt: skip
+    ]
     for name, opts, kw in runs:
         ld = L.Loader(m, WORK, timeline=L.Timeline())
         for k, v in opts.items():
@@ -429,7 +429,7 @@ def race_hunt(rep: Report, m: dict[str, Any], L: Any) -> None:
         bad = differs(sd, ref)
         s = ld.last_stats
         d["race"][name] = {"seconds": secs, "chunks": s.chunks, "early_refills": s.early_refills,
-                           "ok": "ok" if not bad else f"{len(bad)} differ", "hash_s": s.hash_seconds}  # fmt: skip
+                           "ok": "ok" if not bad else f"{len(bad)} differ", "hash_s": s.hash_seconds}
         d["problems"] += [f"{name}: {b}" for b in bad] + ([f"{name}: early refills"] if s.early_refills else [])
         del sd
         rep.save()

@@ -73,7 +73,7 @@ def packer_uncompressed(paths: list[Path], dst: Path, known: dict[Path, str] | N
         src = SourceFile(f"/opt/model/weights/{p.name}", p.stat().st_size, source=p)
         members = tar_members([src], owner=Owner(), prefix="/opt/model")
         jobs.append(LayerJob(tar_pieces(members, mtime=0), "none",
-                             digest=known[p] if known else None))  # fmt: skip
+                             digest=known[p] if known else None))
     write_layers(jobs, dst)
 
 

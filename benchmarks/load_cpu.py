@@ -44,7 +44,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 def save_model(work: Path, size_gb: float, first: Callable[[torch.Generator], Tensors],
-               layer: Callable[[int, torch.Generator], Tensors]) -> tuple[Path, Path]:  # fmt: skip
+               layer: Callable[[int, torch.Generator], Tensors]) -> tuple[Path, Path]:
     """``first`` then ``layer(i)`` until ``size_gb`` GB, saved as safetensors and as a pickle (cached)."""
     st, pt = work / "weights" / "model.safetensors", work / "model.pt"
     if st.exists() and pt.exists() and st.stat().st_size >= size_gb * 1e9 * 0.95:
@@ -69,7 +69,7 @@ def generate(size_gb: float) -> tuple[Path, Path]:
                 f"layers.{i}.mlp.up.weight": torch.randn(4096, 1024, generator=g).to(torch.bfloat16),
                 f"layers.{i}.mlp.down.weight": torch.randn(1024, 4096, generator=g).to(torch.bfloat16),
                 f"layers.{i}.norm.weight": torch.ones(1024),
-                f"layers.{i}.mlp.up.bias": torch.zeros(4096)}  # fmt: skip
+                f"layers.{i}.mlp.up.bias": torch.zeros(4096)}
 
     def first(g: torch.Generator) -> Tensors:
         return {"embed.weight": torch.randn(32000, 1024, generator=g).to(torch.bfloat16)}
@@ -89,7 +89,7 @@ def manifest(st: Path, *, aliases: dict[str, str] | None = None, device: str = "
             "files": {rel: {"size": size, "sha256": digest}},
             "weights": {"files": [rel], "index": None, "total_size": size, "aliases": aliases or {},
                         "tensors": {k: {"file": rel, **v} for k, v in header.items()}},
-            "bundle": None, "runtime": {"device": device, "warmup": []}}  # fmt: skip
+            "bundle": None, "runtime": {"device": device, "warmup": []}}
 
 
 def module_like(m: dict[str, Any]) -> torch.nn.Module:
@@ -140,7 +140,7 @@ def import_cost(reps: int, *, compile_: bool) -> list[float]:
     out = []
     for _ in range(reps):
         r = subprocess.run([sys.executable, *flags, "-X", "importtime", "-c", code],
-                           capture_output=True, text=True, cwd=REPO, env=env, check=True)  # fmt: skip
+                           capture_output=True, text=True, cwd=REPO, env=env, check=True)
         total = 0
         for line in r.stderr.splitlines():
             parts = [p.strip() for p in line.split("|")]

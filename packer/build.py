@@ -42,7 +42,7 @@ class BuildResult:
         files = {**self.manifest.get("files", {}), **self.manifest.get("image_files", {})}
         return {"out": str(self.out), "dry_run": self.dry_run, "files": len(files),
                 "bytes": sum(f["size"] for f in files.values()), "stages": self.timer.as_json(),
-                "notes": self.notes}  # fmt: skip
+                "notes": self.notes}
 
 
 def _check_out(out: Path) -> None:
@@ -51,7 +51,7 @@ def _check_out(out: Path) -> None:
 
 
 def _hash_inputs_early(snap: Snapshot, recipe: Recipe, pool: ThreadPoolExecutor,
-                       stop: threading.Event) -> Early:  # fmt: skip
+                       stop: threading.Event) -> Early:
     """Start hashing the checkpoint files the weights stage will read, while it converts them.
 
     The manifest records every input's sha256; hashing the checkpoints after conversion
@@ -70,7 +70,7 @@ def _hash_inputs_early(snap: Snapshot, recipe: Recipe, pool: ThreadPoolExecutor,
 
 
 def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | None,
-                   early: Early) -> list[FileEntry]:  # fmt: skip
+                   early: Early) -> list[FileEntry]:
     """sha256 of every source file a stage used, relative to the source root."""
     rels = {i["path"] for i in weights.section.get("inputs", [])}
     if bundle is not None:
@@ -112,16 +112,16 @@ def _stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[
     if ctx.dry_run:  # the image plan from the planned file names (sizes are not known yet)
         image = STAGES["image"](ctx)
         manifest = {"recipe": recipe.normalised(), "source": snap.identity(), "weights": weights.section,
-                    "bundle": bundle.section if bundle else None, "image": image.section}  # fmt: skip
+                    "bundle": bundle.section if bundle else None, "image": image.section}
         return manifest, [*weights.notes, *(bundle.notes if bundle else ())]
     loader = _run_stage(ctx, timer, "loader")
     with timer.stage("inputs") as t:
         inputs = _input_entries(snap, weights, bundle, ctx.early)
         t.nbytes = sum(e.size for e in inputs)
     sections = {"weights": weights.section, "bundle": bundle.section if bundle else None,
-                "loader": loader.section}  # fmt: skip
+                "loader": loader.section}
     manifest = artifact_manifest(recipe=recipe.normalised(), source=snap.identity(), inputs=inputs,
-                                 files=ctx.artifacts(), sections=sections)  # fmt: skip
+                                 files=ctx.artifacts(), sections=sections)
     atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
     image = _run_stage(ctx, timer, "image")
     manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
@@ -132,7 +132,7 @@ def _stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[
 
 def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bool = True,
           cache_dir: Path | None = None, progress: Progress | None = None,
-          layer_digests: bool | None = None) -> BuildResult:  # fmt: skip
+          layer_digests: bool | None = None) -> BuildResult:
     """Build ``recipe`` into ``out``.
 
     The weights stage, which reads untrusted checkpoints, runs in an isolated child process

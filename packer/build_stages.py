@@ -82,7 +82,7 @@ class StageContext:
     def artifacts(self) -> list[FileEntry]:
         """The artifact files written so far (weights, bundle, loader), in that order."""
         return [f for name in ("weights", "bundle", "loader") if name in self.outputs
-                for f in self.outputs[name].files]  # fmt: skip
+                for f in self.outputs[name].files]
 
 
 def weights_stage(ctx: StageContext) -> StageOutput:
@@ -97,7 +97,7 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     layer_image = img if ctx.layer_digests and img.weights == "layer" and not img.single_layer else None
     return convert_cli(ctx.snap.weights, ctx.staging / "weights", ctx.recipe.weights, rel_root=ctx.staging,
                        dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress,
-                       layer_image=layer_image)  # fmt: skip
+                       layer_image=layer_image)
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:
@@ -105,7 +105,7 @@ def bundle_stage(ctx: StageContext) -> StageOutput:
     from packer.bundle import run_bundle
 
     return run_bundle(ctx.snap.root, ctx.recipe.bundle, ctx.staging, rel_root=ctx.staging,
-                      allowed_root=ctx.snap.allowed_root, dry_run=ctx.dry_run)  # fmt: skip
+                      allowed_root=ctx.snap.allowed_root, dry_run=ctx.dry_run)
 
 
 def embedded_manifest(ctx: StageContext) -> dict[str, Any]:
@@ -116,7 +116,7 @@ def embedded_manifest(ctx: StageContext) -> dict[str, Any]:
     return {"name": ctx.recipe.name, "version": ctx.recipe.version,
             "files": files_map([*weights.files, *(bundle.files if bundle else ())]),
             "weights": weights.section, "bundle": bundle.section if bundle else None,
-            "runtime": ctx.recipe.normalised()["runtime"]}  # fmt: skip
+            "runtime": ctx.recipe.normalised()["runtime"]}
 
 
 def loader_stage(ctx: StageContext) -> StageOutput:
@@ -133,7 +133,7 @@ def _planned_files(ctx: StageContext) -> list[FileEntry]:
 
     section = ctx.outputs["weights"].section
     names = [*section.get("files", []), *([section["index"]] if section.get("index") else []),
-             *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), LOADER_NAME]  # fmt: skip
+             *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), LOADER_NAME]
     return [FileEntry(p, 0, "") for p in names]
 
 
@@ -148,19 +148,19 @@ def image_stage(ctx: StageContext) -> StageOutput:
     from packer.oci import build_image
 
     common: dict[str, Any] = {"cfg": ctx.recipe.image, "name": ctx.recipe.name, "version": ctx.recipe.version,
-                              "source": ctx.snap.identity()}  # fmt: skip
+                              "source": ctx.snap.identity()}
     if ctx.dry_run:
         return build_image(ctx.staging, **common, artifact_files=_planned_files(ctx), artifact_manifest=b"",
-                           dry_run=True)  # fmt: skip
+                           dry_run=True)
     return build_image(ctx.staging, **common, artifact_files=ctx.artifacts(),
                        artifact_manifest=(ctx.staging / MANIFEST_NAME).read_bytes(), verify=False,
-                       known_digests=ctx.outputs["weights"].digests)  # fmt: skip
+                       known_digests=ctx.outputs["weights"].digests)
 
 
 Stage = Callable[[StageContext], StageOutput]
 
 STAGES: dict[str, Stage] = {"weights": weights_stage, "bundle": bundle_stage, "loader": loader_stage,
-                            "image": image_stage}  # fmt: skip
+                            "image": image_stage}
 """The stages by name, in build order."""
 
 

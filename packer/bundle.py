@@ -43,7 +43,7 @@ NEVER = {
                           ".mlmodel", ".engine", ".plan", ".trt"}),
     "code": frozenset({".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll", ".exe", ".sh", ".ipynb"}),
     "pickle": frozenset({".pkl", ".pickle", ".joblib", ".dill"}),
-}  # fmt: skip
+}
 _WEIGHTS_INDEX = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)\.index\.json$", re.I)
 _VERSIONED_MODEL = re.compile(r"\.model\.v\d+$")  # Mistral's tokenizer.model.v3
 # sentence-transformers modules (1_Pooling, 2_Normalize, 2_Dense...) and diffusers components
@@ -51,7 +51,7 @@ _MODULE_DIR = re.compile(r"^\d+_[A-Za-z]\w*$")
 _Globs = list[tuple[str, re.Pattern[str]]]
 KNOWN_DIRS = frozenset({"tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2",
                         "text_encoder_3", "scheduler", "feature_extractor", "image_processor", "processor",
-                        "unet", "vae", "transformer", "prior", "decoder"})  # fmt: skip
+                        "unet", "vae", "transformer", "prior", "decoder"})
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _inside(path: Path, root: Path, rel: str) -> Path:
     real = Path(os.path.realpath(path))
     if not real.is_relative_to(root):
         raise BundleError(f"{path}: symlink {rel!r} leads outside {root} (to {real}); "
-                          "copy the file into the model directory")  # fmt: skip
+                          "copy the file into the model directory")
     return real
 
 
@@ -249,15 +249,15 @@ def _check_plan(plan: BundlePlan) -> None:
         key = reader.member_key(name)
         if key in seen:
             raise BundleError(f"{plan.src}: {name!r} and {seen[key]!r} collide after case folding or "
-                              "Unicode normalisation; exclude one")  # fmt: skip
+                              "Unicode normalisation; exclude one")
         seen[key] = name
     if len(seen) > reader.DEFAULT_MAX_MEMBERS:
         raise BundleError(f"{plan.src}: {len(seen)} bundle entries, over the reader's cap of "
-                          f"{reader.DEFAULT_MAX_MEMBERS}; narrow it with [bundle] exclude")  # fmt: skip
+                          f"{reader.DEFAULT_MAX_MEMBERS}; narrow it with [bundle] exclude")
     tar_size = _tar_size(plan)
     if tar_size > reader.DEFAULT_MAX_BYTES:
         raise BundleError(f"{plan.src}: bundle of {tar_size} bytes, over the reader's cap of "
-                          f"{reader.DEFAULT_MAX_BYTES}; narrow it with [bundle] exclude")  # fmt: skip
+                          f"{reader.DEFAULT_MAX_BYTES}; narrow it with [bundle] exclude")
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,7 +369,7 @@ def write_bundle(plan: BundlePlan, dest: Path, *, level: int = ZSTD_LEVEL, threa
 def _plan_section(plan: BundlePlan) -> dict[str, Any]:
     return {"file": ARCHIVE_NAME, "dry_run": True, "zstd_level": ZSTD_LEVEL,
             "members": [{"name": m.name, "size": m.size, "source": str(m.source)} for m in plan.members],
-            "skipped": [{"name": n, "reason": r} for n, r in plan.skipped]}  # fmt: skip
+            "skipped": [{"name": n, "reason": r} for n, r in plan.skipped]}
 
 
 def _notes(plan: BundlePlan) -> tuple[str, ...]:
@@ -378,11 +378,11 @@ def _notes(plan: BundlePlan) -> tuple[str, ...]:
         if not reason.startswith("weights"):  # the weights stage converts those: no news
             by_reason.setdefault(reason, []).append(name)
     return tuple(f"bundle: skipped ({reason}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
-                 for reason, names in sorted(by_reason.items()))  # fmt: skip
+                 for reason, names in sorted(by_reason.items()))
 
 
 def run_bundle(src: Path, cfg: BundleConfig, out_dir: Path, *, rel_root: Path | None = None,
-               allowed_root: Path | None = None, dry_run: bool = False) -> StageOutput:  # fmt: skip
+               allowed_root: Path | None = None, dry_run: bool = False) -> StageOutput:
     """The build stage: plan and write ``out_dir/bundle.tar.zst``.
 
     Args:
@@ -407,9 +407,9 @@ def run_bundle(src: Path, cfg: BundleConfig, out_dir: Path, *, rel_root: Path | 
     written = write_bundle(plan, out_dir / ARCHIVE_NAME)
     rel = written.path.relative_to(rel_root if rel_root is not None else out_dir).as_posix()
     section = {"file": rel, "size": written.size, "sha256": written.sha256, "zstd_level": written.zstd_level,
-               "members": [{"name": m.name, "size": m.size, "sha256": m.sha256} for m in written.members]}  # fmt: skip
+               "members": [{"name": m.name, "size": m.size, "sha256": m.sha256} for m in written.members]}
     return StageOutput(files=(FileEntry(rel, written.size, written.sha256),), section=section,
-                       bytes_processed=plan.total_size, notes=_notes(plan))  # fmt: skip
+                       bytes_processed=plan.total_size, notes=_notes(plan))
 
 
 def bundle_to_file(src: Path, out: Path, cfg: BundleConfig, *, dry_run: bool = False) -> dict[str, Any]:
@@ -424,7 +424,7 @@ def bundle_to_file(src: Path, out: Path, cfg: BundleConfig, *, dry_run: bool = F
     out = Path(out)
     written = write_bundle(plan, out)
     return {"file": str(out), "size": written.size, "sha256": written.sha256, "zstd_level": written.zstd_level,
-            "members": [{"name": m.name, "size": m.size, "sha256": m.sha256} for m in written.members]}  # fmt: skip
+            "members": [{"name": m.name, "size": m.size, "sha256": m.sha256} for m in written.members]}
 
 
 def unbundle(archive: Path, dest: Path) -> list[str]:

@@ -114,7 +114,7 @@ _ALLOW_HELP = ("Read globals matching this 'module.Name' pattern (fnmatch) as in
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
 def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: bool,
-          allow_globals: tuple[str, ...]) -> None:  # fmt: skip
+          allow_globals: tuple[str, ...]) -> None:
     """Build RECIPE (default: the embedded demo) into OUT.
 
     \b
@@ -157,7 +157,7 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
 def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tuple[str, ...],
             renames: tuple[str, ...], dtype: str | None, max_shard_size: str,
             tie_prefer: tuple[str, ...], dry_run: bool, no_sandbox: bool,
-            allow_globals: tuple[str, ...]) -> None:  # fmt: skip
+            allow_globals: tuple[str, ...]) -> None:
     """Convert pickle checkpoints (or safetensors) in SRC to safetensors in OUT.
 
     \b
@@ -170,7 +170,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
     from packer.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
-                           "tie_prefer": list(tie_prefer)}  # fmt: skip
+                           "tie_prefer": list(tie_prefer)}
     if key:
         raw["key"] = key
     if dtype:
@@ -194,7 +194,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
         for f in result.files:
             ctx.log(f"{f.sha256}  {out / f.path}  ({f.size} bytes)")
     ctx.emit({"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),
-              "tensors": len(result.section.get("tensors", {})), "dry_run": dry_run})  # fmt: skip
+              "tensors": len(result.section.get("tensors", {})), "dry_run": dry_run})
 
 
 @main.command()

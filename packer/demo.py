@@ -180,7 +180,7 @@ def _tokenizer_json(shape: DemoShape) -> dict[str, object]:
         "post_processor": None,
         "decoder": None,
         "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(vocab_list)}, "unk_token": "<unk>"},
-    }  # fmt: skip
+    }
 
 
 def _config_files(shape: DemoShape) -> dict[str, dict[str, object]]:
@@ -201,7 +201,7 @@ def _config_files(shape: DemoShape) -> dict[str, dict[str, object]]:
             "unk_token": "<unk>", "model_max_length": 2048, "clean_up_tokenization_spaces": False,
         },
         "special_tokens_map.json": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-    }  # fmt: skip
+    }
 
 
 def write_demo(dest: Path, shape: DemoShape = DemoShape()) -> Path:

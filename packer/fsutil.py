@@ -121,7 +121,7 @@ def umask() -> int:
 
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: int = 0o666, *,
-                check: Callable[[Path], object] | None = None) -> Iterator[IO[bytes]]:  # fmt: skip
+                check: Callable[[Path], object] | None = None) -> Iterator[IO[bytes]]:
     """Open a temporary file next to ``path``; on success fsync and rename it into place.
 
     The final file gets ``mode`` minus the umask (mkstemp alone would leave 0600). ``check``,

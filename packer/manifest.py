@@ -40,7 +40,7 @@ def tool_versions() -> dict[str, str | None]:
             return None
 
     return {"python": platform.python_version(), "torch": version("torch"),
-            "safetensors": version("safetensors"), "zstandard": version("zstandard")}  # fmt: skip
+            "safetensors": version("safetensors"), "zstandard": version("zstandard")}
 
 
 def files_map(entries: Iterable[FileEntry]) -> dict[str, dict[str, Any]]:
@@ -54,7 +54,7 @@ def files_map(entries: Iterable[FileEntry]) -> dict[str, dict[str, Any]]:
 
 
 def artifact_manifest(*, recipe: dict[str, Any], source: dict[str, Any], inputs: Iterable[FileEntry],
-                      files: Iterable[FileEntry], sections: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+                      files: Iterable[FileEntry], sections: dict[str, Any]) -> dict[str, Any]:
     """Assemble the artifact manifest (everything but the image)."""
     return {
         "schema": SCHEMA_VERSION,
@@ -94,7 +94,7 @@ Inode = tuple[int, int]
 
 
 def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
-                stop: threading.Event) -> dict[Inode, Future[tuple[int, str] | None]]:  # fmt: skip
+                stop: threading.Event) -> dict[Inode, Future[tuple[int, str] | None]]:
     """Start hashing, largest first, the listed files the image walk does not check itself.
 
     The image walk hashes every blob (and the files inside packer's layers); the files
@@ -119,7 +119,7 @@ def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
 
 
 def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
-                 ahead: dict[Inode, Future[tuple[int, str] | None]]) -> int:  # fmt: skip
+                 ahead: dict[Inode, Future[tuple[int, str] | None]]) -> int:
     total = 0
     hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
     for rel, want in sorted(listed.items()):
@@ -166,7 +166,7 @@ def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
     if section and (index is None or "sha256:" + index["sha256"] != section.get("index_digest")):
         raise VerifyError(f"{path}: image.index_digest disagrees with image_files")
     for digest in [section.get("manifest_digest"), section.get("config_digest"),
-                   *(layer.get("digest") for layer in section.get("layers", []))]:  # fmt: skip
+                   *(layer.get("digest") for layer in section.get("layers", []))]:
         if digest and f"image/blobs/sha256/{digest.removeprefix('sha256:')}" not in image_files:
             raise VerifyError(f"{path}: image section names {digest}, which is not in image_files")
 

@@ -34,7 +34,7 @@ def parse_stderr(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
             parts = [p.strip() for p in line[len("import time:"):].split("|")]
             if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
                 imports.append({"module": parts[2], "self_us": int(parts[0]),
-                                "cumulative_us": int(parts[1])})  # fmt: skip
+                                "cumulative_us": int(parts[1])})
             continue
         rec = _json_line(line)
         if rec is not None and "startup" in rec:
@@ -57,7 +57,7 @@ def _json_line(line: str) -> dict[str, Any] | None:
 
 
 def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
-            timeout: float = 900.0) -> dict[str, Any]:  # fmt: skip
+            timeout: float = 900.0) -> dict[str, Any]:
     """Run ``OUT/packer_loader.py --selftest`` under ``-X importtime`` and collect its table.
 
     Args:
@@ -81,7 +81,7 @@ def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
     env = {**os.environ, "PACKER_STARTUP_LOG": "json"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                              cwd=loader.parent, check=False)  # fmt: skip
+                              cwd=loader.parent, check=False)
     except subprocess.TimeoutExpired:
         raise LoaderError(f"{loader}: self-test did not finish in {timeout:.0f}s") from None
     stages, imports, other = parse_stderr(proc.stderr)

@@ -24,7 +24,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*
 _SIZE_UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-}  # fmt: skip
+}
 
 
 def parse_size(text: str) -> int:
@@ -245,12 +245,12 @@ _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
     "allow_globals": _global_patterns,
-}  # fmt: skip
+}
 _BUNDLE = {"include": _str_list, "exclude": _str_list}
 _IMAGE = {
     "base": _base, "prefix": _str, "compression": _choice(COMPRESSIONS), "owner": _owner,
     "weights": _choice(WEIGHTS_PLACEMENT), "single_layer": _bool, "platform": _str, "tag": _str,
-}  # fmt: skip
+}
 _RUNTIME = {"device": _str, "warmup": _warmup}
 
 
@@ -266,7 +266,7 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
         "bundle": lambda p, v: BundleConfig(**_fields(p, _table(p, v), _BUNDLE)),
         "image": lambda p, v: ImageConfig(**_fields(p, _table(p, v), _IMAGE)),
         "runtime": lambda p, v: RuntimeConfig(**_fields(p, _table(p, v), _RUNTIME)),
-    })  # fmt: skip
+    })
     for required in ("name", "version", "source"):
         if required not in top:
             raise RecipeError(f"{required}: missing required key")

@@ -63,7 +63,7 @@ def _stdlib_import(node: ast.Import | ast.ImportFrom, where: str) -> list[tuple[
         if mod.split(".")[0] not in sys.stdlib_module_names:
             raise StubError(f"{where}: top-level import of {mod!r}: the runtime modules may import "
                             "only the standard library and packer.runtime modules at the top "
-                            "(import torch inside functions)")  # fmt: skip
+                            "(import torch inside functions)")
     if any(a.name == "*" for a in node.names):
         raise StubError(f"{where}: line {node.lineno}: 'import *' hides which names the emitted file binds")
     spell = [a.name + (f" as {a.asname}" if a.asname else "") for a in node.names]
@@ -87,12 +87,12 @@ def _runtime_import(node: ast.Import | ast.ImportFrom, where: str) -> tuple[str,
     mod = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
     if isinstance(node, ast.Import) or node.level or not mod.startswith(PREFIX) or "." in mod[len(PREFIX):]:
         raise StubError(f"{where}: line {node.lineno}: only 'from packer.runtime.<module> "
-                        "import <names>' may import packer code in the runtime")  # fmt: skip
+                        "import <names>' may import packer code in the runtime")
     for a in node.names:
         if a.asname or a.name == "*":
             spelled = a.name + (f" as {a.asname}" if a.asname else "")
             raise StubError(f"{where}: line {node.lineno}: 'from {mod} import {spelled}': the emitted file "
-                            "drops this line, so import each name as it is (no 'as', no '*')")  # fmt: skip
+                            "drops this line, so import each name as it is (no 'as', no '*')")
     return mod[len(PREFIX):], [a.name for a in node.names]
 
 
@@ -113,7 +113,7 @@ def _block_imports(tree: ast.Module) -> list[tuple[str, str]]:
 def _is_main_guard(node: ast.stmt) -> bool:
     test = node.test if isinstance(node, ast.If) else None
     return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
-            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))  # fmt: skip
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))
 
 
 def _scope_names(text: str, where: str) -> tuple[set[str], set[str]]:
@@ -174,7 +174,7 @@ def parse_runtime_module(name: str, source: str) -> RuntimeModule:
             raise StubError(f"{where}: line {getattr(inner, 'lineno', 0)}: imports packer code inside a "
                             "function or block; the emitted file has no packer package to import from (it "
                             "would load an installed one): use a top-level 'from packer.runtime.<module> "
-                            "import <names>'")  # fmt: skip
+                            "import <names>'")
     text = source.splitlines()
     defines, read = _scope_names("\n".join("" if n in drop else x for n, x in enumerate(text, 1)), where)
     blocks = _block_imports(tree)  # the same import in two modules' blocks binds one object
@@ -183,7 +183,7 @@ def parse_runtime_module(name: str, source: str) -> RuntimeModule:
     body = "\n".join(x for n, x in enumerate(text, 1) if n not in drop and n not in main).strip("\n") + "\n"
     return RuntimeModule(name, doc, doc_source, tuple(dict.fromkeys(deps)), tuple(imports), tuple(sorted(defines)),
                          body, tuple(from_runtime), tuple(sorted(read - defines - imported)),
-                         "\n".join(text[n - 1] for n in sorted(main)), tuple(blocks))  # fmt: skip
+                         "\n".join(text[n - 1] for n in sorted(main)), tuple(blocks))
 
 
 def _bound_name(mod: str, spelled: str) -> str:
@@ -245,20 +245,20 @@ def _check_names(mods: list[RuntimeModule], entry: str) -> None:
             first = target.setdefault(n, (_target(mod, x), f"'{spelled}' in {m.name}.py"))
             if first[0] != _target(mod, x):
                 raise StubError(f"packer/runtime: {n!r} is bound by {first[1]} and by '{spelled}' in "
-                                f"{m.name}.py; they share one emitted file: import it one way")  # fmt: skip
+                                f"{m.name}.py; they share one emitted file: import it one way")
             owner[n] = "a standard-library import" if (mod, x) in m.imports else f"an import in {m.name}.py"
     for i, m in enumerate(mods):
         if m.main and m.name != entry:
             raise StubError(f"packer/runtime/{m.name}.py: only {entry}.py may have an "
-                            "'if __name__ == \"__main__\"' block")  # fmt: skip
+                            "'if __name__ == \"__main__\"' block")
         for n in m.defines:
             if n == "__all__" and (m.name == entry or i < [x.name for x in mods].index(entry)):
                 continue  # the entry's __all__ comes last and is the emitted file's
             if owner.setdefault(n, f"{m.name}.py") != f"{m.name}.py":
                 raise StubError(f"packer/runtime: {n!r} is bound by both {owner[n]} and {m.name}.py; "
-                                "top-level names must be unique (they share one emitted file)")  # fmt: skip
+                                "top-level names must be unique (they share one emitted file)")
     binds = {m.name: {*m.defines, *(_bound_name(*p) for p in (*m.imports, *m.block_imports)),
-                      *(n for _, n in m.from_runtime)} for m in mods}  # fmt: skip
+                      *(n for _, n in m.from_runtime)} for m in mods}
     for m in mods:
         for dep, n in m.from_runtime:
             if n not in binds[dep]:
@@ -266,10 +266,10 @@ def _check_names(mods: list[RuntimeModule], entry: str) -> None:
         for n in m.uses:
             if n not in _IMPLICIT:
                 raise StubError(f"packer/runtime/{m.name}.py: uses {n!r} but neither binds nor imports it "
-                                "(in the emitted file it would resolve to another module's name)")  # fmt: skip
+                                "(in the emitted file it would resolve to another module's name)")
             if n in owner:
                 raise StubError(f"packer/runtime/{m.name}.py: uses the builtin {n!r}, which {owner[n]} rebinds "
-                                "in the shared emitted file: rename that one")  # fmt: skip
+                                "in the shared emitted file: rename that one")
 
 
 def runtime_modules(runtime: Path = RUNTIME, entry: str = ENTRY) -> list[RuntimeModule]:

@@ -29,7 +29,7 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 def read_header(f: BinaryIO, path: Path, size: int, *,
-                error: type[PackerError]) -> tuple[dict[str, Any], int]:  # fmt: skip
+                error: type[PackerError]) -> tuple[dict[str, Any], int]:
     """Parse the header of the open safetensors file ``f`` (``size`` bytes long).
 
     The length is checked against the file size and :data:`MAX_HEADER_BYTES` before anything

@@ -18,17 +18,17 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packer import errors
 from packer.build_stages import Progress, StageOutput
 from packer.fsutil import FileEntry
 from packer.recipe import ImageConfig, Rename, WeightsConfig
 
-LayerFraming = Callable[[str, int], tuple[bytes, bytes]]
+if TYPE_CHECKING:  # the convert machinery is imported where it runs (the child), not here
+    from packer.weights.convert import LayerFraming
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
@@ -66,7 +66,7 @@ def _isolate(limits: dict[str, int]) -> None:
     sys.addaudithook(_deny_sockets)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for which, value in ((resource.RLIMIT_AS, limits["as"]), (resource.RLIMIT_CPU, limits["cpu"]),
-                         (resource.RLIMIT_FSIZE, limits["fsize"])):  # fmt: skip
+                         (resource.RLIMIT_FSIZE, limits["fsize"])):
         soft, hard = resource.getrlimit(which)
         # never loosen a limit the caller already set (a CI job's own caps stay in force)
         value = min([value, *(v for v in (soft, hard) if v != resource.RLIM_INFINITY)])
@@ -100,7 +100,7 @@ def _child_main() -> int:
         image = ImageConfig(**request["image"]) if request.get("image") else None
         result = convert(Path(request["src"]), Path(request["out"]), _cfg_from_json(request["cfg"]),
                          rel_root=rel_root, dry_run=request["dry_run"],
-                         layer_framing=_framing(image, request.get("mtime")))  # fmt: skip
+                         layer_framing=_framing(image, request.get("mtime")))
     except errors.PackerError as e:
         json.dump({"error": str(e), "type": type(e).__name__}, sys.stdout)
         return 1
@@ -116,7 +116,7 @@ def _child_main() -> int:
         return 1
     json.dump({"files": [asdict(f) for f in result.files], "section": result.section,
                "bytes": result.bytes_processed, "notes": list(result.notes),
-               "digests": result.digests}, sys.stdout)  # fmt: skip
+               "digests": result.digests}, sys.stdout)
     return 0
 
 
@@ -149,7 +149,7 @@ def _run_child(request: str, out: Path, progress: Progress | None) -> subprocess
     """Run the child; while it works, report the bytes it writes under ``out`` as increments."""
     reported = _dir_bytes(out)  # what was there before is not the child's
     with subprocess.Popen([sys.executable, "-m", "packer.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+                          stderr=subprocess.PIPE, text=True) as proc:
         result: list[tuple[str, str]] = []
         talker = threading.Thread(target=lambda: result.append(proc.communicate(request)), daemon=True)
         talker.start()
@@ -178,7 +178,7 @@ def _layer_mtime(image: ImageConfig | None) -> int | None:
 
 def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
                       dry_run: bool = False, progress: Progress | None = None,
-                      layer_image: ImageConfig | None = None) -> StageOutput:  # fmt: skip
+                      layer_image: ImageConfig | None = None) -> StageOutput:
     """Run :func:`packer.weights.convert.convert` in an isolated child process.
 
     ``layer_image``: also compute each weight file's image-layer digest while writing it
@@ -191,7 +191,7 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
                "rel_root": str(rel_root) if rel_root else None,
                "image": asdict(layer_image) if layer_image else None,
                "mtime": _layer_mtime(layer_image),
-               "limits": _limits(_input_size(src))}  # fmt: skip
+               "limits": _limits(_input_size(src))}
     proc = _run_child(json.dumps(request), out, progress)
     if proc.returncode < 0:
         raise errors.CheckpointError(f"converting {src}: {_killed_reason(proc.returncode)}")
@@ -204,12 +204,12 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
         raise error_class(reply["type"])(reply["error"])
     files = tuple(FileEntry(**f) for f in reply["files"])
     return StageOutput(files=files, section=reply["section"], bytes_processed=reply["bytes"],
-                       notes=tuple(reply["notes"]), digests=dict(reply.get("digests", {})))  # fmt: skip
+                       notes=tuple(reply["notes"]), digests=dict(reply.get("digests", {})))
 
 
 def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None, dry_run: bool = False,
                 sandbox: bool = True, progress: Progress | None = None,
-                layer_image: ImageConfig | None = None) -> StageOutput:  # fmt: skip
+                layer_image: ImageConfig | None = None) -> StageOutput:
     """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
 
     ``progress`` receives the bytes as they are written (increments, see
@@ -219,11 +219,11 @@ def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | No
     """
     if sandbox:
         return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
-                                 layer_image=layer_image)  # fmt: skip
+                                 layer_image=layer_image)
     from packer.weights.convert import convert
 
     return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
-                   layer_framing=_framing(layer_image, _layer_mtime(layer_image)))  # fmt: skip
+                   layer_framing=_framing(layer_image, _layer_mtime(layer_image)))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-
 # What the weights and bundle stages may read from a hub repo when the recipe names nothing.
 DEFAULT_HF_PATTERNS = (
     "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", *WEIGHT_PATTERNS, "*/*.json", "*/*.txt",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
 
     try:
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=hf_allow_patterns(recipe)))  # fmt: skip
+                                      allow_patterns=hf_allow_patterns(recipe)))
     except LocalEntryNotFoundError as e:
         raise SourceError(
             f"source {recipe.source}: not in the local cache and the hub cannot be reached"
@@ -93,7 +93,7 @@ def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
         raise SourceError(f"source {recipe.source}: {str(e).splitlines()[0]}") from e
     # snapshot folders are named by commit: .../models--org--name/snapshots/<commit>
     return Snapshot(root=path, weights=path, kind="hf", uri=recipe.source, revision=path.name,
-                    allowed_root=path.parent.parent)  # fmt: skip
+                    allowed_root=path.parent.parent)
 
 
 def _resolve_local(recipe: Recipe) -> Snapshot:
@@ -111,7 +111,7 @@ def _resolve_local(recipe: Recipe) -> Snapshot:
 
 @contextmanager
 def resolve_source(recipe: Recipe, *, cache_dir: Path | None = None,
-                   scratch: Path | None = None) -> Iterator[Snapshot]:  # fmt: skip
+                   scratch: Path | None = None) -> Iterator[Snapshot]:
     """Resolve the recipe's source for the duration of a build.
 
     The demo is generated into ``scratch`` (an empty directory the caller owns; default: a new

@@ -53,13 +53,13 @@ def _source_literal(source: str) -> str:
     """A raw triple-quoted literal when the source allows one (readable), else literals."""
     lines = source.splitlines()
     if ("'''" not in source and not source.endswith("\\") and "\r" not in source
-            and all(len(x) <= 100 and x == x.rstrip() for x in lines)):  # fmt: skip
+            and all(len(x) <= 100 and x == x.rstrip() for x in lines)):
         return "r'''\\\n" + source + ("" if source.endswith("\n") else "\n") + "'''"
     return "(\n" + "\n".join(_literal_lines(source)) + "\n)"
 
 
 def render(embedded: dict[str, Any], *, loader_source: str | None = None,
-           reader_source: str | None = None) -> tuple[bytes, str]:  # fmt: skip
+           reader_source: str | None = None) -> tuple[bytes, str]:
     """Render the loader for ``embedded``.
 
     Args:
@@ -86,7 +86,7 @@ def render(embedded: dict[str, Any], *, loader_source: str | None = None,
     text = data.decode().rstrip("\n")
     block = (BEGIN + "_EMBEDDED_JSON: str | None = (\n" + "\n".join(_literal_lines(text))
              + "\n)\n_BUNDLE_READER_SOURCE: str | None = " + _source_literal(reader_source)
-             + "\n" + END)  # fmt: skip
+             + "\n" + END)
     head, rest = template.split(BEGIN)
     _, tail = rest.split(END)
     name, version = str(embedded.get("name", "")), str(embedded.get("version", ""))
@@ -95,7 +95,7 @@ def render(embedded: dict[str, Any], *, loader_source: str | None = None,
 
 
 def emit_loader(out_dir: Path, embedded: dict[str, Any], *,
-                rel_root: Path | None = None) -> StageOutput:  # fmt: skip
+                rel_root: Path | None = None) -> StageOutput:
     """Write ``out_dir/packer_loader.py`` atomically.
 
     Args:
@@ -119,4 +119,4 @@ def emit_loader(out_dir: Path, embedded: dict[str, Any], *,
     atomic_write_bytes(target, body, mode=0o777)
     entry = file_entry(Path(rel_root) if rel_root else out_dir, target)
     return StageOutput(files=(entry,), section={"file": LOADER_NAME, "embedded_sha256": digest},
-                       bytes_processed=len(body))  # fmt: skip
+                       bytes_processed=len(body))

@@ -31,7 +31,7 @@ def source_date_epoch(error: type[PackerError] = PackerError) -> int:
 
 
 def header(name: str, *, size: int, mtime: int, is_dir: bool = False, mode: int | None = None,
-           uid: int = 0, gid: int = 0, pax: bool = True) -> bytes:  # fmt: skip
+           uid: int = 0, gid: int = 0, pax: bool = True) -> bytes:
     """The header block(s) of one regular file or directory.
 
     Raises:

@@ -23,7 +23,7 @@ class StageTime:
 
     def as_json(self) -> dict[str, Any]:
         return {"stage": self.name, "seconds": round(self.seconds, 4), "bytes": self.nbytes,
-                "gb_per_s": None if self.gbps is None else round(self.gbps, 3)}  # fmt: skip
+                "gb_per_s": None if self.gbps is None else round(self.gbps, 3)}
 
 
 @dataclass
@@ -55,7 +55,7 @@ class StageTimer:
         rows = [("stage", "seconds", "bytes", "GB/s")]
         for s in self.stages:
             rows.append((s.name, f"{s.seconds:.3f}", _human(s.nbytes) if s.nbytes else "",
-                         f"{s.gbps:.2f}" if s.gbps else ""))  # fmt: skip
+                         f"{s.gbps:.2f}" if s.gbps else ""))
         rows.append(("total", f"{self.total if total is None else total:.3f}", "", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         cells = ([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))] for r in rows)

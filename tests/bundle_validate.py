@@ -21,7 +21,7 @@ from packer.runtime.bundle_reader import DEFAULT_MAX_WINDOW, Bundle, _fits_ustar
 
 
 def validate_bundle(path: str | Path, *, mtime: int | None = None,
-                    names: list[str] | None = None) -> dict[str, bytes]:  # fmt: skip
+                    names: list[str] | None = None) -> dict[str, bytes]:
     """Assert that ``path`` is a well-formed packer bundle; return ``{file name: bytes}``.
 
     Args:

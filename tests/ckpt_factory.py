@@ -27,7 +27,7 @@ SAVE_DTYPES = [
     torch.float8_e8m0fnu,
     torch.int8, torch.int16, torch.int32, torch.int64,
     torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
-]  # fmt: skip
+]
 CODE_TO_TORCH = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -35,7 +35,7 @@ CODE_TO_TORCH = {
     "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
     "I64": torch.int64, "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32,
     "U64": torch.uint64, "BOOL": torch.bool,
-}  # fmt: skip
+}
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -144,7 +144,7 @@ class Member:
 
 
 def build_zip(members: list[Member], *, junk_before: bytes = b"", shift_offsets: bool = False,
-              junk_after: bytes = b"", zip64_fields: bool = False) -> bytes:  # fmt: skip
+              junk_after: bytes = b"", zip64_fields: bool = False) -> bytes:
     """A torch-style stored zip: descriptors after data, zip64 end records.
 
     ``zip64_fields`` writes 0xFFFFFFFF in every central size and offset, with the real values
@@ -162,7 +162,7 @@ def build_zip(members: list[Member], *, junk_before: bytes = b"", shift_offsets:
         extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         sizes = (0, 0, 0) if m.flags & 0x8 else (crc, len(m.data), len(m.data))
         out.write(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, m.flags, m.method, 0, 0, *sizes,
-                              len(lname), len(extra)) + lname + extra + m.data)  # fmt: skip
+                              len(lname), len(extra)) + lname + extra + m.data)
         if m.flags & 0x8:
             dsize = len(m.data) if m.descriptor_size is None else m.descriptor_size
             out.write(struct.pack("<4sIII", b"PK\x07\x08", crc, dsize, dsize))
@@ -173,7 +173,7 @@ def build_zip(members: list[Member], *, junk_before: bytes = b"", shift_offsets:
             size = cd_lho = 0xFFFFFFFF
         central.write(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 0, 45, m.flags, m.method,
                                   0, 0, crc, size, size, len(name), len(cd_extra), 0, 0, 0, 0,
-                                  cd_lho) + name + cd_extra)  # fmt: skip
+                                  cd_lho) + name + cd_extra)
     cd = central.getvalue()
     cd_off = out.tell() - len(junk_before) + base
     out.write(cd)
@@ -203,7 +203,7 @@ class FakeTensor:
     """Pickles as torch's ``_rebuild_tensor_v2`` call with whatever fields we give."""
 
     def __init__(self, storage: FakeStorage, offset: int, size: tuple[int, ...],
-                 stride: tuple[int, ...]) -> None:  # fmt: skip
+                 stride: tuple[int, ...]) -> None:
         self.args = (storage, offset, size, stride, False, OrderedDict())
 
     def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
@@ -211,7 +211,7 @@ class FakeTensor:
 
 
 def tensor_pickle(obj: object, *, legacy: bool = False, protocol: int = 2,
-                  pid: Callable[[FakeStorage], object] | None = None) -> bytes:  # fmt: skip
+                  pid: Callable[[FakeStorage], object] | None = None) -> bytes:
     """Pickle ``obj`` with FakeStorage objects written as torch persistent ids."""
 
     class _Pickler(pickle.Pickler):
@@ -229,7 +229,7 @@ def tensor_pickle(obj: object, *, legacy: bool = False, protocol: int = 2,
 
 
 def torch_zip(pkl: bytes, storages: dict[str, bytes], *, extra: list[Member] = (),  # type: ignore[assignment]
-              prefix: str = "archive") -> bytes:  # fmt: skip
+              prefix: str = "archive") -> bytes:
     """A torch zip holding ``pkl`` as data.pkl and the given storages."""
     members = [Member(f"{prefix}/data.pkl", pkl), Member(f"{prefix}/byteorder", b"little")]
     members += [Member(f"{prefix}/data/{k}", v) for k, v in storages.items()]
@@ -241,19 +241,19 @@ MAGIC = 0x1950A86A20F9469CFC6C
 
 
 def legacy_file(main: bytes, keys: list[str], storages: list[tuple[int, bytes]], *,
-                magic: bytes | None = None, tail: bytes = b"") -> bytes:  # fmt: skip
+                magic: bytes | None = None, tail: bytes = b"") -> bytes:
     """A legacy stacked-pickle file: magic, version, sys_info, main, keys, storages."""
     sys_info = {"protocol_version": 1001, "little_endian": True,
-                "type_sizes": {"short": 2, "int": 4, "long": 4}}  # fmt: skip
+                "type_sizes": {"short": 2, "int": 4, "long": 4}}
     parts = [magic if magic is not None else pickle.dumps(MAGIC, protocol=2),
              pickle.dumps(1001, protocol=2), pickle.dumps(sys_info, protocol=2), main,
-             pickle.dumps(keys, protocol=2)]  # fmt: skip
+             pickle.dumps(keys, protocol=2)]
     parts += [struct.pack("<q", count) + raw for count, raw in storages]
     return b"".join(parts) + tail
 
 
 def simple_tensor_dict(storage: FakeStorage, offset: int = 0, size: tuple[int, ...] = (4,),
-                       stride: tuple[int, ...] = (1,)) -> dict[str, object]:  # fmt: skip
+                       stride: tuple[int, ...] = (1,)) -> dict[str, object]:
     return {"w": FakeTensor(storage, offset, size, stride)}
 
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile(
     "ci", max_examples=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)  # fmt: skip
+)
 settings.register_profile("long", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("PACKER_HYPOTHESIS_PROFILE", "ci"))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def populate_cache(cache: Path, repo_id: str, files: dict[str, bytes], *,
-                   commit: str = "0123456789abcdef0123456789abcdef01234567", ref: str = "main") -> Path:  # fmt: skip
+                   commit: str = "0123456789abcdef0123456789abcdef01234567", ref: str = "main") -> Path:
     """Write ``files`` as one commit of ``repo_id``; return the snapshot folder.
 
     Layout: models--org--name/{blobs/<sha256>, refs/<ref>, snapshots/<commit>/<path> -> blob}.

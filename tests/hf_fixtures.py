@@ -31,7 +31,7 @@ def llama(out: Path, *, shard: str | None = None, tied: bool = True) -> Any:
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tied, dtype="bfloat16")  # fmt: skip
+                      tie_word_embeddings=tied, dtype="bfloat16")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
@@ -45,7 +45,7 @@ def bert(out: Path) -> Any:
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=48, max_position_embeddings=40)  # fmt: skip
+                     intermediate_size=48, max_position_embeddings=40)
     torch.manual_seed(0)
     BertModel(cfg).save_pretrained(out)
     sd = load_file(out / "model.safetensors")

@@ -28,7 +28,7 @@ def _header(path: Path) -> dict[str, Any]:
 
 
 def write_raw_safetensors(path: Path, tensors: list[tuple[str, str, list[int], bytes]],
-                          pad: int = 0) -> None:  # fmt: skip
+                          pad: int = 0) -> None:
     """A safetensors file laid out exactly as given (no alignment), header padded by ``pad``."""
     header, data = {}, b""
     for name, dtype, shape, raw in tensors:
@@ -40,7 +40,7 @@ def write_raw_safetensors(path: Path, tensors: list[tuple[str, str, list[int], b
 
 
 def describe(root: Path, rels: list[str], *, aliases: dict[str, str] | None = None,
-             index: str | None = None, device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+             index: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """The embedded manifest for safetensors files already under ``root``."""
     tensors: dict[str, Any] = {}
     for rel in rels:
@@ -53,18 +53,18 @@ def describe(root: Path, rels: list[str], *, aliases: dict[str, str] | None = No
                         "total_size": sum(files[r]["size"] for r in rels), "tensors": tensors,
                         "aliases": aliases or {}, "skipped": [], "inputs": []},
             "bundle": None,
-            "runtime": {"device": device, "warmup": []}}  # fmt: skip
+            "runtime": {"device": device, "warmup": []}}
 
 
 def make_artifacts(root: Path, shards: list[dict[str, torch.Tensor]], *,
-                   aliases: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+                   aliases: dict[str, str] | None = None) -> dict[str, Any]:
     """Write ``shards`` with safetensors the Hugging Face way and describe them."""
     (root / "weights").mkdir(parents=True, exist_ok=True)
     if len(shards) == 1:
         rels = ["weights/model.safetensors"]
     else:
         rels = [f"weights/model-{i:05d}-of-{len(shards):05d}.safetensors"
-                for i in range(1, len(shards) + 1)]  # fmt: skip
+                for i in range(1, len(shards) + 1)]
     weight_map = {}
     for rel, tensors in zip(rels, shards, strict=True):
         save_file(tensors, str(root / rel))
@@ -105,7 +105,7 @@ def make_bundle(path: Path, members: dict[str, bytes]) -> dict[str, Any]:
     path.write_bytes(blob)
     return {"file": path.name, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
             "members": [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
-                        for n, d in sorted(members.items())]}  # fmt: skip
+                        for n, d in sorted(members.items())]}
 
 
 def make_out(out: Path, *, bundle: bool = True) -> dict[str, Any]:

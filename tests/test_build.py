@@ -272,7 +272,7 @@ def test_hf_source_builds_offline_from_the_cache(tmp_path: Path) -> None:
     build(recipe, tmp_path / "out", cache_dir=cache)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes())
     assert manifest["source"] | {"files": None} == {"kind": "hf", "uri": "hf://acme/demo@main",
-                                                    "revision": "c0ffee" * 6 + "abcd", "files": None}  # fmt: skip
+                                                    "revision": "c0ffee" * 6 + "abcd", "files": None}
     for name in ("tokenizer.json", "pytorch_model.bin"):  # a bundle member; the weights, hashed early
         assert manifest["source"]["files"][name]["sha256"] == hashlib.sha256((src / name).read_bytes()).hexdigest()
     local = recipe_from_dict({"name": "m", "version": "1", "source": str(src)})
@@ -345,7 +345,7 @@ def test_plain_build_never_imports_torch(tmp_path: Path) -> None:
     # torch alone takes over a second to import: longer than converting the demo
     code = ("import sys\nfrom packer.build import build\nfrom packer.recipe import demo_recipe\n"
             f"build(demo_recipe(), {str(tmp_path / 'out')!r}, sandbox=False)\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
 
@@ -359,7 +359,7 @@ def test_weights_progress_is_reported_with_and_without_the_sandbox(tmp_path: Pat
     write_demo(src)
     got: list[int] = []
     result = build(recipe_from_dict({"name": "m", "version": "1", "source": str(src)}), tmp_path / "out",
-                   sandbox=sandbox, progress=got.append)  # fmt: skip
+                   sandbox=sandbox, progress=got.append)
     weights = result.manifest["files"]["weights/model.safetensors"]["size"]
     tensors = result.manifest["weights"]["total_size"]
     assert got and all(n > 0 for n in got)  # increments, never a running total

@@ -77,7 +77,7 @@ def test_default_selection(model: Path) -> None:
 
 def test_include_exclude(model: Path) -> None:
     cfg = BundleConfig(include=["README.md", "unknown/*.json", "**/*.bin", "*.py"],
-                       exclude=["merges.txt", "1_Pooling/**", "tokenizer.model.*"])  # fmt: skip
+                       exclude=["merges.txt", "1_Pooling/**", "tokenizer.model.*"])
     plan = plan_bundle(model, cfg)
     names = [m.name for m in plan.members]
     assert "README.md" in names and "unknown/config.json" in names
@@ -91,7 +91,7 @@ def test_include_exclude(model: Path) -> None:
 @pytest.mark.parametrize(("glob", "path", "hit"), [
     ("*.json", "a/b/c.json", True), ("a/*.json", "a/b/c.json", False), ("a/**/c.json", "a/b/c.json", True),
     ("a/**", "a/b/c.json", True), ("c.jso?", "c.json", True), ("x/*.json", "x.json", False),
-])  # fmt: skip
+])
 def test_glob_semantics(glob: str, path: str, hit: bool) -> None:
     assert bool(glob_regex(glob).match(path)) is hit
 
@@ -162,7 +162,7 @@ def _build(src: Path, out: Path, threads: int = -1) -> bytes:
 
 
 def test_deterministic_across_umask_mtime_cwd_threads(model: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     big = os.urandom(1 << 16).hex().encode() * 48  # ~6 MB: several zstd jobs when multi-threaded
     (model / "tokenizer.json").write_bytes(big)
     first = _build(model, tmp_path / "a", threads=1)
@@ -200,7 +200,7 @@ def test_run_bundle_section_and_round_trip(model: Path, tmp_path: Path) -> None:
     assert section["file"] == entry.path and section["sha256"] == entry.sha256 and section["size"] == entry.size
     assert section["zstd_level"] == ZSTD_LEVEL
     assert section["members"] == [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
-                                  for n, d in sorted(files.items())]  # fmt: skip
+                                  for n, d in sorted(files.items())]
     assert result.bytes_processed == sum(len(d) for d in TOKENIZER_FILES.values())
     assert not any("weights" in n for n in result.notes)  # the weights stage reports those
     assert any("modeling_custom.py" in n for n in result.notes) and any("extra.pkl" in n for n in result.notes)
@@ -246,7 +246,7 @@ def test_gnu_tar_reads_it(model: Path, tmp_path: Path) -> None:
         pytest.skip("GNU tar or zstd not installed")
     _build(model, tmp_path / "a")
     listing = subprocess.run(["tar", "--zstd", "-tvf", str(tmp_path / "a" / ARCHIVE_NAME)],
-                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+                             check=True, capture_output=True, text=True).stdout
     assert "1_Pooling/config.json" in listing and "0/0" in listing and "1970-01-01" in listing
 
 
@@ -257,7 +257,7 @@ def test_verify_bundle_names_the_first_mismatch(model: Path, tmp_path: Path) -> 
     section = run_bundle(model, BundleConfig(), tmp_path).section
     verify_bundle(tmp_path, section)
     lied = {**section, "members": [{**m, "sha256": "0" * 64} if m["name"] == "vocab.txt" else m
-                                   for m in section["members"]]}  # fmt: skip
+                                   for m in section["members"]]}
     with pytest.raises(VerifyError, match="member 'vocab.txt' does not match"):
         verify_bundle(tmp_path, lied)
     with pytest.raises(VerifyError, match="members differ"):

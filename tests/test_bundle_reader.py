@@ -28,7 +28,7 @@ from packer.runtime.bundle_reader import Bundle, BundleFormatError, extract_cach
 
 def hdr(name: str | bytes, *, size: int = 0, kind: bytes = b"0", mode: int = 0o644, prefix: bytes = b"",
         link: bytes = b"", magic: bytes = b"ustar\x0000", size_field: bytes | None = None,
-        checksum_delta: int = 0) -> bytes:  # fmt: skip
+        checksum_delta: int = 0) -> bytes:
     raw = name.encode() if isinstance(name, str) else name
     h = bytearray(512)
     h[0 : len(raw)] = raw
@@ -186,7 +186,7 @@ TAR_ATTACKS = {
     "size-past-end": (hdr("b", size=10**6) + bytes(1024), "runs past the end"),
     "no-end-marker": (member("a", b"x"), "truncated tar"),
     "data-after-end": (tar(member("a", b"x")) + member("hidden", b"y"), "after the tar end-of-archive"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(TAR_ATTACKS))
@@ -206,7 +206,7 @@ def test_forged_content_size(tmp_path: Path) -> None:
     assert Bundle.from_bytes(honest).names() == ["a"]
     for lie in (len(body) - 512, len(body) + 512):
         rejects(frame([raw_block(body)], fhd=0x80, window=b"\x50", fcs=lie.to_bytes(4, "little")),
-                "corrupt zstd data|declares", tmp_path)  # fmt: skip
+                "corrupt zstd data|declares", tmp_path)
     huge = frame([raw_block(body)], fhd=0xC0, window=b"\x50", fcs=(2**40).to_bytes(8, "little"))
     rejects(huge, "declares 1099511627776 bytes, over the cap", tmp_path)
     # a real frame whose (single-segment) content size is edited down: the window shrinks too
@@ -402,7 +402,7 @@ def test_round_trip_property(names: list[str], data: st.DataObject) -> None:
         parents = {member_key("/".join(n.split("/")[:i])) for n in files for i in range(1, n.count("/") + 1)}
         clash = len(set(keys)) < len(keys) or bool(parents & set(keys))
         odd = any(p in (".", "..", "") or "/" in p or "\\" in p
-                  for n in files for p in (member_key(c) for c in n.split("/")))  # fmt: skip
+                  for n in files for p in (member_key(c) for c in n.split("/")))
         assert clash or odd or "drive letter" in str(e), str(e)
         event("rejected")
         return
@@ -434,9 +434,9 @@ SEED_HEADERS = (0, 512, 1536)  # where SEED's headers start
 
 
 @given(edits=st.lists(st.tuples(st.integers(0, len(SEED) - 1), st.integers(0, 255)), min_size=1, max_size=6),
-       fix_checksums=st.booleans())  # fmt: skip
+       fix_checksums=st.booleans())
 def test_mutated_tar_fuzz(edits: list[tuple[int, int]], fix_checksums: bool,
-                          tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+                          tmp_path_factory: pytest.TempPathFactory) -> None:
     body = bytearray(SEED)
     for pos, value in edits:
         body[pos] = value
@@ -450,9 +450,9 @@ ZSEED = zst(SEED)
 
 
 @given(edits=st.lists(st.tuples(st.integers(0, len(ZSEED) - 1), st.integers(0, 255)), max_size=4),
-       cut=st.integers(0, len(ZSEED)), junk=st.binary(max_size=8))  # fmt: skip
+       cut=st.integers(0, len(ZSEED)), junk=st.binary(max_size=8))
 def test_mutated_zstd_fuzz(edits: list[tuple[int, int]], cut: int, junk: bytes,
-                           tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+                           tmp_path_factory: pytest.TempPathFactory) -> None:
     raw = bytearray(ZSEED)
     for pos, value in edits:
         raw[pos] = value
@@ -503,7 +503,7 @@ CLI_CORPUS = {**{f"tar-{k}": (zst(v[0]), v[1]) for k, v in TAR_ATTACKS.items()},
               "zstd-extra-frame": (zst(GOOD) + zst(GOOD), "data after the tar end-of-archive marker"),
               "zstd-huge-window": (frame([raw_block(b"")], window=b"\xf8"), "window"),
               "zstd-forged-size": (frame([raw_block(GOOD)], fhd=0x80, window=b"\x50",
-                                         fcs=(len(GOOD) + 512).to_bytes(4, "little")), "corrupt|declares")}  # fmt: skip
+                                         fcs=(len(GOOD) + 512).to_bytes(4, "little")), "corrupt|declares")}
 
 
 @pytest.mark.parametrize("case", sorted(CLI_CORPUS))
@@ -547,7 +547,7 @@ def test_frame_caps_hold_across_frames(tmp_path: Path) -> None:
     zeros = bytes(1 << 19)
     # each frame alone is under the cap, together they are not
     rejects(zst(zeros) + zst(zeros) + zst(zeros), "declares 1572864 bytes, over the cap", tmp_path,
-            max_bytes=1 << 20)  # fmt: skip
+            max_bytes=1 << 20)
     rejects(zst_stream([zeros]) * 3, "decompresses to more than the cap of 1048576", tmp_path, max_bytes=1 << 20)
     empty = (0x184D2A50).to_bytes(4, "little") + bytes(4)
     rejects(empty * 6000 + zst(GOOD), "too many zstd frames for the size cap", tmp_path, max_bytes=1 << 20)

@@ -20,7 +20,7 @@ from tests.ckpt_factory import CODE_TO_TORCH, materialize, save, state_dicts, te
 _LEGACY_LOADABLE = {
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.uint8, torch.bool,
-}  # fmt: skip
+}
 
 
 def _select(obj: object, key: str | None) -> dict:

@@ -31,7 +31,7 @@ TOTAL = int(os.environ.get("PACKER_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(
     max_examples=max(1, TOTAL // 6), deadline=None, derandomize="PACKER_FUZZ_EXAMPLES" not in os.environ,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)  # fmt: skip
+)
 
 
 def _seed(fmt: str) -> bytes:
@@ -135,7 +135,7 @@ def test_safetensors_mutations(tmp_path: Path, data: bytes) -> None:
 @FUZZ
 @given(st.recursive(st.none() | st.integers() | st.text(max_size=8) | st.floats(),
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
-                    max_leaves=12))  # fmt: skip
+                    max_leaves=12))
 def test_safetensors_random_headers(tmp_path: Path, header: object) -> None:
     import json
 
@@ -179,7 +179,7 @@ def test_memory_stays_capped_under_rlimit_as(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(data)
         paths.append(str(tmp_path / name))
     out = subprocess.run([sys.executable, "-c", _RLIMIT_SCRIPT, *paths], capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+                         timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert set(out.stdout.split()) <= {"ok", "refused"} and len(out.stdout.split()) == len(paths)
 

@@ -54,7 +54,7 @@ def stand_in(module: str, name: str, base: type = object) -> Iterator[type]:
 def state_dict() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     return {"layer.weight": torch.randn(3, 4, generator=g), "layer.bias": torch.randn(3, generator=g),
-            "norm._extra_state": np.float64(0.25)}  # fmt: skip
+            "norm._extra_state": np.float64(0.25)}
 
 
 def metadata() -> dict[str, Any]:
@@ -67,7 +67,7 @@ def metadata() -> dict[str, Any]:
         "groups": defaultdict(list, {"a": [1]}), "counts": Counter("abca"), "recent": deque([1, 2], maxlen=4),
         "ordered": OrderedDict(a=1), "z": complex(1, 2), "window": slice(1, 5, 2),
         "tags": {"x", "y"}, "frozen": frozenset({1}),
-    }  # fmt: skip
+    }
 
 
 def lightning_checkpoint(path: Path, *, legacy: bool = False, protocol: int = 2) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def tensors_of(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("legacy", "protocol"), [(False, 2), (False, 4), (True, 2)],
-                         ids=["zip-p2", "zip-p4", "legacy"])  # fmt: skip
+                         ids=["zip-p2", "zip-p4", "legacy"])
 def test_training_checkpoint_with_plain_data_converts_bit_exact(tmp_path: Path, legacy: bool, protocol: int) -> None:
     src = tmp_path / "last.ckpt"
     saved = tensors_of(lightning_checkpoint(src, legacy=legacy, protocol=protocol))
@@ -95,7 +95,7 @@ def test_training_checkpoint_with_plain_data_converts_bit_exact(tmp_path: Path, 
     assert contents.skipped == ("norm._extra_state",)
     note = " ".join(contents.notes)
     for shown in ("hyper_parameters (lightning.fabric.utilities.data.AttributeDict)", "args (argparse.Namespace)",
-                  "best_metric (numpy._core.multiarray.scalar)", "state_dict.norm._extra_state"):  # fmt: skip
+                  "best_metric (numpy._core.multiarray.scalar)", "state_dict.norm._extra_state"):
         assert shown in note
     out = tmp_path / "out"
     result = convert(src, out, WeightsConfig(key="state_dict"))
@@ -125,13 +125,13 @@ def test_cli_convert_and_inspect_exit_0_with_notes(tmp_path: Path) -> None:
     src = tmp_path / "last.ckpt"
     lightning_checkpoint(src)
     run = subprocess.run([sys.executable, "-m", "packer", "convert", str(src), "-o", str(tmp_path / "o"),
-                          "--key", "state_dict", "--json"], capture_output=True, text=True, check=False)  # fmt: skip
+                          "--key", "state_dict", "--json"], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     assert "Traceback" not in run.stderr
     notes = json.loads(run.stdout)["notes"]
     assert any("hyper_parameters (lightning.fabric.utilities.data.AttributeDict)" in n for n in notes)
     run = subprocess.run([sys.executable, "-m", "packer", "inspect", str(src)], capture_output=True, text=True,
-                         check=False)  # fmt: skip
+                         check=False)
     assert run.returncode == 0, run.stderr
     assert "(placeholder) args  argparse.Namespace" in run.stderr + run.stdout
 
@@ -154,7 +154,7 @@ def test_user_class_is_refused_with_the_way_to_allow_it(tmp_path: Path) -> None:
     assert "global mytrainer.config.TrainConfig is not allowed" in message
     assert "--allow-global mytrainer.config.TrainConfig" in message and "weights.allow_globals" in message
     run = subprocess.run([sys.executable, "-m", "packer", "convert", str(src), "-o", str(tmp_path / "o"),
-                          "--key", "state_dict"], capture_output=True, text=True, check=False)  # fmt: skip
+                          "--key", "state_dict"], capture_output=True, text=True, check=False)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "--allow-global mytrainer.config.TrainConfig" in run.stderr
 
@@ -168,7 +168,7 @@ def test_allow_global_reads_a_user_class_as_a_placeholder(tmp_path: Path, patter
     assert any("config (mytrainer.config.TrainConfig)" in n for n in contents.notes)
     run = subprocess.run([sys.executable, "-m", "packer", "convert", str(src), "-o", str(tmp_path / "o"),
                           "--key", "state_dict", "--allow-global", pattern], capture_output=True, text=True,
-                         check=False)  # fmt: skip
+                         check=False)
     assert run.returncode == 0, run.stderr
     found = validate_output(tmp_path / "o")
     assert {n: f["bytes"] for n, f in found.items()} == {n: tensor_bytes(t) for n, t in saved.items()}
@@ -179,14 +179,14 @@ def test_allow_global_in_recipe_and_build_flag(tmp_path: Path) -> None:
     from packer.recipe import recipe_from_dict, with_allowed_globals
 
     rec = recipe_from_dict({"name": "n", "version": "1", "source": "x",
-                            "weights": {"allow_globals": ["mytrainer.config.*"]}})  # fmt: skip
+                            "weights": {"allow_globals": ["mytrainer.config.*"]}})
     assert rec.weights.allow_globals == ("mytrainer.config.*",)
     assert with_allowed_globals(rec, ["a.B"]).weights.allow_globals == ("mytrainer.config.*", "a.B")
     with pytest.raises(RecipeError, match="weights.allow_globals: expected 'module.Name' patterns"):
         recipe_from_dict({"name": "n", "version": "1", "source": "x", "weights": {"allow_globals": ["nodot"]}})
     (tmp_path / "m.pt").write_bytes(b"")
     run = subprocess.run([sys.executable, "-m", "packer", "convert", str(tmp_path / "m.pt"), "-o", str(tmp_path / "o"),
-                          "--allow-global", "nodot"], capture_output=True, text=True, check=False)  # fmt: skip
+                          "--allow-global", "nodot"], capture_output=True, text=True, check=False)
     assert run.returncode == 1 and "--allow-global: expected 'module.Name' patterns" in run.stderr
 
 
@@ -247,11 +247,11 @@ def test_cli_allowing_a_dangerous_global_still_runs_nothing(tmp_path: Path) -> N
     w = torch.arange(6.0)
     torch.save({"w": w, "hook": _Touch(canary)}, tmp_path / "evil.pt")
     refused = subprocess.run([sys.executable, "-m", "packer", "convert", str(tmp_path / "evil.pt"), "-o",
-                              str(tmp_path / "o1")], capture_output=True, text=True, check=False)  # fmt: skip
+                              str(tmp_path / "o1")], capture_output=True, text=True, check=False)
     assert refused.returncode == 1 and "global posix.system is not allowed" in refused.stderr
     run = subprocess.run([sys.executable, "-m", "packer", "convert", str(tmp_path / "evil.pt"), "-o",
                           str(tmp_path / "o2"), "--allow-global", "posix.*", "--json"],
-                         capture_output=True, text=True, check=False)  # fmt: skip
+                         capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     assert not canary.exists()
     assert any("hook (posix.system)" in n for n in json.loads(run.stdout)["notes"])
@@ -262,7 +262,7 @@ def test_cli_allowing_a_dangerous_global_still_runs_nothing(tmp_path: Path) -> N
 def test_plain_data_reads_at_every_protocol(protocol: int) -> None:
     obj = {"ns": argparse.Namespace(a=1), "when": datetime.datetime(2020, 1, 1), "counts": Counter("ab"),
            "recent": deque([1]), "path": pathlib.PurePosixPath("/a"), "x": np.float32(1),
-           "arr": np.arange(3)}  # fmt: skip
+           "arr": np.arange(3)}
     value, _ = run_pickle(pickle.dumps(obj, protocol=protocol), where="x: data.pkl")
     assert isinstance(value, dict) and set(value) == set(obj)
     assert all(type(v).__name__.startswith("Placeholder") for v in value.values())

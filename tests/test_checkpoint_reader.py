@@ -185,7 +185,7 @@ def test_safetensors_input(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = {"b": random_tensor(torch.bfloat16, (3, 2)), "a": random_tensor(torch.uint8, (5,)),
-               "e": torch.zeros(0, 2), "s": torch.tensor(1.5)}  # fmt: skip
+               "e": torch.zeros(0, 2), "s": torch.tensor(1.5)}
     path = tmp_path / "m.safetensors"
     save_file(tensors, path, metadata={"format": "pt", "k": "v"})
     got = read_checkpoint(path)
@@ -205,7 +205,7 @@ def test_inspect_nested(tmp_path: Path) -> None:
     assert json.loads(json.dumps(info)) == info
     names = [t["name"] for t in info["tensors"]]
     assert names == ["state_dict.w", "state_dict.b", "state_dict.tied", "model.ema.w",
-                     "optimizer.state.0.exp_avg"]  # fmt: skip
+                     "optimizer.state.0.exp_avg"]
     assert info["alias_groups"] == [["state_dict.w", "state_dict.tied"]]
     assert info["tensors"][0]["alias_group"] == 0 and info["tensors"][1]["alias_group"] is None
     assert info["tensors"][0]["nbytes"] == 16 and info["tensors"][0]["dtype"] == "F32"

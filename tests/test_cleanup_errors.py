@@ -62,7 +62,7 @@ def test_long_tokenizer_name_bundles_and_reads_back(tmp_path: Path) -> None:
     out = tmp_path / "b" / ARCHIVE_NAME
     out.parent.mkdir()
     run = subprocess.run([sys.executable, "-m", "packer", "bundle", str(src), "-o", str(out)],
-                         capture_output=True, text=True, check=False)  # fmt: skip
+                         capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     assert "Traceback" not in run.stderr
     bundle = Bundle.open(out)
@@ -77,7 +77,7 @@ def test_long_tokenizer_name_bundles_and_reads_back(tmp_path: Path) -> None:
 
 
 def test_bundle_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     src = _tokenizer_dir(tmp_path / "src")
     real = bundle_mod._copy_member
     calls: list[str] = []
@@ -101,7 +101,7 @@ def test_bundle_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
 
 
 def test_atomic_write_failing_cleanup_keeps_the_first_error(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from packer import fsutil
 
     def fsync(fd: int) -> None:
@@ -137,14 +137,14 @@ def test_layer_failing_rename_leaves_no_temp_file(tmp_path: Path, monkeypatch: p
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(layer_mod, "os", type("O", (), {"__getattr__": lambda s, n: replace if n == "replace"
-                                                        else getattr(os, n)})())  # fmt: skip
+                                                        else getattr(os, n)})())
     with pytest.raises(OSError, match="cross-device"):
         write_layer([b"y" * 1024], tmp_path, compression="none")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_convert_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     torch.save({"a": torch.ones(1000), "b": torch.zeros(1000)}, tmp_path / "m.pt")
     def write_shard(shard: object, path: Path, *a: object, **k: object) -> object:
         path.write_bytes(b"partial")  # bytes landed, then the failure
@@ -180,7 +180,7 @@ def test_build_with_a_long_tokenizer_name_and_a_user_config_object(tmp_path: Pat
 
     def packer(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "packer", *args], capture_output=True, text=True,
-                              check=False)  # fmt: skip
+                              check=False)
 
     refused = packer("build", str(recipe), "-o", str(tmp_path / "out"))
     assert refused.returncode == 1 and "Traceback" not in refused.stderr

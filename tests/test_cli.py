@@ -14,12 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def packer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "packer", *args], capture_output=True, text=True,
-                          cwd=cwd, check=False)  # fmt: skip
+                          cwd=cwd, check=False)
 
 
 def test_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom packer.cli import main\nsys.argv=['packer','--help']\n"
-            "try:\n main()\nexcept SystemExit:\n pass\n")  # fmt: skip
+            "try:\n main()\nexcept SystemExit:\n pass\n")
     code += "assert 'torch' not in sys.modules, 'torch imported'\nassert 'safetensors' not in sys.modules\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -116,7 +116,7 @@ def test_build_dry_run_prints_plan_and_writes_nothing(tmp_path: Path) -> None:
 
 def test_library_does_not_import_click() -> None:
     code = ("import sys, packer.build, packer.manifest, packer.recipe, packer.source\n"
-            "assert 'click' not in sys.modules\nassert 'torch' not in sys.modules\n")  # fmt: skip
+            "assert 'click' not in sys.modules\nassert 'torch' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
 

@@ -165,7 +165,7 @@ stages = [s["stage"] for s in ld.report()]
 print(stages.index("CUDA init") < stages.index("headers"), torch._C._cuda_hasPrimaryContext(0))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "PACKER_STARTUP_LOG": "off"})  # fmt: skip
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "PACKER_STARTUP_LOG": "off"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True"]
 
@@ -223,7 +223,7 @@ def test_uncapturable_models_stay_eager_and_the_stream_comes_back(cls: type[torc
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn = L.warmup(model, [torch.randn(4, 16, device="cuda"), torch.randn(2, 16, device="cuda")],
-                      cuda_graphs=True)  # fmt: skip
+                      cuda_graphs=True)
     assert any("capture failed" in str(w.message) for w in caught)
     assert not fn.graphs and not fn.capturing
     assert torch.cuda.current_stream() == before and not torch.cuda.is_current_stream_capturing()

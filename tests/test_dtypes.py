@@ -31,9 +31,9 @@ def saved_and_converted(saved: dict[str, torch.Tensor], tmp_path: Path) -> tuple
     root = tmp_path / "out"
     result = convert(tmp_path / "m.pt", root / "weights", WeightsConfig(), rel_root=root)
     files = {f.path: {"size": f.size, "sha256": hashlib.sha256((root / f.path).read_bytes()).hexdigest()}
-             for f in result.files}  # fmt: skip
+             for f in result.files}
     manifest = {"name": "dtypes", "version": "1", "files": files, "weights": result.section, "bundle": None,
-                "runtime": {"device": "cpu", "warmup": []}}  # fmt: skip
+                "runtime": {"device": "cpu", "warmup": []}}
     return manifest, root
 
 
@@ -119,7 +119,7 @@ def test_the_runtime_loader_gives_packed_and_complex_tensors_back(tmp_path: Path
     from packer.runtime import loader as L
 
     saved = {"f4": sample(torch.float4_e2m1fn_x2, (3, 2)), "f4_0d": sample(torch.float4_e2m1fn_x2, ()),
-             "c64": torch.randn(2, 3, dtype=torch.complex64), "f8": sample(torch.float8_e8m0fnu, (4,))}  # fmt: skip
+             "c64": torch.randn(2, 3, dtype=torch.complex64), "f8": sample(torch.float8_e8m0fnu, (4,))}
     manifest, root = saved_and_converted(saved, tmp_path)
     got = L.Loader(manifest, root, timeline=L.Timeline()).load_weights("cpu")
     for name, t in saved.items():

@@ -17,9 +17,9 @@ CODE = ("import os, warnings; warnings.simplefilter('always'); import packer.run
 
 def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items()
-            if k not in (*ALLOC, "PACKER_EXPANDABLE_SEGMENTS", "CUDA_MODULE_LOADING")}  # fmt: skip
+            if k not in (*ALLOC, "PACKER_EXPANDABLE_SEGMENTS", "CUDA_MODULE_LOADING")}
     return subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=ROOT,
-                          env={**base, **env})  # fmt: skip
+                          env={**base, **env})
 
 
 @pytest.mark.parametrize(("env", "want", "warned"), [
@@ -29,9 +29,9 @@ def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
      ["max_split_size_mb:128", "-"], True),
     ({"PACKER_EXPANDABLE_SEGMENTS": "1", "PYTORCH_ALLOC_CONF": "backend:native"}, ["-", "backend:native"], True),
     ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, ["expandable_segments:False", "-"], False),
-])  # fmt: skip
+])
 def test_expandable_segments_only_on_request_never_over_the_user(env: dict[str, str], want: list[str],
-                                                                 warned: bool) -> None:  # fmt: skip
+                                                                 warned: bool) -> None:
     r = run(env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == want

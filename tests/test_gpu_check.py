@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or shutil.which("bash") is None,
-                    reason="the CPU half of the check: needs bash and no CUDA")  # fmt: skip
+                    reason="the CPU half of the check: needs bash and no CUDA")
 def test_gpu_check_stops_at_the_cuda_boundary_without_zstandard(tmp_path: Path) -> None:
     block = tmp_path / "block"
     block.mkdir()
@@ -24,7 +24,7 @@ def test_gpu_check_stops_at_the_cuda_boundary_without_zstandard(tmp_path: Path) 
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(block)}
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
-                       cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+                       cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1].startswith("gpu_check: no CUDA device here") and "nothing failed" in lines[-1]
@@ -39,7 +39,7 @@ def test_gpu_load_runs_its_whole_flow_on_the_cpu_stand_in(tmp_path: Path) -> Non
     out = tmp_path / "out"
     env = {**os.environ, "PACKER_BENCH_WORK": str(tmp_path / "work")}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_load.py"), "--smoke-cpu", "--size-gb", "0.01",
-           "--reps", "2", "--out", str(out)]  # fmt: skip
+           "--reps", "2", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((out / "gpu_load.json").read_text())

@@ -130,7 +130,7 @@ def test_emitted_loader_prints_a_model_dir(tmp_path: Path) -> None:
     emit_loader(out, packer_artifacts(tmp_path / "hf", out))
     env = {"PATH": "/usr/bin:/bin", "PACKER_BUNDLE_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir"], capture_output=True,
-                       text=True, env=env, timeout=120)  # fmt: skip
+                       text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     d = Path(r.stdout.strip())
     assert d.parent == tmp_path / "cache"
@@ -138,5 +138,5 @@ def test_emitted_loader_prints_a_model_dir(tmp_path: Path) -> None:
     assert AutoConfig.from_pretrained(d).num_hidden_layers == 2
     (out / "weights" / "model.safetensors").unlink()
     r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir", "--root", str(out)],
-                       capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+                       capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "model dir failed: weights/model.safetensors: missing" in r.stderr

@@ -116,7 +116,7 @@ LEGACY_MAIN = tensor_pickle(simple_tensor_dict(FakeStorage("0", 4)), legacy=True
 
 
 def lying(offset: int = 0, size: tuple[int, ...] = (4,), stride: tuple[int, ...] = (1,),
-          numel: int = 4, nbytes: int = 16) -> bytes:  # fmt: skip
+          numel: int = 4, nbytes: int = 16) -> bytes:
     pkl = tensor_pickle(simple_tensor_dict(FakeStorage("0", numel), offset, size, stride))
     return torch_zip(pkl, {"0": bytes(nbytes)})
 
@@ -299,7 +299,7 @@ CASES: list[tuple[str, str, Builder]] = [
      lambda t, c: struct.pack("<Q", 4 << 30) + b"{" + b" " * 64 + b"}"),
     ("safetensors-deep-json", "invalid JSON",
      lambda t, c: deep_json()),
-]  # fmt: skip
+]
 
 
 def pathlib_touch() -> object:

@@ -59,7 +59,7 @@ def test_convert_refuses(tmp_path: Path, case: str) -> None:
 def test_sandboxed_convert_and_build_refuse(tmp_path: Path, case: str) -> None:
     path, canary, reason = _write(tmp_path, case)
     for args in (["convert", str(path), "-o", str(tmp_path / "out")],
-                 ["build", "-o", str(tmp_path / "out"), str(tmp_path / "r.toml")]):  # fmt: skip
+                 ["build", "-o", str(tmp_path / "out"), str(tmp_path / "r.toml")]):
         (tmp_path / "r.toml").write_text(f'name = "x"\nversion = "1"\nsource = "{path.parent}"\n')
         proc = subprocess.run([sys.executable, "-m", "packer", *args], capture_output=True, text=True, check=False)
         assert proc.returncode == 1, proc.stderr

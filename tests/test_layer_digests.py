@@ -30,7 +30,7 @@ WEIGHTS = "weights/model.safetensors"
 def tree(out: Path) -> dict[str, str]:
     """sha256 of every file under ``out`` except the timings, by relative path."""
     return {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.rglob("*")) if p.is_file() and p.name != "build-timings.json"}  # fmt: skip
+            for p in sorted(out.rglob("*")) if p.is_file() and p.name != "build-timings.json"}
 
 
 def _artifact(out: Path, size: int) -> tuple[list[FileEntry], bytes]:
@@ -48,7 +48,7 @@ def _artifact(out: Path, size: int) -> tuple[list[FileEntry], bytes]:
     (511, "0:0", "/srv/deep/m/", None),
     (512, "1000:0", "/m", "42"),
     (70_001, "0:0", "/" + "long-directory-name/" * 6 + "x", None),  # PAX path record
-])  # fmt: skip
+])
 def test_framing_plus_content_is_the_stage_blob(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, owner: str, prefix: str,
     epoch: str | None,
@@ -60,7 +60,7 @@ def test_framing_plus_content_is_the_stage_blob(
     cfg = ImageConfig(owner=owner, prefix=prefix)
     files, manifest = _artifact(tmp_path, size)
     result = build_image(tmp_path, cfg=cfg, name="m", version="1", source={"kind": "demo"},
-                         artifact_files=files, artifact_manifest=manifest)  # fmt: skip
+                         artifact_files=files, artifact_manifest=manifest)
     (layer,) = [la for la in result.section["layers"] if la["files"] == [WEIGHTS]]
     blob = (tmp_path / "image/blobs/sha256" / layer["digest"][7:]).read_bytes()
     head, tail = weight_layer_framing(cfg, WEIGHTS, size)
@@ -78,7 +78,7 @@ def test_framing_of_a_file_over_8_gib_uses_a_pax_size() -> None:
     assert f" size={size}\n".encode() in head and len(head) % 512 == 0
     assert tail == b"\0" * (-size % 512) + b"\0" * 1024
     members = tar_members([SourceFile(f"/opt/model/{WEIGHTS}", size, source=Path("x"))],
-                          owner=Owner(1000, 0), prefix="/opt/model")  # fmt: skip
+                          owner=Owner(1000, 0), prefix="/opt/model")
     assert len(head) + size + len(tail) == tar_size(members, mtime=7)
     assert head == b"".join(p for p in tar_pieces(members, mtime=7) if isinstance(p, bytes))[: len(head)]
 
@@ -92,7 +92,7 @@ def test_known_digest_is_copied_not_hashed(tmp_path: Path, monkeypatch: pytest.M
     head, tail = weight_layer_framing(cfg, WEIGHTS, 100_003)
     known = {f"layer:{WEIGHTS}": "sha256:" + hashlib.sha256(head + (fast / WEIGHTS).read_bytes() + tail).hexdigest()}
     args: dict[str, Any] = {"cfg": cfg, "name": "m", "version": "1", "source": {"kind": "demo"},
-                            "artifact_files": files, "artifact_manifest": manifest}  # fmt: skip
+                            "artifact_files": files, "artifact_manifest": manifest}
     first = build_image(plain, **args)
     monkeypatch.setattr("packer.oci.layer._copy_range_fast", _never)  # the hashing copy path
     second = build_image(fast, **args, known_digests=known)  # verify=True: verify_image passes
@@ -133,7 +133,7 @@ def test_convert_hashes_each_shard_layer_while_writing(demo_src: Path, tmp_path:
     framing = partial(weight_layer_framing, image, mtime=5)
     plain = convert(demo_src, tmp_path / "a" / "weights", cfg, rel_root=tmp_path / "a")
     framed = convert(demo_src, tmp_path / "b" / "weights", cfg, rel_root=tmp_path / "b",
-                     layer_framing=framing)  # fmt: skip
+                     layer_framing=framing)
     assert plain.digests == {} and plain.files == framed.files and plain.section == framed.section
     assert len(framed.digests) >= 2  # sharded: one layer per shard
     assert framed.digests == _layer_hashes(tmp_path / "b", framing, framed.files)
@@ -152,7 +152,7 @@ def test_sandboxed_convert_returns_the_same_digests(
 
 
 def _patched_build_image(monkeypatch: pytest.MonkeyPatch, seen: list[dict[str, str]],
-                         replace: str | None) -> None:  # fmt: skip
+                         replace: str | None) -> None:
     """Wrap the image stage as build() calls it: record the digests, drop or falsify them."""
     real = packer.oci.build_image
 
@@ -169,7 +169,7 @@ def _patched_build_image(monkeypatch: pytest.MonkeyPatch, seen: list[dict[str, s
 
 def _recipe(src: Path, **image: Any) -> Any:
     return recipe_from_dict({"name": "m", "version": "1", "source": str(src),
-                             "weights": {"max_shard_size": "12MB"}, "image": image})  # fmt: skip
+                             "weights": {"max_shard_size": "12MB"}, "image": image})
 
 
 @pytest.mark.parametrize("sandbox", [True, False])

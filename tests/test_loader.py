@@ -90,7 +90,7 @@ def test_aliases_are_the_same_tensor(two_shards: tuple[Path, dict[str, Any]]) ->
 
 @pytest.mark.parametrize("hugepages", ["0", "1"])
 def test_copy_mode_is_private_memory(two_shards: tuple[Path, dict[str, Any]], hugepages: str,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PACKER_HUGEPAGES", hugepages)
     root, m = two_shards
     sd = loader(root, m).load_weights("cpu", copy=True)
@@ -104,7 +104,7 @@ def test_copy_mode_is_private_memory(two_shards: tuple[Path, dict[str, Any]], hu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_dtype_override_casts_floats_only(two_shards: tuple[Path, dict[str, Any]],
-                                          dtype: torch.dtype, pipeline: bool) -> None:  # fmt: skip
+                                          dtype: torch.dtype, pipeline: bool) -> None:
     root, m = two_shards
     sd = loader(root, m).load_weights("cpu", dtype=dtype, pipeline=pipeline)
     ref = reference(root, m)
@@ -122,7 +122,7 @@ def test_misaligned_offsets_are_copied_not_misread(tmp_path: Path) -> None:
                           [("odd", "U8", [3], b"\x01\x02\x03"),
                            ("f", "F32", [2, 3], vals.numpy().tobytes()),
                            ("h", "BF16", [2], torch.ones(2, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())],
-                          pad=3)  # fmt: skip
+                          pad=3)
     from tests.loader_fixtures import describe
 
     m = describe(tmp_path, ["weights/model.safetensors"])
@@ -156,7 +156,7 @@ def test_ring_stays_within_budget_under_a_slow_stream(two_shards: tuple[Path, di
         segs = [(i, s.data_start, s.size - s.data_start, b) for i, (s, b) in enumerate(zip(shards, bufs, strict=True))]
         stats = L.RingStats()
         L.run_pipeline(shards, L.plan_chunks(segs, 8192), engine, slots=3, chunk=8192, readers=4,
-                       stats=stats)  # fmt: skip
+                       stats=stats)
     finally:
         for s in shards:
             s.close()
@@ -173,7 +173,7 @@ def test_reader_errors_reach_the_caller(two_shards: tuple[Path, dict[str, Any]])
     try:
         os.truncate(root / shards[1].rel, shards[1].size - 100)  # shrinks after the header check
         segs = [(i, s.data_start, s.size - s.data_start, torch.empty(s.size - s.data_start, dtype=torch.uint8))
-                for i, s in enumerate(shards)]  # fmt: skip
+                for i, s in enumerate(shards)]
         with pytest.raises(L.ArtifactMismatchError, match="short read"):
             L.run_pipeline(shards, L.plan_chunks(segs, 4096), L.CpuEngine(), slots=2, chunk=4096, readers=2)
     finally:
@@ -189,7 +189,7 @@ def test_ring_refuses_over_budget() -> None:
 @settings(max_examples=25, deadline=None)
 @given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12),
        gaps=st.lists(st.booleans(), min_size=12, max_size=12),
-       chunk=st.integers(1, 3000))  # fmt: skip
+       chunk=st.integers(1, 3000))
 def test_plan_chunks_covers_every_byte_once(sizes: list[int], gaps: list[bool], chunk: int) -> None:
     segs, off = [], 0
     for i, n in enumerate(sizes):
@@ -244,7 +244,7 @@ def test_refuses_wrong_size_header_and_missing_file(two_shards: tuple[Path, dict
 
 
 def test_weights_dir_override(two_shards: tuple[Path, dict[str, Any]],
-                              tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+                              tmp_path_factory: pytest.TempPathFactory) -> None:
     root, m = two_shards
     other = tmp_path_factory.mktemp("mounted")
     for rel in [*m["weights"]["files"], m["weights"]["index"]]:
@@ -396,7 +396,7 @@ def test_warmup_on_cpu_runs_examples_and_returns_a_fallback_pool() -> None:
 
     tl = L.Timeline()
     fn = L.warmup(Probe(), [torch.ones(1, 3), (torch.ones(2, 3),), {"x": torch.ones(4, 3)}],
-                  cuda_graphs=True, iters=2, timeline=tl)  # fmt: skip
+                  cuda_graphs=True, iters=2, timeline=tl)
     assert seen == [(1, 3), (1, 3), (2, 3), (2, 3), (4, 3), (4, 3)]
     assert fn.graphs == {} and torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
     assert [s["stage"] for s in tl.stages] == ["warm-up"]
@@ -419,7 +419,7 @@ def test_cuda_graph_capture_on_gpu() -> None:
 
 
 def test_stage_table_text_json_and_off(two_shards: tuple[Path, dict[str, Any]],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     root, m = two_shards
     ld = loader(root, m)
     ld.load_weights("cpu", pipeline=True)
@@ -457,7 +457,7 @@ def test_chrome_trace(two_shards: tuple[Path, dict[str, Any]], tmp_path: Path) -
 def run_py(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in _ENV}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, cwd=ROOT, env={**base, **(env or {})})  # fmt: skip
+                          text=True, cwd=ROOT, env={**base, **(env or {})})
 
 
 def test_environment_is_set_before_cuda_and_never_overridden() -> None:
@@ -470,7 +470,7 @@ def test_environment_is_set_before_cuda_and_never_overridden() -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["LAZY", "-"]  # the allocator is left alone (tests/test_env.py)
     r = run_py("import os, packer.runtime.loader; print(os.environ['CUDA_MODULE_LOADING'])",
-               {"CUDA_MODULE_LOADING": "EAGER"})  # fmt: skip
+               {"CUDA_MODULE_LOADING": "EAGER"})
     assert r.stdout.strip() == "EAGER"
 
 
@@ -501,7 +501,7 @@ def test_prefetch_reads_every_weight_file(two_shards: tuple[Path, dict[str, Any]
 
 
 def test_bundle_dir_extracts_once(two_shards: tuple[Path, dict[str, Any]], tmp_path: Path,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     root, m = two_shards
     m["bundle"] = make_bundle(root / "bundle.tar.zst", {"tokenizer.json": b"{}", "config.json": b'{"a":1}'})
     m["files"]["bundle.tar.zst"] = {k: m["bundle"][k] for k in ("size", "sha256")}

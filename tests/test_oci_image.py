@@ -333,7 +333,7 @@ GOOD = [("opt", {}), ("opt/model", {})]
     (GOOD + [("opt/model/f", {"mtime": 0.5})], "unexpected PAX records \\['mtime'\\]"),
     (GOOD + [("opt/model/g", {}), ("opt/model/f", {})], "'opt/model/f': not sorted"),
     (GOOD + [("opt/model/sub/f", {})], "'opt/model/sub/f': parent directory not written"),
-])  # fmt: skip
+])
 def test_verify_tar_rules_entry_by_entry(tmp_path: Path, entries: list[Any], message: str) -> None:
     build(tmp_path)
     _replace_layer(tmp_path / "image", 3, _crafted(entries))

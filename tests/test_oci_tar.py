@@ -49,7 +49,7 @@ def test_members_sorted_with_every_parent_and_owner_below_prefix() -> None:
     assert [m.name for m in members] == [
         "opt", "opt/model", "opt/model/a-b", "opt/model/packer_loader.py",
         "opt/model/weights", "opt/model/weights/b.safetensors",
-    ]  # fmt: skip
+    ]
     by_name = {m.name: m for m in members}
     assert by_name["opt"].owner == Owner(0, 0)  # above the prefix: the base's system dir
     assert by_name["opt/model"].owner == Owner(1000, 0)

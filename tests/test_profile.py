@@ -48,9 +48,9 @@ def test_parse_stderr() -> None:
         '{"startup": [{"stage": "headers", "seconds": 0.01, "bytes": 100, "gbps": 0.01, "lane": 0}],'
         ' "total_s": 0.5}',
         "packer_loader: self-test passed (3 tensors on cpu)",
-    ])  # fmt: skip
+    ])
     stages, imports, other = parse_stderr(text)
     assert stages == [{"stage": "headers", "seconds": 0.01, "bytes": 100, "gbps": 0.01},
-                      {"stage": "total", "seconds": 0.5, "bytes": 0, "gbps": None}]  # fmt: skip
+                      {"stage": "total", "seconds": 0.5, "bytes": 0, "gbps": None}]
     assert [i["module"] for i in imports] == ["torch", "json.decoder", "_io"]
     assert other == ["packer_loader: self-test passed (3 tensors on cpu)"]

@@ -194,7 +194,7 @@ def test_hash_thread_sees_every_byte_in_file_order_before_a_refill(model: tuple[
         hashers = {i: SlowSha(s.head) for i, s in enumerate(shards)}
         stats = L.RingStats()
         L.run_pipeline(shards, L.plan_chunks(segs, 1024), engine, slots=2, chunk=1024, readers=3,
-                       hashers=hashers, stats=stats)  # fmt: skip
+                       hashers=hashers, stats=stats)
     finally:
         for s in shards:
             s.close()
@@ -272,7 +272,7 @@ def test_misaligned_file_offsets_are_split_not_copied(tmp_path: Path) -> None:
                            ("f", "F32", [2, 3], vals.numpy().tobytes()),
                            ("h", "BF16", [130], bf.view(torch.uint8).numpy().tobytes()),
                            ("e", "F32", [0], b"")],
-                          pad=3)  # fmt: skip
+                          pad=3)
     m = describe(tmp_path, ["weights/model.safetensors"])
     sd = loader(tmp_path, m, chunk=4096).load_weights("cpu", pipeline=True, verify=True)
     assert sd["odd"].tolist() == [1, 2, 3] and torch.equal(sd["f"], vals.view(2, 3)) and torch.equal(sd["h"], bf)
@@ -298,7 +298,7 @@ def test_aligned_files_need_one_segment() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 700), min_size=1, max_size=14),
-       gaps=st.lists(st.integers(0, 9), min_size=14, max_size=14))  # fmt: skip
+       gaps=st.lists(st.integers(0, 9), min_size=14, max_size=14))
 def test_layout_covers_the_data_once_and_aligns_every_tensor(sizes: list[int], gaps: list[int]) -> None:
     tensors, off = [], 0
     for i, n in enumerate(sizes):

@@ -68,7 +68,7 @@ def test_amalgamate_a_small_runtime(tmp_path: Path) -> None:
     text = amalgamate(_fake_runtime(tmp_path, {"loader": LOADER_USES_A, "a": a}))
     assert text.startswith('"""Entry."""\n\nfrom __future__ import annotations\n\n'
                            "import os\nfrom pathlib import Path, PurePath\n\n\n# --- packer/runtime/a.py\n"
-                           "# Module a.\nHELPER = 1\n")  # fmt: skip
+                           "# Module a.\nHELPER = 1\n")
     ns: dict[str, Any] = {}
     exec(compile(text, "amalgamated", "exec"), ns)
     assert ns["VALUE"] == "x1" and ns["__doc__"] == "Entry."
@@ -84,7 +84,7 @@ def test_amalgamate_a_small_runtime(tmp_path: Path) -> None:
     ("HELPER = 1\nVALUE = 2\ndef helper(p): pass\n", "'VALUE' is bound by both a.py and loader.py"),
     ("HELPER = 1\ndef helper(p): pass\nclass PurePath: pass\n",
      "'PurePath' is bound by both a standard-library import and a.py"),
-])  # fmt: skip
+])
 def test_amalgamate_refuses_what_one_file_cannot_hold(tmp_path: Path, a: str, error: str) -> None:
     (tmp_path / "bundle_reader.py").write_text("class Bundle: pass\n")
     with pytest.raises(StubError, match=error.replace(".", "[.]").replace("(", "[(]").replace(")", "[)]")):
@@ -94,10 +94,10 @@ def test_amalgamate_refuses_what_one_file_cannot_hold(tmp_path: Path, a: str, er
 def test_import_block_merges_and_sorts_as_isort() -> None:
     pairs = [("", "sys"), ("typing", "Any"), ("", "os"), ("collections.abc", "Iterator"),
              ("collections.abc", "Callable"), ("typing", "Any"), ("", "os.path as osp"),
-             ("os", "SEEK_SET"), ("os", "PathLike"), ("os", "fspath")]  # fmt: skip
+             ("os", "SEEK_SET"), ("os", "PathLike"), ("os", "fspath")]
     assert import_block(pairs) == ("import os\nimport os.path as osp\nimport sys\n"
                                    "from collections.abc import Callable, Iterator\n"
-                                   "from os import SEEK_SET, PathLike, fspath\nfrom typing import Any\n")  # fmt: skip
+                                   "from os import SEEK_SET, PathLike, fspath\nfrom typing import Any\n")
     long = import_block([("typing", f"Name{i:03d}") for i in range(12)])
     assert long.startswith("from typing import (\n    Name000,\n") and long.endswith("    Name011,\n)\n")
 
@@ -171,7 +171,7 @@ A_USES_B = "from packer.runtime.b import HELPER\ndef helper(p): pass\n"
      "b.py: only loader.py may have an 'if __name__"),
     ({"a": "HELPER = (\n"}, "a.py: line 1: "),
     ({"a": "from os import *\nHELPER = 1\ndef helper(p): pass\n"}, "'import [*]' hides which names"),
-])  # fmt: skip
+])
 def test_join_refuses_what_would_change_meaning(tmp_path: Path, files: dict[str, str], error: str) -> None:
     with pytest.raises(StubError, match=error.replace(".", "[.]").replace("(", "[(]").replace(")", "[)]")):
         amalgamate(_runtime(tmp_path, files))
@@ -188,7 +188,7 @@ def test_join_keeps_one_spelling_and_new_modules(tmp_path: Path) -> None:
     typing = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torch import Tensor\n"
     files = {"b": "import os.path\nimport os\nfrom os import path\n\nEXTRA = (os, path)\n",
              "t1": typing + "def f(x: Tensor) -> None: pass\n", "t2": typing + "def g(x: Tensor) -> None: pass\n",
-             "c": "from os import path\nfrom packer.runtime.b import EXTRA\n\nBOTH = EXTRA, path\n"}  # fmt: skip
+             "c": "from os import path\nfrom packer.runtime.b import EXTRA\n\nBOTH = EXTRA, path\n"}
     ns: dict[str, Any] = {}
     exec(compile(amalgamate(_runtime(tmp_path, files)), "joined", "exec"), ns)
     assert ns["BOTH"][0][1] is ns["BOTH"][1] and "VALUE" in ns  # modules the loader does not import too
@@ -198,7 +198,7 @@ def test_a_module_that_imports_the_entry_comes_after_it(tmp_path: Path) -> None:
     loader = textwrap.dedent(LOADER_USES_A) + "\n\nif __name__ == '__main__':\n    VALUE = 'main'\n"
     files = {"loader": loader, "z": "from packer.runtime.loader import VALUE\n\nDOUBLE = VALUE * 2\n",
              "m": "from packer.runtime.a import helper\n\nSIDE = helper\n",
-             "a": "HELPER = 1\ndef helper(p): return str(p) + str(HELPER)\n"}  # fmt: skip
+             "a": "HELPER = 1\ndef helper(p): return str(p) + str(HELPER)\n"}
     text = amalgamate(_runtime(tmp_path, files))
     assert [x.split(".py")[0] for x in text.split("# --- packer/runtime/")[1:]] == ["a", "m", "loader", "z"]
     assert text.endswith("\n\n\nif __name__ == '__main__':\n    VALUE = 'main'\n")

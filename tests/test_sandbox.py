@@ -23,13 +23,13 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     import os
 
     return subprocess.run([sys.executable, "-m", "packer", *args], capture_output=True, text=True, check=False,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+                          env={**os.environ, **(env or {})})
 
 
 def test_audit_hook_refuses_sockets() -> None:
     code = ("import socket\nfrom packer.sandbox import _isolate\n"
             "_isolate({'as': 2**34, 'cpu': 60, 'fsize': 2**30})\n"
-            "try:\n    socket.socket()\nexcept PermissionError as e:\n    print('refused', e)\n")  # fmt: skip
+            "try:\n    socket.socket()\nexcept PermissionError as e:\n    print('refused', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stdout.startswith("refused"), proc.stderr
 
@@ -39,7 +39,7 @@ def test_convert_opens_no_socket(demo_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "trace"
     proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=socket,connect", "-o", str(log),
                            sys.executable, "-m", "packer", "convert", str(demo_dir / "pytorch_model.bin"),
-                           "-o", str(tmp_path / "out")], capture_output=True, text=True, check=False)  # fmt: skip
+                           "-o", str(tmp_path / "out")], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     calls = [line for line in log.read_text().splitlines() if "socket(" in line or "connect(" in line]
     assert calls == []

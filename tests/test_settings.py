@@ -22,7 +22,7 @@ def test_defaults() -> None:
 
 def test_environment_wins_over_the_recipe() -> None:
     recipe = {"ring_slots": 8, "chunk_mb": 16, "readers": 3, "device": "cpu",
-              "warmup": [{"name": "input_ids", "shape": [1, 4]}]}  # fmt: skip
+              "warmup": [{"name": "input_ids", "shape": [1, 4]}]}
     env = {"PACKER_RING_SLOTS": "2", "PACKER_CHUNK_MB": "", "PACKER_HUGEPAGES": "1", "PACKER_STARTUP_LOG": "JSON"}
     s = RuntimeSettings.from_sources(env, recipe)
     assert s.ring_slots == 2  # both channels: the environment's

@@ -14,7 +14,7 @@ from packer.source import hf_allow_patterns, parse_hf_uri, resolve_source
 from tests.hf_cache import populate_cache
 
 DEMO_FILES = {"pytorch_model.bin", "config.json", "generation_config.json", "tokenizer.json",
-              "tokenizer_config.json", "special_tokens_map.json"}  # fmt: skip
+              "tokenizer_config.json", "special_tokens_map.json"}
 
 
 def _recipe(source: str, base: Path = Path("."), **sections: object):
@@ -87,7 +87,7 @@ def test_hf_offline_from_cache(tmp_path: Path) -> None:
 def test_hf_offline_missing_revision_is_one_clear_line(tmp_path: Path) -> None:
     populate_cache(tmp_path, "acme/tiny", {"config.json": b"{}"})
     with pytest.raises(SourceError, match="not in the local cache.*HF_HUB_OFFLINE"), \
-            resolve_source(_recipe("hf://acme/tiny@v9"), cache_dir=tmp_path):  # fmt: skip
+            resolve_source(_recipe("hf://acme/tiny@v9"), cache_dir=tmp_path):
         pass
 
 

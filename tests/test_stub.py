@@ -33,13 +33,13 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
 
 
 def run_loader(path: Path, *args: str, env: dict[str, str] | None = None,
-               block_packer: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
+               block_packer: bool = True) -> subprocess.CompletedProcess[str]:
     """Run the emitted file as a script; ``import packer`` fails inside when ``block_packer``."""
     guard = "import sys; sys.modules['packer'] = None; " if block_packer else ""
     code = guard + (f"import runpy, sys; sys.argv = [{str(path)!r}, *{list(args)!r}]; "
                     "runpy.run_path(sys.argv[0], run_name='__main__')")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=path.parent.parent, env={**os.environ, **(env or {})})  # fmt: skip
+                          cwd=path.parent.parent, env={**os.environ, **(env or {})})
 
 
 def test_emit_is_deterministic_and_pins_the_manifest(out: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_emit_is_deterministic_and_pins_the_manifest(out: tuple[Path, dict[str, 
     body = (tmp_path / LOADER_NAME).read_bytes()
     assert body == (d / LOADER_NAME).read_bytes() and stage == again
     assert stage.section == {"file": LOADER_NAME,
-                             "embedded_sha256": hashlib.sha256(canonical_json(m)).hexdigest()}  # fmt: skip
+                             "embedded_sha256": hashlib.sha256(canonical_json(m)).hexdigest()}
     (entry,) = stage.files
     assert (entry.path, entry.size, entry.sha256) == (LOADER_NAME, len(body), hashlib.sha256(body).hexdigest())
     assert list(tmp_path.iterdir()) == [tmp_path / LOADER_NAME]  # no temp file left behind
@@ -65,7 +65,7 @@ def test_emitted_file_compiles_and_passes_ruff(out: tuple[Path, dict[str, Any]])
     if ruff is None:
         pytest.skip("ruff is not installed")
     r = subprocess.run([ruff, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(d / LOADER_NAME)],
-                       capture_output=True, text=True)  # fmt: skip
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -98,7 +98,7 @@ def import_emitted(path: Path) -> Any:
 
 
 def test_selftest_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+                             capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "out"
     d.mkdir()
     m = make_out(d, bundle=False)

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 def _opt(tied: bool) -> torch.nn.Module:
     cfg = transformers.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
                                  num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16,
-                                 tie_word_embeddings=tied)  # fmt: skip
+                                 tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = transformers.OPTForCausalLM(cfg).eval()
     if not tied:  # the same storage in the checkpoint, yet two tensors to transformers

@@ -51,9 +51,9 @@ def run(tmp_path: Path, out: Path, preload: list[str]) -> subprocess.CompletedPr
     script = tmp_path / "serve.py"
     script.write_text(textwrap.dedent(SERVER.format(out=str(out), preload=preload)))
     env = {"PATH": "/usr/bin:/bin", "PACKER_STARTUP_LOG": "off", "HF_HUB_OFFLINE": "1",
-           "PACKER_BUNDLE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}  # fmt: skip
+           "PACKER_BUNDLE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=300)  # fmt: skip
+                          cwd=tmp_path, timeout=300)
 
 
 def test_workers_from_the_warm_server_answer(tmp_path: Path) -> None:

@@ -126,7 +126,7 @@ def sharded_bin(repo: Path, fmt: str = "zip") -> dict[str, torch.Tensor]:
     shards = [
         {"model.embed_tokens.weight": emb, "model.layers.0.w": random_tensor(torch.float32, (8, 8), 1)},
         {"lm_head.weight": emb, "model.layers.1.w": random_tensor(torch.float32, (8, 8), 2).t()},
-    ]  # fmt: skip
+    ]
     weight_map = {}
     for i, part in enumerate(shards, 1):
         name = f"pytorch_model-{i:05d}-of-00002.bin"

@@ -63,7 +63,7 @@ def test_tied_embeddings_keep_the_input_embedding() -> None:
     (("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
      "bert.embeddings.word_embeddings.weight"),
     (("z.weight", "a.weight"), "a.weight"),
-])  # fmt: skip
+])
 def test_kept_name_ranking(names: tuple[str, str], kept: str) -> None:
     plan = plan_weights([contents(*(rec(n, (2, 2)) for n in names))], WeightsConfig())
     assert list(plan.tensors) == [kept]
@@ -158,7 +158,7 @@ def test_empty_checkpoint_plans_one_file() -> None:
 @pytest.mark.parametrize("shape, stride, expected", [
     ((2, 3), (3, 1), True), ((3, 2), (1, 3), False), ((1, 4), (99, 1), True),
     ((4, 1), (1, 7), True), ((0, 3), (5, 7), True), ((), (), True), ((2, 3), (6, 2), False),
-])  # fmt: skip
+])
 def test_is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], expected: bool) -> None:
     assert is_contiguous(rec("x", shape, stride=stride, nbytes=10**6)) is expected
 
@@ -186,7 +186,7 @@ def test_reserved_name_is_refused() -> None:
     (("output.weight", "tok_embeddings.weight"), "tok_embeddings.weight"),
     # a "decoder" or "output" path component is no output head
     (("model.decoder.layers.0.w", "model.a.w"), "model.a.w"),
-])  # fmt: skip
+])
 def test_kept_name_is_the_tie_source(names: tuple[str, ...], kept: str) -> None:
     plan = plan_weights([contents(*(rec(n, (2, 2)) for n in names))], WeightsConfig())
     assert list(plan.tensors) == [kept]

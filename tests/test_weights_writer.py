@@ -79,7 +79,7 @@ VIEWS = [  # name, shape, stride, storage offset (elements)
     ("contig", (3, 4), (4, 1), 0), ("offset", (2, 3), (3, 1), 5), ("transposed", (4, 3), (1, 4), 0),
     ("stepped", (3,), (3,), 1), ("scalar", (), (), 7), ("empty", (0, 4), (4, 1), 0),
     ("broadcast", (2, 3), (0, 1), 2), ("deep", (2, 2, 2), (1, 4, 2), 0),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("chunk", [writer.CHUNK, 8])

@@ -24,7 +24,7 @@ TORCH_DTYPES: dict[str, tuple[str | None, int]] = {
     "complex128": (None, 16), "cdouble": (None, 16),
     "qint8": (None, 1), "quint8": (None, 1), "qint32": (None, 4), "quint4x2": (None, 1),
     "quint2x4": (None, 1),
-}  # fmt: skip
+}
 
 # typed storage class name -> torch dtype name of its elements
 STORAGE_TYPES: dict[str, str] = {
@@ -35,7 +35,7 @@ STORAGE_TYPES: dict[str, str] = {
     "ComplexFloatStorage": "complex64", "QInt8Storage": "qint8", "QUInt8Storage": "quint8",
     "QInt32Storage": "qint32", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
     "UntypedStorage": "uint8",
-}  # fmt: skip
+}
 
 # modules a storage type may come from (a user's --allow-global could admit others: not storages)
 STORAGE_MODULES = frozenset({"torch", "torch.storage"})
@@ -52,7 +52,7 @@ CALLABLES: frozenset[tuple[str, str]] = frozenset({
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
     # protocol-2 pickles written by Python 3 spell builtins the Python 2 way
     ("__builtin__", "set"), ("__builtin__", "frozenset"), ("__builtin__", "bytearray"),
-})  # fmt: skip
+})
 # The types _rebuild_from_type_v2 may name: a plain tensor or a parameter, nothing else.
 TENSOR_TYPES: frozenset[tuple[str, str]] = frozenset({("torch", "Tensor"), ("torch.nn.parameter", "Parameter")})
 VALUE_GLOBALS: frozenset[tuple[str, str]] = frozenset(

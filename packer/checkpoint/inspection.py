@@ -28,7 +28,7 @@ def _describe(
         {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": nbytes,
          "alias_group": group_of.get(name)}
         for _, name, dtype, shape, nbytes in records
-    ]  # fmt: skip
+    ]
     return tensors, alias_groups
 
 

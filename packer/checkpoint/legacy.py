@@ -43,7 +43,7 @@ class _Pickles:
         while True:
             try:
                 return run_pickle(self.buf, where=f"{self.path}: {what}", start=start,
-                                  to_end=False, **kw)  # type: ignore[arg-type]  # fmt: skip
+                                  to_end=False, **kw)  # type: ignore[arg-type]
             except TruncatedPickle:
                 if len(self.buf) >= min(self.size, MAX_PICKLE_BYTES):
                     raise
@@ -83,7 +83,7 @@ class _Storages:
 
     def _view(self, root: StorageRef, view: object) -> StorageRef:
         if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)
-                and type(view[1]) is int and type(view[2]) is int):  # fmt: skip
+                and type(view[1]) is int and type(view[2]) is int):
             raise self.fail(f"storage {root.key}: malformed view metadata")
         vkey, offset, vsize = view
         if offset < 0 or vsize < 0 or offset + vsize > root.numel:
@@ -128,7 +128,7 @@ class _Storages:
         for view, root, offset in self.views:
             item = TORCH_DTYPES[root.dtype][1]
             view.range = StorageRange(view.key, self.path, root.range.offset + offset * item,
-                                      view.numel * item)  # fmt: skip
+                                      view.numel * item)
 
 
 def _expect(path: Path, what: str, value: object, ok: Callable[[object], bool]) -> None:

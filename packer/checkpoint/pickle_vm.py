@@ -414,10 +414,10 @@ class PickleVM:
             qual = f"{module}.{name}"
             if module == "torch.nn" or module.startswith("torch.nn."):  # a whole pickled module
                 hint = ("it is a pickled torch.nn module, not a state dict: save model.state_dict() "
-                        "instead, or convert once in a trusted environment")  # fmt: skip
+                        "instead, or convert once in a trusted environment")
             elif self.policy.placeholder_types:
                 hint = (f"if {qual} is plain data, allow it as an inert placeholder with --allow-global {qual} "
-                        "(recipe: weights.allow_globals)")  # fmt: skip
+                        "(recipe: weights.allow_globals)")
             else:
                 hint = "this pickle holds no objects"
             raise self.unsafe(
@@ -522,7 +522,7 @@ def _handler_table(vm: PickleVM) -> dict[int, Callable[[], None]]:
         0x63: vm.op_global, 0x93: vm.op_stack_global, 0x69: vm.op_inst,
         0x52: vm.op_reduce, 0x62: vm.op_build, 0x51: vm.op_binpersid,
         0x81: lambda: vm.op_newobj(False), 0x92: lambda: vm.op_newobj(True),
-    }  # fmt: skip
+    }
     return t
 
 
@@ -557,7 +557,7 @@ def run_pickle(
     vm = PickleVM(
         data, where=where, start=start, persistent_load=persistent_load,
         policy=policy, limits=limits,
-    )  # fmt: skip
+    )
     try:
         value, end = vm.run()
     except RecursionError:  # never expected: the VM is iterative; kept as a last guard

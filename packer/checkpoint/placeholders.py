@@ -27,7 +27,7 @@ _NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
 _LIGHTNING = (
     "lightning.fabric.utilities.data", "lightning_fabric.utilities.data",
     "pytorch_lightning.utilities.parsing", "lightning.pytorch.utilities.parsing",
-)  # fmt: skip
+)
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 
 # Types whose pickled form is a dict (SETITEMS on the new object): placeholders that are dicts.
@@ -106,7 +106,7 @@ class GlobalPolicy:
 
     def __init__(self, *, callables: frozenset[tuple[str, str]], values: frozenset[tuple[str, str]],
                  placeholder_types: frozenset[tuple[str, str]] = PLACEHOLDER_TYPES,
-                 patterns: Sequence[str] = ()) -> None:  # fmt: skip
+                 patterns: Sequence[str] = ()) -> None:
         self.callables = callables
         self.values = values | (INERT_VALUES if placeholder_types else frozenset())
         self.placeholder_types = placeholder_types

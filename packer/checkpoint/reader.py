@@ -183,7 +183,7 @@ def _notes(root: object, tensors: Sequence[tuple[str, TensorRef]]) -> tuple[str,
 
 
 def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = False,
-                    allow_globals: Sequence[str] = ()) -> CheckpointContents:  # fmt: skip
+                    allow_globals: Sequence[str] = ()) -> CheckpointContents:
     """Read a checkpoint's tensor records without executing or importing anything.
 
     Only the pickle and headers are read (storage bytes are not touched unless

@@ -18,7 +18,7 @@ DTYPE_SIZES: dict[str, int] = {
     "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1, "F4": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1,
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
+}
 # values packed into one torch element, for dtypes safetensors counts in single values
 PACKED = {"F4": 2}
 # __metadata__ key: JSON {name: torch shape} for packed tensors whose stored shape cannot

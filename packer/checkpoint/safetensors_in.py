@@ -49,7 +49,7 @@ def _record(path: Path, name: str, info: object, base: int) -> tuple[TensorRecor
     if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
         raise _fail(path, place, "shape must be a list of non-negative integers")
     if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(type(o) is int and 0 <= o < 2**63 for o in offsets)):  # fmt: skip
+            and all(type(o) is int and 0 <= o < 2**63 for o in offsets)):
         raise _fail(path, place, "data_offsets must be two non-negative integers")
     begin, end = offsets
     stored = tuple(shape)

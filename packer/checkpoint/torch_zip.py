@@ -29,9 +29,9 @@ _CEN = b"PK\x01\x02"
 _LOC = b"PK\x03\x04"
 _DESC = b"PK\x07\x08"
 _BAD_FLAGS = {0x1: "encrypted", 0x20: "compressed patched data", 0x40: "strong encryption",
-              0x2000: "encrypted central directory"}  # fmt: skip
+              0x2000: "encrypted central directory"}
 _SMALL = {"byteorder", "version", ".data/version", ".data/serialization_id",
-          ".format_version", ".storage_alignment"}  # fmt: skip
+          ".format_version", ".storage_alignment"}
 MAX_PICKLE_BYTES = 256 << 20
 MAX_ENTRIES = 1_000_000
 _CRC_CHUNK = 16 << 20
@@ -126,7 +126,7 @@ def _central_directory(
         flags, method, crc, csize, usize, nlen, elen, clen, disk, lho = (
             fields[3], fields[4], fields[7], fields[8], fields[9], fields[10], fields[11],
             fields[12], fields[13], fields[16],
-        )  # fmt: skip
+        )
         raw = cd[pos + 46 : pos + 46 + nlen]
         extra = cd[pos + 46 + nlen : pos + 46 + nlen + elen]
         pos += 46 + nlen + elen + clen
@@ -317,7 +317,7 @@ def load_torch_zip(f: BinaryIO, path: Path, size: int, *, verify_crc: bool = Fal
         raise _fail(path, f"member {prefix}/byteorder", "only little-endian checkpoints are supported")
     pkl = _read_member(f, path, rel["data.pkl"], MAX_PICKLE_BYTES)
     root, _ = run_pickle(pkl, where=f"{path}: {prefix}/data.pkl",
-                         persistent_load=_storage_loader(path, prefix, rel), policy=policy)  # fmt: skip
+                         persistent_load=_storage_loader(path, prefix, rel), policy=policy)
     if verify_crc:
         for name, m in rel.items():
             if name.startswith("data/"):

@@ -42,7 +42,7 @@ def short(value: object, limit: int = 80) -> str:
 
 
 _REBUILDS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-                       "_rebuild_parameter_with_state"})  # fmt: skip
+                       "_rebuild_parameter_with_state"})
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def write_docker_files(
              "files": [f.dest for f in t.planned.files]}
             for t in tarballs
         ],
-    }  # fmt: skip
+    }
     desc_path = out_dir / LAYERS_DIR / DESCRIPTOR
     atomic_write_bytes(desc_path, canonical_json(descriptor), 0o644)
     dockerfile = out_dir / "Dockerfile"

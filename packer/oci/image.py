@@ -78,7 +78,7 @@ def _write_layers(
             SourceFile(f.dest, f.size, data=manifest) if f.rel_path == MANIFEST_NAME
             else SourceFile(f.dest, f.size, source=out_dir / f.rel_path)
             for f in planned.files
-        ]  # fmt: skip
+        ]
         members = tar_members(sources, owner=plan.owner, prefix=plan.prefix)
         rels.append(f"{LAYERS_DIR}/{tarball_name(i, planned)}")
         tee = out_dir / rels[-1] if planned.compression == "zstd" else None
@@ -199,7 +199,7 @@ def build_image(
         "layers": [_layer_section(la, p) for la, p in zip(layers, plan.layers, strict=True)],
         "base": None if base is None else {
             "name": base.reference, "digest": base.manifest_digest, "layers": len(base.layers)},
-    }  # fmt: skip
+    }
     return StageOutput(
         files=tuple(_entries(out_dir, layers, tarballs, base)),
         section=section,

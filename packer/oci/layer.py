@@ -246,7 +246,7 @@ def write_layer(
             done, fd = fd, -1  # _finish closes it, whatever happens
             _finish(done, tmp, blobs_dir / digest.removeprefix("sha256:"))
             return Layer(digest, digest, size, MEDIA_TYPES["none"],
-                         blobs_dir / digest.removeprefix("sha256:"))  # fmt: skip
+                         blobs_dir / digest.removeprefix("sha256:"))
         out = _HashingFile(fd)
         sink, close = _compressor(compression, out)
         # uncompressed: the blob hash is the diff_id, so hash once

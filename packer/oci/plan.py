@@ -82,7 +82,7 @@ class ImagePlan:
                  "files": [f.dest for f in la.files]}
                 for la in self.layers
             ],
-        }  # fmt: skip
+        }
 
 
 def _prefix(cfg: ImageConfig) -> str:
@@ -177,9 +177,9 @@ def plan_layers(
              for w in weights]
             + ([PlannedLayer("bundle", tuple(meta), cfg.compression)] if meta else [])
             + ([PlannedLayer("loader", tuple(top), cfg.compression)] if top else [])
-        )  # fmt: skip
+        )
     return ImagePlan(
         tag=cfg.tag or f"{name}:{version}", prefix=prefix, owner=owner,
         compression=cfg.compression, weights=cfg.weights, base=cfg.base,
         platform=cfg.platform, layers=layers,
-    )  # fmt: skip
+    )

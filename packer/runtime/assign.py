@@ -69,7 +69,7 @@ def _patterns(module: Any, attr: str) -> re.Pattern[str] | None:
 
 
 def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
-                aliases: dict[str, str]) -> tuple[list[str], list[str], list[str]]:  # fmt: skip
+                aliases: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
     """Set each slot's ``key``; return ``(missing, unexpected, notes)``.
 
     Raises:
@@ -92,18 +92,18 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
             slot.key = aliases.get(hits[0], hits[0]) if same else ""
             notes.append(f"{hits[0]}: a non-persistent buffer of the module; "
                          + ("loaded into it" if same else f"skipped ({want['dtype']} {shape} "
-                            f"against {_code(slot.tensor)} {list(slot.tensor.shape)})"))  # fmt: skip
+                            f"against {_code(slot.tensor)} {list(slot.tensor.shape)})"))
             continue
         if list(slot.tensor.shape) != shape:
             raise RuntimeError(f"load_into: size mismatch for {hits[0]}: the weights have shape "
-                               f"{shape}, the module {list(slot.tensor.shape)}")  # fmt: skip
+                               f"{shape}, the module {list(slot.tensor.shape)}")
         slot.key = aliases.get(hits[0], hits[0])
         notes += [f"{n}: tied to {hits[0]} in the module; loaded once" for n in slot.names if n not in stored]
         notes += [f"{n}: also stored, but the module ties it to {hits[0]}; loaded from {hits[0]}"
-                  for n in hits[1:] if aliases.get(n, n) != slot.key]  # fmt: skip
+                  for n in hits[1:] if aliases.get(n, n) != slot.key]
     unexpected = sorted(stored - covered)
     for attr, keys in (("_keys_to_ignore_on_load_missing", missing),
-                       ("_keys_to_ignore_on_load_unexpected", unexpected)):  # fmt: skip
+                       ("_keys_to_ignore_on_load_unexpected", unexpected)):
         pat = _patterns(module, attr)
         if pat is not None and any(pat.search(k) for k in keys):
             notes.append(f"{attr} ignores {sorted(k for k in keys if pat.search(k))[:8]}")
@@ -112,7 +112,7 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
 
 
 _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-          "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}  # fmt: skip
+          "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
 def _code(t: Any) -> str:
@@ -131,7 +131,7 @@ def _set(slot: TensorSlot, value: Any) -> None:
 
 
 def load_module(loader: Any, module: Any, *, device: str | None = None, strict: bool = True,
-                verify: bool = False, pipeline: bool | None = None) -> LoadResult:  # fmt: skip
+                verify: bool = False, pipeline: bool | None = None) -> LoadResult:
     """The body of :meth:`Loader.load_into` (see there): assign to meta slots, copy into real ones."""
     torch = _torch(loader.timeline)
     w = loader.manifest["weights"]
@@ -139,7 +139,7 @@ def load_module(loader: Any, module: Any, *, device: str | None = None, strict: 
     missing, unexpected, notes = match_slots(module, slots, w["tensors"], w.get("aliases", {}))
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_into: missing keys {missing[:8]}, unexpected keys "
-                           f"{unexpected[:8]} (pass strict=False to load the rest)")  # fmt: skip
+                           f"{unexpected[:8]} (pass strict=False to load the rest)")
     if not any(s.key and s.tensor.device.type == "meta" for s in slots):
         targets: dict[str, list[Any]] = {}
         for s in slots:
@@ -165,14 +165,14 @@ def load_module(loader: Any, module: Any, *, device: str | None = None, strict: 
 
 
 def _assign(loader: Any, torch: Any, slots: list[TensorSlot], device: str | None, verify: bool,
-            pipeline: bool | None, result: LoadResult) -> LoadResult:  # fmt: skip
+            pipeline: bool | None, result: LoadResult) -> LoadResult:
     real = sorted({str(s.tensor.device) for s in slots if s.kind == "param" and s.tensor.device.type != "meta"})
     dev = torch.device(device or (real[0] if real else "cpu"))
     if dev.type == "cuda" and dev.index is None and real and real[0].startswith("cuda"):
         dev = torch.device(real[0])
     if len(real) > 1 or (real and torch.device(real[0]) != dev):
         raise RuntimeError(f"load_into: some parameters are already on {real}, the weights go to "
-                           f"{dev}; build the whole module under init_empty() or move it first")  # fmt: skip
+                           f"{dev}; build the whole module under init_empty() or move it first")
     auto, loader.auto_flush = loader.auto_flush, False
     try:
         tensors = loader.load_weights(str(dev), verify=verify, pipeline=pipeline)

@@ -44,9 +44,9 @@ _PAX_HARMLESS = frozenset({"mtime", "atime", "ctime", "uid", "gid", "uname", "gn
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _KINDS = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device",
           b"4": "a block device", b"6": "a FIFO", b"7": "a contiguous file", b"g": "a global PAX header",
-          b"L": "a GNU long name", b"K": "a GNU long link name", b"S": "a GNU sparse file"}  # fmt: skip
+          b"L": "a GNU long name", b"K": "a GNU long link name", b"S": "a GNU sparse file"}
 _NUMERIC = ((108, 116, "uid"), (116, 124, "gid"), (136, 148, "mtime"), (329, 337, "devmajor"),
-            (337, 345, "devminor"))  # fmt: skip
+            (337, 345, "devminor"))
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -184,7 +184,7 @@ def _decompress(data: bytes | bytearray, max_bytes: int, max_window: int) -> byt
                         raise BundleFormatError(f"decompresses to more than the cap of {max_bytes} bytes")
             if declared is not None and len(out) - before != declared:
                 raise BundleFormatError(f"zstd frame at byte {start} declares {declared} bytes "
-                                        f"but holds {len(out) - before}")  # fmt: skip
+                                        f"but holds {len(out) - before}")
     except zstandard.ZstdError as e:
         raise BundleFormatError(f"corrupt zstd data: {e}") from e
     return out
@@ -405,7 +405,7 @@ class Bundle:
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
              max_members: int = DEFAULT_MAX_MEMBERS, max_depth: int = DEFAULT_MAX_DEPTH,
-             max_window: int = DEFAULT_MAX_WINDOW) -> Bundle:  # fmt: skip
+             max_window: int = DEFAULT_MAX_WINDOW) -> Bundle:
         """Read the archive with one open and one read, and validate all of it.
 
         Args:
@@ -422,14 +422,14 @@ class Bundle:
         data = _read_once(path, _compressed_limit(max_bytes))
         try:
             return cls.from_bytes(data, max_bytes=max_bytes, max_members=max_members,
-                                  max_depth=max_depth, max_window=max_window)  # fmt: skip
+                                  max_depth=max_depth, max_window=max_window)
         except BundleFormatError as e:
             raise BundleFormatError(f"{os.fspath(path)}: {e}") from None
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    max_members: int = DEFAULT_MAX_MEMBERS, max_depth: int = DEFAULT_MAX_DEPTH,
-                   max_window: int = DEFAULT_MAX_WINDOW) -> Bundle:  # fmt: skip
+                   max_window: int = DEFAULT_MAX_WINDOW) -> Bundle:
         """Validate archive bytes already in memory (same caps and errors as :meth:`open`)."""
         if len(data) > _compressed_limit(max_bytes):
             raise BundleFormatError(f"{len(data)} compressed bytes, over the cap for {max_bytes}")
@@ -521,7 +521,7 @@ def _private_root() -> Path:
 def extract_cached(archive: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, *,
                    expected_sha256: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
                    max_members: int = DEFAULT_MAX_MEMBERS, max_depth: int = DEFAULT_MAX_DEPTH,
-                   max_window: int = DEFAULT_MAX_WINDOW) -> Path:  # fmt: skip
+                   max_window: int = DEFAULT_MAX_WINDOW) -> Path:
     """Extract ``archive`` once per node into ``root/<sha256 of the archive>`` and return it.
 
     The archive is read with one open (none when ``expected_sha256`` names a directory that
@@ -554,7 +554,7 @@ def extract_cached(archive: str | os.PathLike[str], root: str | os.PathLike[str]
         return final
     try:
         bundle = Bundle.from_bytes(data, max_bytes=max_bytes, max_members=max_members,
-                                   max_depth=max_depth, max_window=max_window)  # fmt: skip
+                                   max_depth=max_depth, max_window=max_window)
     except BundleFormatError as e:
         raise BundleFormatError(f"{os.fspath(archive)}: {e}") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.", suffix=".tmp", dir=base))

@@ -50,7 +50,7 @@ def map_shards(torch: Any, shards: list[Shard], timeline: Timeline) -> list[tupl
 
 
 def read_shards(torch: Any, shards: list[Shard], readers: int, timeline: Timeline, *,
-                hugepages: bool = False) -> list[tuple[Any, int]]:  # fmt: skip
+                hugepages: bool = False) -> list[tuple[Any, int]]:
     """Private CPU buffers filled by the reader threads straight from the files."""
     with timeline.stage("read") as box:
         out = [(_anonymous(torch, s.size - s.data_start, hugepages), 0) for s in shards]

@@ -33,7 +33,7 @@ _DTYPES = {
     "I16": ("int16", 2), "I8": ("int8", 1), "U64": ("uint64", 8), "U32": ("uint32", 4),
     "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1), "C64": ("complex64", 8),
     "F4": ("float4_e2m1fn_x2", 1),  # two values a byte: the manifest's torch_shape is its shape
-}  # fmt: skip
+}
 
 
 class ArtifactMismatchError(RuntimeError):
@@ -49,7 +49,7 @@ def _wanted_env() -> dict[str, str]:
         user = [k for k in _ALLOC_VARS if k in os.environ]
         if user:
             warnings.warn(f"packer_loader: PACKER_EXPANDABLE_SEGMENTS=1 ignored: {user[0]} is set; "
-                          "add expandable_segments:True there yourself", RuntimeWarning, stacklevel=4)  # fmt: skip
+                          "add expandable_segments:True there yourself", RuntimeWarning, stacklevel=4)
         else:
             out["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return out
@@ -64,7 +64,7 @@ def _apply_env() -> None:
     if unset and cuda is not None and cuda.is_initialized():
         warnings.warn(f"packer_loader: CUDA was initialised before the loader was imported; "
                       f"{', '.join(unset)} cannot take effect (import the loader first)",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
+                      RuntimeWarning, stacklevel=3)
     for key in unset:
         os.environ[key] = wanted[key]
 
@@ -90,7 +90,7 @@ def manifest() -> dict[str, Any]:
     """
     if _EMBEDDED_JSON is None:
         raise RuntimeError("packer.runtime.loader has no embedded manifest: use the "
-                           "packer_loader.py a build emitted, or Loader(manifest, root)")  # fmt: skip
+                           "packer_loader.py a build emitted, or Loader(manifest, root)")
     data: dict[str, Any] = json.loads(_EMBEDDED_JSON)
     return data
 

@@ -47,12 +47,12 @@ def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], tu
 
 
 def _rebuild(args: tuple[Any, ...], kwargs: dict[str, Any],
-             tensors: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:  # fmt: skip
+             tensors: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     torch = sys.modules["torch"]
     it = iter(tensors)
     new_args = tuple(next(it) if isinstance(v, torch.Tensor) else v for v in args)
     new_kwargs = {k: next(it) if isinstance(v, torch.Tensor) else v
-                  for k, v in sorted(kwargs.items())}  # fmt: skip
+                  for k, v in sorted(kwargs.items())}
     return new_args, new_kwargs
 
 
@@ -73,7 +73,7 @@ def _clone_out(out: Any) -> Any:
         return new
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
         return dataclasses.replace(out, **{f.name: _clone_out(getattr(out, f.name))
-                                           for f in dataclasses.fields(out) if f.init})  # fmt: skip
+                                           for f in dataclasses.fields(out) if f.init})
     return out
 
 
@@ -132,7 +132,7 @@ class UncapturableError(RuntimeError):
 
 
 def cuda_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 pool: Any) -> Captured:  # fmt: skip
+                 pool: Any) -> Captured:
     """Capture ``model(*args, **kwargs)`` into a CUDA graph sharing the memory ``pool``.
 
     Runs on the inputs' device; thread-local capture error mode.
@@ -215,7 +215,7 @@ class GraphPool:
             self.capturing, self.eager_reason = False, f"{type(e).__name__}: {e}"
             warnings.warn(f"packer_loader: CUDA graph capture failed for {sig} ({self.eager_reason}); "
                           "the model runs eagerly for every shape not captured so far",
-                          RuntimeWarning, stacklevel=2)  # fmt: skip
+                          RuntimeWarning, stacklevel=2)
             return False
         return True
 
@@ -244,7 +244,7 @@ def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def warmup(model: Any, example_inputs: Any, *, cudnn_benchmark: bool = True,
            cuda_graphs: bool = False, iters: int = 3,
-           timeline: Timeline | None = None) -> GraphPool:  # fmt: skip
+           timeline: Timeline | None = None) -> GraphPool:
     """Run each example a few times (cuDNN autotune); optionally capture one graph per shape.
 
     Args:

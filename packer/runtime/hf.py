@@ -45,7 +45,7 @@ def weights_dtype(torch: Any, manifest: dict[str, Any], config: Any) -> Any:
 
 
 def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", dtype: Any = None,
-                       verify: bool = False) -> Any:  # fmt: skip
+                       verify: bool = False) -> Any:
     """Construct ``model_class`` under :func:`init_empty` and load the build into it.
 
     Args:
@@ -81,7 +81,7 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if left:
         raise RuntimeError(f"from_pretrained: {len(left)} parameter(s) not in the weights "
-                           f"(ignored as missing by the model): {left[:8]}")  # fmt: skip
+                           f"(ignored as missing by the model): {left[:8]}")
     model.tie_weights()
     if model.can_generate() and (bundle / "generation_config.json").is_file():
         from transformers import GenerationConfig

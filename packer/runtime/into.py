@@ -39,14 +39,14 @@ def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None)
     dev = devices.pop() if devices else torch.device(device or "cpu")
     if dev.type not in ("cpu", "cuda"):
         raise RuntimeError(f"load_into: the module's tensors are on {dev}; allocate them on "
-                           "cpu or cuda, or build it under init_empty()")  # fmt: skip
+                           "cpu or cuda, or build it under init_empty()")
     if device is not None and torch.device(device).type != dev.type:
         raise RuntimeError(f"load_into: the module lives on {dev}, not {device}; move it first")
     return dev
 
 
 def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], readers: int,
-             timeline: Timeline) -> None:  # fmt: skip
+             timeline: Timeline) -> None:
     """preadv straight into the parameters; a mapped view only where dtypes differ."""
     reads: list[Read] = []
     rest: list[tuple[Any, Any]] = []
@@ -67,7 +67,7 @@ def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], rea
 
 
 def plan_into(torch: Any, engine: CopyEngine, shards: list[Shard],
-              targets: dict[str, list[Any]]) -> tuple[list[Segment], list[Later]]:  # fmt: skip
+              targets: dict[str, list[Any]]) -> tuple[list[Segment], list[Later]]:
     """Ring segments straight into the parameters (a staging tensor where dtypes differ).
 
     Returns:

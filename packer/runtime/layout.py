@@ -30,7 +30,7 @@ class Layout:
 
 
 def plan_layout(tensors: list[TensorEntry], data_len: int,
-                align: int = ALIGN) -> Layout:  # fmt: skip
+                align: int = ALIGN) -> Layout:
     """Device offsets for ``tensors`` (sorted by begin).
 
     An empty tensor never splits a segment; neither does a tensor that overlaps the one
@@ -53,7 +53,7 @@ def plan_layout(tensors: list[TensorEntry], data_len: int,
 
 
 def layout_tensors(torch: Any, shards: list[Shard], bufs: list[Any], layouts: list[Layout],
-                   dtype: Any, aliases: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+                   dtype: Any, aliases: dict[str, str]) -> dict[str, Any]:
     """Every tensor as a view of its shard's device buffer at its laid-out offset (cast to
     ``dtype`` when given and floating point), plus ``aliases`` as the same tensor objects."""
     out: dict[str, Any] = {}

@@ -55,7 +55,7 @@ __all__ = [
     "load_into", "load_weights", "main", "manifest", "model_dir", "open_shard", "plan_chunks",
     "prefetch", "prepare", "release_ring", "report", "run_pipeline", "selftest", "sha256_fd", "tensor_view",
     "warm_context", "warmup", "warmup_inputs",
-]  # fmt: skip
+]
 
 _LOADERS: dict[tuple[str, str], Loader] = {}
 
@@ -86,19 +86,19 @@ def warmup_inputs(device: str = "cuda") -> list[dict[str, Any]]:
     torch = _torch()
     return [{w["name"]: torch.zeros(tuple(w["shape"]), dtype=getattr(torch, w.get("dtype", "int64")),
                                     device=device)}
-            for w in _settings().warmup]  # fmt: skip
+            for w in _settings().warmup]
 
 
 def load_weights(device: str = "cuda", *, dtype: Any = None, verify: bool = False,
                  root: str | Path | None = None, pipeline: bool | None = None,
-                 copy: bool = False) -> dict[str, Any]:  # fmt: skip
+                 copy: bool = False) -> dict[str, Any]:
     """Load this build's weights; see :meth:`Loader.load_weights`."""
     return default_loader(root).load_weights(device, dtype=dtype, verify=verify,
-                                             pipeline=pipeline, copy=copy)  # fmt: skip
+                                             pipeline=pipeline, copy=copy)
 
 
 def load_into(module: Any, *, device: str | None = None, strict: bool = True,
-              verify: bool = False, root: str | Path | None = None) -> LoadResult:  # fmt: skip
+              verify: bool = False, root: str | Path | None = None) -> LoadResult:
     """Load this build's weights into ``module`` (built under :func:`init_empty`: by assignment).
 
     See :meth:`Loader.load_into`; returns ``(missing, unexpected)`` with ``.notes``.
@@ -107,7 +107,7 @@ def load_into(module: Any, *, device: str | None = None, strict: bool = True,
 
 
 def from_pretrained(model_class: Any, *, device: str = "cuda", dtype: Any = None, verify: bool = False,
-                    root: str | Path | None = None) -> Any:  # fmt: skip
+                    root: str | Path | None = None) -> Any:
     """A Hugging Face model of this build, ready: config from the bundle, weights assigned.
 
     The tokenizer stays ``AutoTokenizer.from_pretrained(bundle_dir())``. See
@@ -131,7 +131,7 @@ def prepare(*, prefetch: bool = False, root: str | Path | None = None) -> dict[s
 
 
 def warm_context(preload: list[str] | tuple[str, ...] = (), *, prefetch: bool = False,
-                 root: str | Path | None = None) -> Any:  # fmt: skip
+                 root: str | Path | None = None) -> Any:
     """A ``multiprocessing`` forkserver context whose server has imported and prepared everything.
 
     The server imports ``preload`` (e.g. ``["transformers", "myapp.model"]``), then this
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="packer_loader.py", description=__doc__.splitlines()[0])
     ap.add_argument("--selftest", action="store_true", help="load and check every artifact")
     ap.add_argument("--model-dir", action="store_true",
-                    help="print a Hugging Face model directory of this build (links, no copies)")  # fmt: skip
+                    help="print a Hugging Face model directory of this build (links, no copies)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the recipe's)")
     ap.add_argument("--verify", action="store_true", help="also check sha256 of every file")
     ap.add_argument("--root", default=None, help="artifact directory (default: beside this file)")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cuda" and args.device is None and not torch.cuda.is_available():
             device = "cpu"  # a CPU node can still check its artifacts; a GPU node passes --device cuda
             sys.stderr.write("packer_loader: the build's device is cuda but CUDA is not available here; "
-                             "checking on cpu (--device cuda makes CUDA required)\n")  # fmt: skip
+                             "checking on cpu (--device cuda makes CUDA required)\n")
         problems = selftest(loader, device, args.verify)
     except Exception as e:  # any failure is a failed self-test, reported in one line
         TIMELINE.flush()
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"packer_loader: self-test failed: {len(problems)} problem(s)\n")
         return 1
     sys.stderr.write(f"packer_loader: self-test passed ({len(loader.manifest['weights']['tensors'])} "
-                     f"tensors on {device})\n")  # fmt: skip
+                     f"tensors on {device})\n")
     return 0
 
 

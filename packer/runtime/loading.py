@@ -44,7 +44,7 @@ class Loader:
 
     def __init__(self, manifest: dict[str, Any], root: str | Path, *,
                  weights_dir: str | Path | None = None,
-                 timeline: Timeline | None = None, settings: RuntimeSettings | None = None) -> None:  # fmt: skip
+                 timeline: Timeline | None = None, settings: RuntimeSettings | None = None) -> None:
         self.manifest = manifest
         self.root = Path(root)
         self.weights_dir = Path(weights_dir) if weights_dir else None
@@ -107,7 +107,7 @@ class Loader:
                 box["bytes"] += s.size
 
     def load_weights(self, device: str = "cuda", *, dtype: Any = None, verify: bool = False,
-                     pipeline: bool | None = None, copy: bool = False) -> dict[str, Any]:  # fmt: skip
+                     pipeline: bool | None = None, copy: bool = False) -> dict[str, Any]:
         """Load every tensor; aliases of tied tensors are the same tensor object.
 
         Args:
@@ -137,7 +137,7 @@ class Loader:
                 if verify:
                     self._verify_shards(shards)
                 bufs = (read_shards(torch, shards, self.readers, self.timeline, hugepages=self.settings.hugepages)
-                        if copy else map_shards(torch, shards, self.timeline))  # fmt: skip
+                        if copy else map_shards(torch, shards, self.timeline))
                 out = self._tensors(torch, shards, bufs, dtype)
             else:
                 out = self._ringed(torch, dev, shards, verify, dtype)
@@ -154,7 +154,7 @@ class Loader:
             raise ValueError(f"packer_loader: device {device!r}: only 'cpu', 'cuda' and 'cuda:N'")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"packer_loader: device {device!r} asked for but CUDA is not available "
-                               "(torch.cuda.is_available() is False); use device='cpu'")  # fmt: skip
+                               "(torch.cuda.is_available() is False); use device='cpu'")
         if dev.type == "cuda" and not _has_context(torch, dev):
             with self.timeline.stage("CUDA init"):  # driver, context, allocator: paid once
                 torch.cuda.init()
@@ -162,7 +162,7 @@ class Loader:
         return dev
 
     def _ringed(self, torch: Any, dev: Any, shards: list[Shard], verify: bool,
-                dtype: Any) -> dict[str, Any]:  # fmt: skip
+                dtype: Any) -> dict[str, Any]:
         """Through the ring into one device buffer per shard, every tensor ``ALIGN``-aligned;
         with ``verify`` the hash thread checks each file as its chunks pass, in file order."""
         engine = self.make_engine(dev)
@@ -178,16 +178,16 @@ class Loader:
         return layout_tensors(torch, shards, bufs, layouts, dtype, self.manifest["weights"].get("aliases", {}))
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
-                  hashers: dict[int, Any] | None) -> None:  # fmt: skip
+                  hashers: dict[int, Any] | None) -> None:
         self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),
-                                   readers=self.readers, hashers=hashers, timeline=self.timeline)  # fmt: skip
+                                   readers=self.readers, hashers=hashers, timeline=self.timeline)
 
     def _tensors(self, torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]],
-                 dtype: Any) -> dict[str, Any]:  # fmt: skip
+                 dtype: Any) -> dict[str, Any]:
         return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}))
 
     def load_into(self, module: Any, *, device: str | None = None, strict: bool = True,
-                  verify: bool = False, pipeline: bool | None = None) -> LoadResult:  # fmt: skip
+                  verify: bool = False, pipeline: bool | None = None) -> LoadResult:
         """Load the weights into ``module``: parameters on ``meta`` are assigned, real ones filled.
 
         Build the module under :func:`init_empty` so its parameters are on ``meta``: each is
@@ -216,7 +216,7 @@ class Loader:
         return load_module(self, module, device=device, strict=strict, verify=verify, pipeline=pipeline)
 
     def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],
-                   targets: dict[str, list[Any]]) -> None:  # fmt: skip
+                   targets: dict[str, list[Any]]) -> None:
         """Stream straight into the parameters; a staging tensor only where dtypes differ."""
         engine = self.make_engine(dev)
         segs, later = plan_into(torch, engine, shards, targets)
@@ -238,7 +238,7 @@ class Loader:
         with self.timeline.stage("bundle", b["size"]):
             try:
                 out = reader.extract_cached(self.path(rel), self.settings.bundle_cache or None,
-                                            expected_sha256=b["sha256"])  # fmt: skip
+                                            expected_sha256=b["sha256"])
             except (reader.BundleFormatError, OSError) as e:
                 raise ArtifactMismatchError(f"{rel}: {e}") from None
         if self.auto_flush:
@@ -256,7 +256,7 @@ class Loader:
             prefetch_files(paths, self.readers, self.timeline)
             return None
         t = threading.Thread(target=prefetch_files, args=(paths, self.readers, self.timeline),
-                             name="packer-prefetch", daemon=True)  # fmt: skip
+                             name="packer-prefetch", daemon=True)
         t.start()
         return t
 
@@ -280,4 +280,4 @@ def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[Any]) -> li
     """The ring's segments into the shards' device buffers, in file order."""
     return [Segment(i, s.data_start + at, n, buf[dst: dst + n])
             for i, (s, lay, buf) in enumerate(zip(shards, layouts, bufs, strict=True))
-            for at, dst, n in lay.segments]  # fmt: skip
+            for at, dst, n in lay.segments]

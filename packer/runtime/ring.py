@@ -60,7 +60,7 @@ def plan_chunks(segments: list[Segment], chunk: int) -> list[Chunk]:
         while done < nbytes:
             cur = out[-1] if out else None
             if (cur is None or cur.shard != shard or cur.offset + cur.nbytes != offset + done
-                    or cur.nbytes >= chunk):  # fmt: skip
+                    or cur.nbytes >= chunk):
                 cur = Chunk(shard, offset + done)
                 out.append(cur)
             n = min(chunk - cur.nbytes, nbytes - done)
@@ -123,7 +123,7 @@ class StagingRing:
         self._frees: list[Any] = []
 
     def take(self, engine: CopyEngine, slots: int, size: int, budget: int,
-             timeline: Timeline | None) -> tuple[list[Slot], float]:  # fmt: skip
+             timeline: Timeline | None) -> tuple[list[Slot], float]:
         """``slots`` slots of ``size`` to ``budget`` bytes (lock held); the seconds spent pinning."""
         secs = 0.0
         if len(self.slots) < slots or not size <= self.size <= budget:
@@ -228,7 +228,7 @@ class Readers:
         self.last = 0.0
         self.nbytes = 0
         self._threads = [threading.Thread(target=self._run, name=f"packer-read-{i}", daemon=True)
-                         for i in range(threads)]  # fmt: skip
+                         for i in range(threads)]
         for t in self._threads:
             t.start()
 
@@ -239,7 +239,7 @@ class Readers:
     def submit_many(self, latch: Latch, reads: list[Read]) -> None:
         """Queue several reads under one latch."""
         pieces = [(fd, off + a, view[a: a + self.piece]) for fd, off, view in reads
-                  for a in range(0, len(view), self.piece)]  # fmt: skip
+                  for a in range(0, len(view), self.piece)]
         latch.begin(len(pieces))
         if not pieces:
             latch.ready.set()
@@ -289,7 +289,7 @@ class RingStats:
 
 def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int,
                  chunk: int, readers: int, hashers: dict[int, Any] | None = None,
-                 stats: RingStats | None = None, timeline: Timeline | None = None) -> Readers:  # fmt: skip
+                 stats: RingStats | None = None, timeline: Timeline | None = None) -> Readers:
     """Move every chunk from disk through the ring into its destinations.
 
     Reads run ahead in reader threads while the engine copies the slot before; a slot goes
@@ -301,9 +301,9 @@ def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *
         ValueError: ``chunk`` is not a power of two, or the ring exceeds 64 MiB chunks / 512 MiB.
     """
     if (chunk & (chunk - 1) or chunk > DEFAULT_CHUNK or slots * chunk > MAX_RING_BYTES
-            or slots < 1 or chunk < 1):  # fmt: skip
+            or slots < 1 or chunk < 1):
         raise ValueError(f"ring of {slots} x {chunk} bytes: chunks must be powers of two up to "
-                         "64 MiB and the ring at most 512 MiB (PACKER_RING_SLOTS, PACKER_CHUNK_MB)")  # fmt: skip
+                         "64 MiB and the ring at most 512 MiB (PACKER_RING_SLOTS, PACKER_CHUNK_MB)")
     stats = stats or RingStats()
     size = min(chunk, 1 << max(max((c.nbytes for c in chunks), default=1) - 1, 0).bit_length())
     pool = Readers(readers, piece=max(size // 4, MIB))
@@ -338,7 +338,7 @@ def _reusable(slot: Slot, engine: CopyEngine) -> bool:
 
 
 def _drive(shards: list[Shard], todo: deque[Chunk], engine: CopyEngine, ring: list[Slot], pool: Readers,
-           hasher: Hasher | None, stats: RingStats) -> None:  # fmt: skip
+           hasher: Hasher | None, stats: RingStats) -> None:
     free: deque[Slot] = deque(ring)
     busy: deque[tuple[Slot, Chunk]] = deque()
     while todo or busy:
@@ -376,18 +376,18 @@ def _drive(shards: list[Shard], todo: deque[Chunk], engine: CopyEngine, ring: li
 
 
 def run_ring(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int, chunk: int,
-             readers: int, hashers: dict[int, Any] | None, timeline: Timeline) -> RingStats:  # fmt: skip
+             readers: int, hashers: dict[int, Any] | None, timeline: Timeline) -> RingStats:
     """:func:`run_pipeline`, then the read and host->device stages on ``timeline``.
 
     The host->device stage starts once the ring is ready: pinning is its own stage.
     """
     stats = RingStats()
     pool = run_pipeline(shards, chunks, engine, slots=slots, chunk=chunk, readers=readers,
-                        hashers=hashers, stats=stats, timeline=timeline)  # fmt: skip
+                        hashers=hashers, stats=stats, timeline=timeline)
     end = time.perf_counter()
     moved = sum(c.nbytes for c in chunks)
     if pool.first is not None:
         timeline.add("read", pool.first, pool.last, pool.nbytes, lane=1)
     timeline.add("host->device" if engine.name == "cuda" else "host->device (cpu engine)",
-                 stats.started, end, moved, lane=2)  # fmt: skip
+                 stats.started, end, moved, lane=2)
     return stats

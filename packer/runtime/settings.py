@@ -37,7 +37,7 @@ def _parse(name: str, value: Any) -> Any:  # first: the joined file's imports ne
             number = int(value)
         except (TypeError, ValueError):
             raise ValueError(f"packer_loader: {_ENV_PREFIX + name.upper()}: expected an integer, "
-                             f"got {value!r}") from None  # fmt: skip
+                             f"got {value!r}") from None
         return max(1, number) if name == "readers" else bool(number) if name == "hugepages" else number
     if name == "expandable_segments":
         return value is True or value == "1"
@@ -102,7 +102,7 @@ class RuntimeSettings(NamedTuple):
 
     @classmethod
     def from_sources(cls, environ: Mapping[str, str] | None = None,
-                     runtime: Mapping[str, Any] | None = None) -> RuntimeSettings:  # fmt: skip
+                     runtime: Mapping[str, Any] | None = None) -> RuntimeSettings:
         """The settings from ``environ`` (default ``os.environ``) over ``runtime`` (a recipe's
         ``[runtime]`` as embedded in the manifest; default none) over the defaults.
 

@@ -32,7 +32,7 @@ class Shard:
     """One safetensors file, its header checked against the manifest, its fd open."""
 
     def __init__(self, rel: str, path: Path, fd: int, size: int, head: bytes,
-                 tensors: list[TensorEntry]) -> None:  # fmt: skip
+                 tensors: list[TensorEntry]) -> None:
         self.rel, self.path, self.fd, self.size, self.head = rel, path, fd, size, head
         self.data_start = len(head)
         self.tensors = tensors  # sorted by begin
@@ -65,7 +65,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
         size = os.fstat(fd).st_size
         if size != meta["size"]:
             raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}; "
-                                        "these weights are not from this build")  # fmt: skip
+                                        "these weights are not from this build")
         n = struct.unpack("<Q", _pread_exact(fd, 8, 0, rel))[0]
         if n > min(size - 8, MAX_HEADER):
             raise ArtifactMismatchError(f"{rel}: header length {n} is impossible for {size} bytes")
@@ -78,7 +78,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
 
 
 def _check_header(rel: str, raw: bytes, data_len: int,
-                  table: dict[str, Any]) -> list[TensorEntry]:  # fmt: skip
+                  table: dict[str, Any]) -> list[TensorEntry]:
     try:
         header = json.loads(raw)
     except ValueError as e:
@@ -88,14 +88,14 @@ def _check_header(rel: str, raw: bytes, data_len: int,
     if set(header) != set(want):
         extra, gone = sorted(set(header) - set(want)), sorted(set(want) - set(header))
         raise ArtifactMismatchError(f"{rel}: header tensors differ from the manifest "
-                                    f"(unexpected {extra[:3]}, missing {gone[:3]})")  # fmt: skip
+                                    f"(unexpected {extra[:3]}, missing {gone[:3]})")
     out = []
     for name, rec in want.items():
         got = header[name]
         for key in ("dtype", "shape", "data_offsets"):
             if list(got.get(key, [])) != list(rec[key]) if key != "dtype" else got.get(key) != rec[key]:
                 raise ArtifactMismatchError(f"{rel}: tensor {name!r} {key} is {got.get(key)}, "
-                                            f"the manifest says {rec[key]}")  # fmt: skip
+                                            f"the manifest says {rec[key]}")
         begin, end = rec["data_offsets"]
         if not 0 <= begin <= end <= data_len:
             raise ArtifactMismatchError(f"{rel}: tensor {name!r} lies outside the data section")
@@ -121,11 +121,11 @@ def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB) -> str:
 def _check_sha(rel: str, got: str, want: str) -> None:
     if got != want:
         raise ArtifactMismatchError(f"{rel}: sha256 {got[:16]}..., the manifest says "
-                                    f"{want[:16]}...; the file is corrupt or from another build")  # fmt: skip
+                                    f"{want[:16]}...; the file is corrupt or from another build")
 
 
 def tensor_view(torch: Any, buf: Any, begin: int, end: int, code: str, shape: list[int],
-                where: str) -> Any:  # fmt: skip
+                where: str) -> Any:
     """A tensor of ``buf[begin:end]`` (a uint8 buffer); misaligned bytes get a same-device copy."""
     dt, size = _dtype(code, where)
     raw = buf[begin:end]
@@ -135,13 +135,13 @@ def tensor_view(torch: Any, buf: Any, begin: int, end: int, code: str, shape: li
 
 
 def shard_tensors(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], dtype: Any,
-                  aliases: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+                  aliases: dict[str, str]) -> dict[str, Any]:
     """Every tensor of ``shards`` as a view of its buffer (cast to ``dtype``), plus ``aliases``."""
     out: dict[str, Any] = {}
     for s, (buf, base) in zip(shards, bufs, strict=True):
         for name, code, shape, begin, end in s.tensors:
             t = tensor_view(torch, buf, base + begin, base + end, code, shape,
-                            f"{s.rel}: tensor {name!r}")  # fmt: skip
+                            f"{s.rel}: tensor {name!r}")
             # packed float4 has no cast in torch: it stays as stored, as integers do
             if dtype is not None and code != "F4" and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)

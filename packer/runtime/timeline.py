@@ -33,7 +33,7 @@ class Timeline:
         secs = max(end - start, 0.0)
         rec = {"stage": name, "start_s": round(start - self.t0, 6), "seconds": round(secs, 6),
                "bytes": nbytes, "gbps": round(nbytes / secs / 1e9, 3) if nbytes and secs else None,
-               "lane": lane}  # fmt: skip
+               "lane": lane}
         with self._lock:
             self.stages.append(rec)
 
@@ -67,10 +67,10 @@ class Timeline:
         """Write the stages as a Chrome trace-event file (Perfetto, chrome://tracing)."""
         events = [{"name": s["stage"], "ph": "X", "pid": os.getpid(), "tid": s["lane"],
                    "ts": round(s["start_s"] * 1e6, 3), "dur": round(s["seconds"] * 1e6, 3),
-                   "args": {"bytes": s["bytes"], "gbps": s["gbps"]}} for s in self.stages]  # fmt: skip
+                   "args": {"bytes": s["bytes"], "gbps": s["gbps"]}} for s in self.stages]
         lanes = {0: "loader", 1: "reader threads", 2: "copy engine", 3: "prefetch", 4: "hash thread"}
         events += [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid,
-                    "args": {"name": name}} for tid, name in lanes.items()]  # fmt: skip
+                    "args": {"name": name}} for tid, name in lanes.items()]
         data = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -49,7 +49,7 @@ def prepare_loader(loader: Any, *, prefetch: bool = False) -> dict[str, Any]:
     if prefetch:
         loader.prefetch(background=False)
     return {"shards": len(loader.manifest["weights"]["files"]), "bundle": str(bundle) if bundle else None,
-            "config": config, "prefetch": prefetch}  # fmt: skip
+            "config": config, "prefetch": prefetch}
 
 
 def _before_fork() -> None:
@@ -73,7 +73,7 @@ def _refuse_in_child(_: Any) -> None:
     if _WARM.get("cuda"):
         sys.stderr.write(f"packer warm pool: CUDA was initialised in the fork server (pid "
                          f"{_WARM.get('pid')}); a child forked after that cannot use CUDA. Keep "
-                         "torch.cuda out of the preloaded modules\n")  # fmt: skip
+                         "torch.cuda out of the preloaded modules\n")
         sys.stderr.flush()
         os._exit(REFUSED)
 
@@ -108,14 +108,14 @@ def _stop_server() -> None:
 
 
 def start_warm(module: str, preload: list[str], *, root: str | Path | None = None,
-               prefetch: bool = False) -> Any:  # fmt: skip
+               prefetch: bool = False) -> Any:
     """Start the fork server with ``preload`` then ``module`` imported; see ``warm_context``."""
     import multiprocessing
     from multiprocessing import forkserver
 
     if module == "__main__":
         raise RuntimeError("warm_context: import this loader by its module name, "
-                           "not run it as a script: the fork server imports it by name")  # fmt: skip
+                           "not run it as a script: the fork server imports it by name")
     if "forkserver" not in multiprocessing.get_all_start_methods():
         raise RuntimeError("warm_context: this platform has no 'forkserver' start method")
     ctx = multiprocessing.get_context("forkserver")
@@ -163,7 +163,7 @@ def _problem(state: dict[str, Any] | None, module: str) -> str:
     if state.get("cuda"):
         return ("warm_context: CUDA was initialised in the fork server (by a preloaded module); a "
                 "child forked after CUDA initialisation cannot use CUDA. Keep torch.cuda out of "
-                "the preloaded modules: each worker initialises CUDA itself")  # fmt: skip
+                "the preloaded modules: each worker initialises CUDA itself")
     if state.get("error"):
         return f"warm_context: prepare() failed in the fork server: {state['error']}"
     return ""

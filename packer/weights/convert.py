@@ -92,7 +92,7 @@ def _write_all(
             frame = framing(prefix + shard.filename, shard.size) if framing else None
             try:
                 out = write_shard(shard, tmp, sources, verify=verify, progress=progress,
-                                  framing=frame)  # fmt: skip
+                                  framing=frame)
             except OSError as e:
                 raise WeightsError(f"{dest_dir / shard.filename}: cannot write: "
                                    f"{e.strerror or e}") from e
@@ -165,7 +165,7 @@ def convert(
         dest_dir.mkdir(parents=True, exist_ok=True)
         _check_dest(dest_dir, plan)
         written, framed = _write_all(plan, dest_dir, staged, verify=verify, progress=progress,
-                                     framing=layer_framing, prefix=prefix)  # fmt: skip
+                                     framing=layer_framing, prefix=prefix)
         staged.commit()
     except BaseException as e:
         # removing what was staged must never raise over the error that caused it
@@ -181,4 +181,4 @@ def convert(
     files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)
     digests = {f"layer:{prefix}{name}": f"sha256:{hexd}" for name, hexd in framed.items()}
     return StageOutput(files=files, section=section, bytes_processed=sum(f.size for f in files),
-                       notes=tuple(notes), digests=digests)  # fmt: skip
+                       notes=tuple(notes), digests=digests)

@@ -247,7 +247,7 @@ _UNTOLD = TieConfig()
 
 
 def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
-                 ties: TieConfig = _UNTOLD) -> WeightsPlan:  # fmt: skip
+                 ties: TieConfig = _UNTOLD) -> WeightsPlan:
     """Plan the safetensors output for the tensors of one or more input files.
 
     Args:

@@ -25,10 +25,10 @@ from packer.errors import WeightsError
 
 # module names (the component before weight/bias) of input embeddings
 _INPUT_MODULES = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in",
-                            "shared", "embeddings", "embedding", "word_embedding", "token_embedding"})  # fmt: skip
+                            "shared", "embeddings", "embedding", "word_embedding", "token_embedding"})
 # module paths that end in an output head
 _HEAD = re.compile(r"(^|\.)(lm_head|proj_out|embed_out|output|output_layer|lm_logits|generator_lm_head|"
-                   r"predictions\.decoder|lm_head\.decoder|cls\.decoder)$")  # fmt: skip
+                   r"predictions\.decoder|lm_head\.decoder|cls\.decoder)$")
 MAX_CONFIG_BYTES = 16 * 2**20
 
 
