@@ -56,6 +56,16 @@ def describe(root: Path, rels: list[str], *, aliases: dict[str, str] | None = No
             "runtime": {"device": device, "warmup": []}}
 
 
+def make_loader(root: Path, m: dict[str, Any], **opts: Any) -> Any:
+    """A ``Loader`` over ``root`` with a private timeline; ``opts`` set attributes (slots, chunk…)."""
+    from packer.runtime.loader import Loader, Timeline
+
+    ld = Loader(m, root, timeline=Timeline())
+    for k, v in opts.items():
+        setattr(ld, k, v)
+    return ld
+
+
 def make_artifacts(root: Path, shards: list[dict[str, torch.Tensor]], *,
                    aliases: dict[str, str] | None = None) -> dict[str, Any]:
     """Write ``shards`` with safetensors the Hugging Face way and describe them."""

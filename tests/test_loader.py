@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from packer.runtime import loader as L
 from packer.runtime.env import _ENV
 from tests.loader_fixtures import make_artifacts, make_bundle, sample_tensors, write_raw_safetensors
+from tests.loader_fixtures import make_loader as loader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,13 +52,6 @@ def two_shards(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     big = {"big.weight": torch.randn(300, 70), "big.bias": torch.randn(70).to(torch.bfloat16)}
     m = make_artifacts(tmp_path, [sample_tensors(), big], aliases={"lm_head.weight": "embed.weight"})
     return tmp_path, m
-
-
-def loader(root: Path, m: dict[str, Any], **opts: int) -> L.Loader:
-    ld = L.Loader(m, root, timeline=L.Timeline())
-    for k, v in opts.items():
-        setattr(ld, k, v)
-    return ld
 
 
 @pytest.fixture(autouse=True)

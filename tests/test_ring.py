@@ -22,6 +22,7 @@ from packer.runtime import ring
 from packer.runtime.engines import ALIGN, CopyEngine, CpuEngine
 from packer.runtime.layout import plan_layout
 from tests.loader_fixtures import describe, make_artifacts, sample_tensors, write_raw_safetensors
+from tests.loader_fixtures import make_loader as loader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,13 +60,6 @@ def model(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
            "odd.f32": torch.randn(1001, 3, generator=g), "late.bf16": torch.randn(64, 33).to(torch.bfloat16)}
     m = make_artifacts(tmp_path, [sample_tensors(), big], aliases={"lm_head.weight": "embed.weight"})
     return tmp_path, m
-
-
-def loader(root: Path, m: dict[str, Any], **opts: Any) -> L.Loader:
-    ld = L.Loader(m, root, timeline=L.Timeline())
-    for k, v in opts.items():
-        setattr(ld, k, v)
-    return ld
 
 
 # --- the ring is pinned once per process ---------------------------------------------------
