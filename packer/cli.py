@@ -54,6 +54,28 @@ class Ctx:
             yield bar.update
 
 
+class InputPath(click.ParamType):
+    """A path argument that must exist: a missing or wrong-kind input is bad input (one line,
+    exit 1, as the README's exit codes say), not a usage error (click's ``exists=True``: 2)."""
+
+    name = "path"
+
+    def __init__(self, *, file_okay: bool = True, dir_okay: bool = True) -> None:
+        self.file_okay, self.dir_okay = file_okay, dir_okay
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        return Path(value)
+
+    def check(self, path: Path) -> None:
+        """Raises PackerError: ``path`` is missing or of the wrong kind (checked in the command)."""
+        if not path.exists():
+            raise PackerError(f"{path}: does not exist")
+        if path.is_dir() and not self.dir_okay:
+            raise PackerError(f"{path}: is a directory; expected a file")
+        if not path.is_dir() and not self.file_okay:
+            raise PackerError(f"{path}: is not a directory")
+
+
 def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -69,6 +91,9 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         # scratch directories are removed on the way out instead of left behind
         signal.signal(signal.SIGTERM, _terminated)
         try:
+            for param in click.get_current_context().command.params:
+                if isinstance(param.type, InputPath) and param.name and kwargs.get(param.name) is not None:
+                    param.type.check(kwargs[param.name])
             fn(ctx, **kwargs)
         except (PackerError, ImportError) as e:  # a missing package is named as itself
             if debug:
@@ -142,7 +167,7 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
 
 
 @main.command()
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", type=InputPath())
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--key", help="Key of the nested dict holding the state dict (e.g. state_dict).")
 @click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Prefix to strip from names (repeatable).")
@@ -198,7 +223,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
 
 
 @main.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("file", type=InputPath(dir_okay=False))
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
 def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
@@ -230,7 +255,7 @@ def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
 
 
 @main.command()
-@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("src", type=InputPath(file_okay=False))
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Archive to write.")
 @click.option("--include", multiple=True, help="Glob of files to include (repeatable; overrides defaults).")
 @click.option("--exclude", multiple=True, help="Glob of files to exclude (repeatable).")
@@ -256,7 +281,7 @@ def bundle(ctx: Ctx, src: Path, out: Path, include: tuple[str, ...], exclude: tu
 
 
 @main.command()
-@click.argument("archive", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("archive", type=InputPath(dir_okay=False))
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="New directory to extract into.")
 @_common
 def unbundle(ctx: Ctx, archive: Path, out: Path) -> None:
@@ -274,7 +299,7 @@ def unbundle(ctx: Ctx, archive: Path, out: Path) -> None:
 
 
 @main.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=InputPath(file_okay=False))
 @_common
 def verify(ctx: Ctx, out: Path) -> None:
     """Check every file and image blob in OUT against its manifest.
@@ -291,7 +316,7 @@ def verify(ctx: Ctx, out: Path) -> None:
 
 
 @main.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=InputPath(file_okay=False))
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--verify", "verify_", is_flag=True, help="Also check sha256 of every weight file.")
 @_common
@@ -317,7 +342,7 @@ def profile(ctx: Ctx, out: Path, device: str, verify_: bool) -> None:
 
 
 @main.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=InputPath(file_okay=False))
 @click.argument("ref")
 @click.option("--tls-verify/--no-tls-verify", default=True, show_default=True)
 @_common

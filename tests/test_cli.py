@@ -39,6 +39,19 @@ def test_usage_error_exits_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "line"),
+    [(["convert", "nowhere.bin", "-o", "x"], "error: nowhere.bin: does not exist"),
+     (["inspect", "."], "error: .: is a directory; expected a file"),
+     (["verify", "nowhere"], "error: nowhere: does not exist"),
+     (["bundle", "f.txt", "-o", "x.tar.zst"], "error: f.txt: is not a directory")],
+)
+def test_a_missing_input_is_bad_input_exit_1(tmp_path: Path, args: list[str], line: str) -> None:
+    (tmp_path / "f.txt").write_text("x")
+    proc = packer(*args, cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.strip() == line
+
+
+@pytest.mark.parametrize(
     ("body", "fragment"),
     [
         ('name = "x"\nversion = "1"\nsource = "demo"\ncolour = 1\n', "colour: unknown key"),
