@@ -18,10 +18,15 @@ class PackerError(Exception):
     """Base class: a failed build, bad input or a mismatch (exit code 1)."""
 
     def with_context(self, context: str) -> PackerError:
-        """Return a copy of this error whose message is prefixed with ``context: ``."""
+        """Return a copy of this error whose message is prefixed with ``context: ``.
+
+        Its notes (a cleanup that also failed, see :func:`packer.fsutil.quiet_cleanup`) come along.
+        """
         new = type(self).__new__(type(self))
         Exception.__init__(new, f"{context}: {self}")
         new.__cause__ = self.__cause__ or self
+        for note in getattr(self, "__notes__", ()):
+            new.add_note(note)
         return new
 
 

@@ -17,7 +17,7 @@ from packer.checkpoint.allowlist import TORCH_DTYPES
 from packer.checkpoint.legacy import load_legacy
 from packer.checkpoint.pickle_vm import policy_for
 from packer.checkpoint.placeholders import find_placeholders
-from packer.checkpoint.records import CheckpointContents, TensorRecord
+from packer.checkpoint.records import CheckpointContents, TensorRecord, listing
 from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safetensors
 from packer.checkpoint.torch_zip import load_torch_zip
 from packer.checkpoint.tree import TensorRef, children, tensor_counts
@@ -167,18 +167,14 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
     return tuple(records), tuple(skipped)
 
 
-def _shown(items: Sequence[str]) -> str:
-    return ", ".join(items[:10]) + (f", and {len(items) - 10} more" if len(items) > 10 else "")
-
-
 def _notes(root: object, tensors: Sequence[tuple[str, TensorRef]]) -> tuple[str, ...]:
     notes = []
     found = find_placeholders(root)
     if found:
-        notes.append(f"left as inert placeholders (not converted): {_shown([f'{n} ({t})' for n, t in found])}")
+        notes.append(f"left as inert placeholders (not converted): {listing([f'{n} ({t})' for n, t in found])}")
     dropped = [f"{n} ({', '.join(ref.dropped)})" for n, ref in tensors if ref.dropped]
     if dropped:
-        notes.append(f"Python attributes dropped from tensors (the tensors are kept): {_shown(dropped)}")
+        notes.append(f"Python attributes dropped from tensors (the tensors are kept): {listing(dropped)}")
     return tuple(notes)
 
 

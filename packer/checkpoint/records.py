@@ -7,6 +7,7 @@ elements of the record's dtype, as torch stores them; byte ranges are in bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,11 @@ def torch_shape(dtype: str, stored: tuple[int, ...]) -> tuple[int, ...] | None:
     if not stored or stored[-1] % per:
         return None
     return (*stored[:-1], stored[-1] // per)
+
+
+def listing(names: Sequence[str], most: int = 10) -> str:
+    """Names for a one-line note: the first ``most``, then how many more."""
+    return ", ".join(names[:most]) + (f", and {len(names) - most} more" if len(names) > most else "")
 
 
 @dataclass(frozen=True)

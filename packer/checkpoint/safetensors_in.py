@@ -97,20 +97,26 @@ def read_safetensors(f: BinaryIO, path: Path, size: int) -> CheckpointContents:
         expected = end
     if base + expected != size:
         raise _fail(path, "safetensors data", f"{size - base - expected} bytes not covered by tensors")
-    tensors = tuple(_recorded_shape(path, s[2], dict(meta)) for s in spans)  # file order: sequential reads
+    shapes = _recorded_shapes(path, dict(meta))
+    tensors = tuple(_recorded_shape(path, s[2], shapes) for s in spans)  # file order: sequential reads
     return CheckpointContents(path, "safetensors", tensors, (), meta)
 
 
-def _recorded_shape(path: Path, rec: TensorRecord, meta: dict[str, str]) -> TensorRecord:
-    """A 0-d float4 stored as its one byte gets its recorded torch shape back (packer's own key)."""
+def _recorded_shapes(path: Path, meta: dict[str, str]) -> dict[str, object]:
+    """packer's own ``{name: torch shape}`` metadata (empty when the file has none)."""
     raw = meta.get(TORCH_SHAPES_KEY)
-    if raw is None or rec.dtype not in PACKED:
-        return rec
+    if raw is None:
+        return {}
     try:
         shapes = json.loads(raw)
     except ValueError:
         raise _fail(path, f"__metadata__ {TORCH_SHAPES_KEY}", "not JSON") from None
-    shape = shapes.get(rec.name) if isinstance(shapes, dict) else None
+    return shapes if isinstance(shapes, dict) else {}
+
+
+def _recorded_shape(path: Path, rec: TensorRecord, shapes: dict[str, object]) -> TensorRecord:
+    """A 0-d float4 stored as its one byte gets its recorded torch shape back (packer's own key)."""
+    shape = shapes.get(rec.name) if rec.dtype in PACKED else None
     if shape is None:
         return rec
     if shape != [] or rec.shape != (1,):  # only the 0-d case is ever recorded

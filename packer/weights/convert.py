@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.build_stages import Progress, StageOutput
-from packer.checkpoint.records import CheckpointContents
+from packer.checkpoint.records import CheckpointContents, listing
 from packer.errors import DependencyError, PackerError, WeightsError
 from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import WeightsConfig
@@ -44,16 +44,12 @@ def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str
         if c.skipped:
             n = len(c.skipped)
             notes.append(f"{inputs.rel(c.path)}: skipped {n} non-tensor entr{'y' if n == 1 else 'ies'}: "
-                         f"{_shown(c.skipped)}")
+                         f"{listing(c.skipped)}")
         if c.left_out:
             notes.append(f"{inputs.rel(c.path)}: not converted (beside the selected key): "
-                         f"{_shown(c.left_out)}")
+                         f"{listing(c.left_out)}")
         notes.extend(f"{inputs.rel(c.path)}: {note}" for note in c.notes)
     return notes
-
-
-def _shown(names: Sequence[str]) -> str:
-    return ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
 
 
 def _section(plan: WeightsPlan, prefix: str, inputs: InputSet,
@@ -173,10 +169,7 @@ def convert(
         if isinstance(e, OSError):
             raise WeightsError(f"{dest_dir}: cannot write: {e.strerror or e}") from e
         if isinstance(e, PackerError) and not isinstance(e, DependencyError) and not str(e).startswith(str(src)):
-            new = e.with_context(f"converting {src}")
-            for note in getattr(e, "__notes__", ()):  # a failed cleanup stays on record
-                new.add_note(note)
-            raise new from e.__cause__
+            raise e.with_context(f"converting {src}") from e.__cause__
         raise
     files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)
     digests = {f"layer:{prefix}{name}": f"sha256:{hexd}" for name, hexd in framed.items()}
