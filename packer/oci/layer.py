@@ -14,6 +14,7 @@ one: the build syncs the staging directory once before publishing it.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import mmap
 import os
@@ -279,9 +280,9 @@ def write_layer(
         # a failed rename leaves its temp file behind too: remove both, never raising over e
         for f, t in ((fd, tmp), (tee_fd, tee_tmp)):
             if f >= 0:
-                quiet_cleanup(e, lambda f=f: os.close(f))  # type: ignore[misc]
+                quiet_cleanup(e, functools.partial(os.close, f))
             if t:
-                quiet_cleanup(e, lambda t=t: os.unlink(t))  # type: ignore[misc]
+                quiet_cleanup(e, functools.partial(os.unlink, t))
         raise
 
 

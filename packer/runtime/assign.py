@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from packer.runtime.env import _DTYPES
 from packer.runtime.into import into_cpu, target_device
 from packer.runtime.timeline import _torch
 
@@ -111,8 +112,8 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
     return sorted(missing), unexpected, notes
 
 
-_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-          "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+# torch dtype name -> safetensors code: the loader's own table, read backwards
+_CODES = {name: code for code, (name, _) in _DTYPES.items()}
 
 
 def _code(t: Any) -> str:

@@ -9,10 +9,8 @@ load still hashes every byte of the file in order.
 
 from __future__ import annotations
 
-from typing import Any
-
 from packer.runtime.engines import ALIGN
-from packer.runtime.shards import Shard, TensorEntry, tensor_view
+from packer.runtime.shards import TensorEntry
 
 
 class Layout:
@@ -51,19 +49,3 @@ def plan_layout(tensors: list[TensorEntry], data_len: int,
     segments = [(f, f + sh, b - f) for (f, sh), b in zip(starts, bounds, strict=True) if b > f]
     return Layout(data_len + shift, segments, offsets)
 
-
-def layout_tensors(torch: Any, shards: list[Shard], bufs: list[Any], layouts: list[Layout],
-                   dtype: Any, aliases: dict[str, str]) -> dict[str, Any]:
-    """Every tensor as a view of its shard's device buffer at its laid-out offset (cast to
-    ``dtype`` when given and floating point), plus ``aliases`` as the same tensor objects."""
-    out: dict[str, Any] = {}
-    for s, buf, lay in zip(shards, bufs, layouts, strict=True):
-        for name, code, shape, begin, end in s.tensors:
-            at = lay.offsets[name]
-            t = tensor_view(torch, buf, at, at + end - begin, code, shape, f"{s.rel}: tensor {name!r}")
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)
-            out[name] = t
-    for alias, kept in sorted(aliases.items()):
-        out[alias] = out[kept]
-    return out

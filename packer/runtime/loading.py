@@ -23,7 +23,7 @@ from packer.runtime.cpu import map_shards, prefetch_files, read_shards
 from packer.runtime.engines import CopyEngine, make_engine
 from packer.runtime.env import ArtifactMismatchError, bundle_reader
 from packer.runtime.into import finish_into, plan_into
-from packer.runtime.layout import Layout, layout_tensors, plan_layout
+from packer.runtime.layout import Layout, plan_layout
 from packer.runtime.ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
 from packer.runtime.settings import RuntimeSettings
 from packer.runtime.shards import Shard, _check_sha, open_shard, sha256_fd, shard_tensors
@@ -175,16 +175,16 @@ class Loader:
         if hashers is not None:
             for i, s in enumerate(shards):
                 _check_sha(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
-        return layout_tensors(torch, shards, bufs, layouts, dtype, self.manifest["weights"].get("aliases", {}))
+        return self._tensors(torch, shards, [(b, 0) for b in bufs], dtype, offsets=[x.offsets for x in layouts])
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
                   hashers: dict[int, Any] | None) -> None:
         self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),
                                    readers=self.readers, hashers=hashers, timeline=self.timeline)
 
-    def _tensors(self, torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]],
-                 dtype: Any) -> dict[str, Any]:
-        return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}))
+    def _tensors(self, torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], dtype: Any, *,
+                 offsets: list[dict[str, int]] | None = None) -> dict[str, Any]:
+        return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}), offsets=offsets)
 
     def load_into(self, module: Any, *, device: str | None = None, strict: bool = True,
                   verify: bool = False, pipeline: bool | None = None) -> LoadResult:

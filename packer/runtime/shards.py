@@ -135,13 +135,17 @@ def tensor_view(torch: Any, buf: Any, begin: int, end: int, code: str, shape: li
 
 
 def shard_tensors(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], dtype: Any,
-                  aliases: dict[str, str]) -> dict[str, Any]:
-    """Every tensor of ``shards`` as a view of its buffer (cast to ``dtype``), plus ``aliases``."""
+                  aliases: dict[str, str], *, offsets: list[dict[str, int]] | None = None) -> dict[str, Any]:
+    """Every tensor of ``shards`` as a view of its buffer (cast to ``dtype``), plus ``aliases``.
+
+    ``bufs`` holds each shard's buffer and the offset of its data section in it; with
+    ``offsets`` (a device layout, see ``layout``), each tensor starts at its laid-out offset.
+    """
     out: dict[str, Any] = {}
-    for s, (buf, base) in zip(shards, bufs, strict=True):
+    for i, (s, (buf, base)) in enumerate(zip(shards, bufs, strict=True)):
         for name, code, shape, begin, end in s.tensors:
-            t = tensor_view(torch, buf, base + begin, base + end, code, shape,
-                            f"{s.rel}: tensor {name!r}")
+            at = offsets[i][name] if offsets is not None else base + begin
+            t = tensor_view(torch, buf, at, at + end - begin, code, shape, f"{s.rel}: tensor {name!r}")
             # packed float4 has no cast in torch: it stays as stored, as integers do
             if dtype is not None and code != "F4" and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
