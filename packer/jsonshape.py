@@ -68,7 +68,8 @@ class Nullable:
         return f"{self.shape.expected} or null"
 
     def fault(self, value: Any, path: str) -> tuple[str, str, Any] | None:
-        return None if value is None else self.shape.fault(value, path)
+        found = None if value is None else self.shape.fault(value, path)
+        return (path, self.expected, value) if found and found[0] == path else found
 
 
 @dataclass(frozen=True)
