@@ -77,16 +77,16 @@ def _platform_matches(desc: dict[str, Any], platform: str) -> bool:
     return all(p.get(k) == v for k, v in want.items())
 
 
-def _pick(descs: list[dict[str, Any]], tag: str | None, where: str) -> dict[str, Any]:
+def _pick(descs: list[dict[str, Any]], tag: str | None) -> dict[str, Any]:
     if tag is not None:
         found = [d for d in descs if (d.get("annotations") or {}).get(REF_NAME) == tag]
         if not found:
             names = sorted({(d.get("annotations") or {}).get(REF_NAME, "") for d in descs} - {""})
             tags = ", ".join(names) or "none"
-            raise ImageError(f"{where}: no image tagged {tag!r} (tags: {tags})")
+            raise ImageError(f"no image tagged {tag!r} (tags: {tags})")
         return found[0]
     if len(descs) != 1:
-        raise ImageError(f"{where}: holds {len(descs)} images; name one with 'oci:PATH:TAG'")
+        raise ImageError(f"holds {len(descs)} images; name one with 'oci:PATH:TAG'")
     return descs[0]
 
 
@@ -100,7 +100,7 @@ def resolve_base(ref: str, *, platform: str) -> BaseImage:
     layout, tag = parse_reference(ref)
     try:
         index = read_index(layout)
-        desc = _pick(index["manifests"], tag, f"image.base {ref!r}")
+        desc = _pick(index["manifests"], tag)
         for _ in range(4):  # index -> (nested index) -> manifest
             if desc["mediaType"] not in INDEX_TYPES:
                 break
@@ -115,7 +115,7 @@ def resolve_base(ref: str, *, platform: str) -> BaseImage:
             raise ImageError(f"unsupported manifest media type {media!r}")
         config = read_doc(layout, manifest["config"], CONFIG, "config")
     except ImageError as e:
-        raise e if str(e).startswith("image.base ") else e.with_context(f"image.base {ref!r}") from e.__cause__
+        raise e.with_context(f"image.base {ref!r}") from e.__cause__
     layers = []
     for d in manifest["layers"]:
         mt = DOCKER_TO_OCI.get(d["mediaType"], d["mediaType"])
