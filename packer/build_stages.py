@@ -105,7 +105,7 @@ def bundle_stage(ctx: StageContext) -> StageOutput:
     from packer.bundle import run_bundle
 
     return run_bundle(ctx.snap.root, ctx.recipe.bundle, ctx.staging, rel_root=ctx.staging,
-                      allowed_root=ctx.snap.allowed_root, dry_run=ctx.dry_run)
+                      dry_run=ctx.dry_run)
 
 
 def embedded_manifest(ctx: StageContext) -> dict[str, Any]:

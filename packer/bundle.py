@@ -26,6 +26,7 @@ from packer.build_stages import StageOutput
 from packer.errors import BundleError, VerifyError
 from packer.formats import WEIGHT_SUFFIXES
 from packer.fsutil import FileEntry, atomic_open, quiet_cleanup, umask
+from packer.idents import confined, link_roots
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
 
@@ -158,20 +159,16 @@ def _select(rel: str, include: _Globs, exclude: _Globs) -> str | None:
     return _default(rel)
 
 
-def _inside(path: Path, root: Path, rel: str) -> Path:
-    real = Path(os.path.realpath(path))
-    if not real.is_relative_to(root):
-        raise BundleError(f"{path}: symlink {rel!r} leads outside {root} (to {real}); "
-                          "copy the file into the model directory")
-    return real
+def _inside(path: Path, roots: tuple[Path, ...], rel: str) -> Path:
+    return confined(path, roots, error=BundleError, what=f"symlink {rel!r}")
 
 
-def _walk(src: Path, root: Path, deep: bool) -> Iterator[tuple[str, Path]]:
+def _walk(src: Path, roots: tuple[Path, ...], deep: bool) -> Iterator[tuple[str, Path]]:
     """Yield (relative name, path) of non-directories; descend into sub-folders as the rules need."""
     stack, seen = [("", src)], set()
     while stack:
         rel_dir, path = stack.pop()
-        real = _inside(path, root, rel_dir or ".")
+        real = _inside(path, roots, rel_dir or ".")
         if real in seen or rel_dir.count("/") >= reader.DEFAULT_MAX_DEPTH:
             continue  # a symlink loop, or deeper than the reader would accept
         seen.add(real)
@@ -187,13 +184,6 @@ def _walk(src: Path, root: Path, deep: bool) -> Iterator[tuple[str, Path]]:
                 stack.append((rel, Path(e.path)))
 
 
-def _hf_repo_root(src: Path) -> Path:
-    """The repo folder of a Hugging Face cache snapshot (its files link into ``../../blobs``), else ``src``."""
-    if src.parent.name == "snapshots" and (src.parent.parent / "blobs").is_dir():
-        return src.parent.parent
-    return src
-
-
 def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = None) -> BundlePlan:
     """Choose the bundle members of a model directory (pure: reads metadata only).
 
@@ -205,8 +195,8 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
     Args:
         src: the model directory.
         cfg: the recipe's ``[bundle]`` section.
-        allowed_root: where symlinks may lead; default the cache repo folder when ``src`` is a
-            Hugging Face cache snapshot, else ``src``.
+        allowed_root: where symlinks may lead; default :func:`packer.idents.link_roots` (``src``;
+            for a Hugging Face cache snapshot, the snapshot and its own repository's ``blobs/``).
 
     Returns:
         the plan, members sorted by name.
@@ -216,15 +206,15 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
             regular file, names that collide or the reader would refuse, or reader caps exceeded.
     """
     src = Path(src)
-    root = Path(os.path.realpath(allowed_root if allowed_root is not None else _hf_repo_root(src)))
+    roots = (Path(allowed_root),) if allowed_root is not None else link_roots(src)
     include = [(g, glob_regex(g)) for g in cfg.include]
     exclude = [(g, glob_regex(g)) for g in cfg.exclude]
     members, skipped = [], []
-    for rel, path in _walk(src, root, deep=bool(include)):
+    for rel, path in _walk(src, roots, deep=bool(include)):
         if reason := _select(rel, include, exclude):
             skipped.append((rel, reason))
             continue
-        real = _inside(path, root, rel)
+        real = _inside(path, roots, rel)
         try:
             st = os.stat(real)
         except FileNotFoundError:

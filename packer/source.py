@@ -2,7 +2,12 @@
 
 Every source resolves to a :class:`Snapshot`: a local directory that later stages only read,
 plus the identity recorded in the manifest. Hub downloads go through huggingface_hub's own
-cache, so ``HF_HUB_OFFLINE=1`` with a populated cache works without network.
+cache, so ``HF_HUB_OFFLINE=1`` with a populated cache works without network. Where links in a
+snapshot may lead is :func:`packer.idents.link_roots`' rule, which the stages apply.
+
+The revision and the cache's ``refs/`` file are checked here, not left to huggingface_hub:
+its offline resolution joins the ref file's text onto the cache as it is, so a ref holding
+``../../models--other--repo/snapshots/<sha>`` would build another model under this one's name.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 from packer.errors import SourceError
 from packer.formats import WEIGHT_PATTERNS
+from packer.idents import check_revision, confined, is_commit, read_ref_file
 from packer.recipe import Recipe
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
@@ -38,7 +44,6 @@ class Snapshot:
         kind: "demo" | "local" | "hf".
         uri: the source as the recipe wrote it (no absolute path, so manifests are portable).
         revision: the resolved commit for hub sources.
-        allowed_root: symlinks may point anywhere below this (the hub cache repo folder).
         single_file: the source is one checkpoint file, so there is nothing to bundle.
     """
 
@@ -47,7 +52,6 @@ class Snapshot:
     kind: str
     uri: str
     revision: str | None = None
-    allowed_root: Path | None = None
     single_file: bool = False
 
     def identity(self) -> dict[str, Any]:
@@ -65,7 +69,11 @@ def parse_hf_uri(uri: str) -> tuple[str, str]:
         raise SourceError(f"source {uri!r}: expected hf://org/name@revision")
     if not m.group("rev"):
         raise SourceError(f"source {uri!r}: pin a revision (hf://org/name@<commit or tag>) so builds are reproducible")
-    return m.group("repo"), m.group("rev")
+    repo = m.group("repo")
+    if ".." in repo or "--" in repo or any(p[-1] in ".-" for p in repo.split("/")):
+        raise SourceError(f"source {uri!r}: {repo!r} is not a hub repository id ('..', '--' and a "
+                          "trailing '.' or '-' are not allowed)")
+    return repo, check_revision(m.group("rev"), where=f"source {uri!r}", error=SourceError)
 
 
 def hf_allow_patterns(recipe: Recipe) -> list[str]:
@@ -76,24 +84,61 @@ def hf_allow_patterns(recipe: Recipe) -> list[str]:
     return sorted(set(patterns))
 
 
-def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
-    repo_id, revision = parse_hf_uri(recipe.source)
+def _hub_repo_folder(repo_id: str, cache_dir: Path | None) -> Path:
+    from huggingface_hub import constants
+
+    cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
+    return Path(os.path.realpath(cache)) / ("models--" + repo_id.replace("/", "--"))
+
+
+def _pinned_commit(repo: Path, revision: str, where: str) -> str | None:
+    """The commit ``revision`` names in the local cache (None: the cache does not know it)."""
+    if is_commit(revision):
+        return revision
+    ref = repo / "refs" / revision  # revision is a checked ref name: no '..', not absolute
+    return read_ref_file(ref, where=where, error=SourceError) if ref.is_file() else None
+
+
+def _download(recipe: Recipe, repo_id: str, revisions: list[str], cache_dir: Path | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    try:
-        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=hf_allow_patterns(recipe)))
-    except LocalEntryNotFoundError as e:
-        raise SourceError(
-            f"source {recipe.source}: not in the local cache and the hub cannot be reached"
-            " (HF_HUB_OFFLINE is set or there is no network); download it once or unset HF_HUB_OFFLINE"
-        ) from e
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise SourceError(f"source {recipe.source}: {str(e).splitlines()[0]}") from e
-    # snapshot folders are named by commit: .../models--org--name/snapshots/<commit>
-    return Snapshot(root=path, weights=path, kind="hf", uri=recipe.source, revision=path.name,
-                    allowed_root=path.parent.parent)
+    for i, revision in enumerate(revisions):
+        try:
+            return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                          allow_patterns=hf_allow_patterns(recipe)))
+        except LocalEntryNotFoundError as e:
+            if i + 1 < len(revisions):
+                continue  # the hub is unreachable: try the commit the local ref names
+            raise SourceError(
+                f"source {recipe.source}: not in the local cache and the hub cannot be reached"
+                " (HF_HUB_OFFLINE is set or there is no network); download it once or unset HF_HUB_OFFLINE"
+            ) from e
+        except (HfHubHTTPError, OSError, ValueError) as e:
+            raise SourceError(f"source {recipe.source}: {str(e).splitlines()[0]}") from e
+    raise AssertionError("no revision to try")
+
+
+def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
+    repo_id, revision = parse_hf_uri(recipe.source)
+    from huggingface_hub import constants
+
+    where = f"source {recipe.source}"
+    repo = _hub_repo_folder(repo_id, cache_dir)
+    pinned = _pinned_commit(repo, revision, where)
+    # Offline, huggingface_hub gets the commit we read and checked, never the ref file's raw text.
+    if pinned is None or pinned == revision:
+        revisions = [revision]
+    else:
+        revisions = [pinned] if constants.HF_HUB_OFFLINE else [revision, pinned]
+    path = _download(recipe, repo_id, revisions, cache_dir)
+    # snapshot folders are named by commit and lie in this repository: .../models--org--name/snapshots/<commit>
+    real = confined(path, [repo / "snapshots"], error=SourceError, what=f"the snapshot of {recipe.source}",
+                    hint="the cache is not huggingface_hub's layout; download the model again")
+    if real.parent != repo / "snapshots" or not is_commit(real.name) or pinned not in (None, real.name):
+        raise SourceError(f"{where}: huggingface_hub returned {path}, not this repository's snapshot of "
+                          f"{pinned or revision}; download the model again")
+    return Snapshot(root=real, weights=real, kind="hf", uri=recipe.source, revision=real.name)
 
 
 def _resolve_local(recipe: Recipe) -> Snapshot:

@@ -222,3 +222,39 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, **kw)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}"
     return proc
+
+
+def edit_base(image: Path, part: str, edit: Any) -> None:
+    """Replace one document of a :func:`make_base` layout by ``edit(doc)`` and re-pin its parents.
+
+    ``part`` is ``index`` (index.json), ``nested`` (the platform index of a multi-platform
+    base), ``manifest`` or ``config``; ``edit`` may change the document in place and return it,
+    or return anything else (a list, raw bytes). Digests and sizes above it are rewritten, so
+    only the edited document is wrong.
+    """
+    def load(desc: dict[str, Any]) -> Any:
+        return json.loads((image / "blobs" / "sha256" / desc["digest"][7:]).read_bytes())
+
+    def store(desc: dict[str, Any], doc: Any) -> None:
+        raw = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        desc["digest"], desc["size"] = _put(image, raw), len(raw)
+
+    index = json.loads((image / "index.json").read_bytes())
+    top = index["manifests"][0]
+    if part == "index":
+        index = edit(index)
+    elif part == "nested":
+        store(top, edit(load(top)))
+    else:
+        doc = load(top)
+        nested, desc = (doc, doc["manifests"][0]) if "manifests" in doc else (None, top)
+        manifest = load(desc)
+        if part == "config":
+            store(manifest["config"], edit(load(manifest["config"])))
+        else:
+            manifest = edit(manifest)
+        store(desc, manifest)
+        if nested is not None:
+            store(top, nested)
+    raw = index if isinstance(index, bytes) else json.dumps(index).encode()
+    (image / "index.json").write_bytes(raw)

@@ -7,6 +7,8 @@ corpus goes through `packer unbundle` in tests/test_bundle_reader.py.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +68,44 @@ def test_sandboxed_convert_and_build_refuse(tmp_path: Path, case: str) -> None:
         _one_error_line(proc.stderr, reason)
         assert not (tmp_path / "out").exists() and not canary.exists()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))]  # no staging left
+
+
+def _hub_build(tmp_path: Path, ref_text: str) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    """`packer build` of hf://acme/tiny-model@main from an offline cache whose refs/main holds ``ref_text``."""
+    import torch
+
+    from tests.hf_cache import populate_cache
+
+    def checkpoint(value: float) -> bytes:
+        torch.save({"w": torch.full((4,), value)}, tmp_path / "ck.bin")
+        return (tmp_path / "ck.bin").read_bytes()
+
+    cache = tmp_path / "hub"
+    populate_cache(cache, "acme/tiny-model", {"pytorch_model.bin": checkpoint(1.0), "config.json": b"{}"})
+    other = populate_cache(cache, "evil/other", {"pytorch_model.bin": checkpoint(666.0), "config.json": b"{}"},
+                           commit="f" * 40)
+    ref = cache / "models--acme--tiny-model" / "refs" / "main"
+    ref.write_text(ref_text.format(other=other))
+    (tmp_path / "r.toml").write_text('name = "x"\nversion = "1"\nsource = "hf://acme/tiny-model@main"\n')
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "packer", "build", "-q", "-o", str(tmp_path / "out"),
+                           str(tmp_path / "r.toml")], capture_output=True, text=True, env=env, check=False)
+    return proc, ref, tmp_path / "out"
+
+
+@pytest.mark.parametrize("ref_text", ["../../models--evil--other/snapshots/" + "f" * 40, "{other}"])
+def test_hub_ref_naming_another_repo_is_refused(tmp_path: Path, ref_text: str) -> None:
+    """Round 3: such a ref built the other model under this one's name, and `packer verify` passed."""
+    proc, ref, out = _hub_build(tmp_path, ref_text)
+    assert proc.returncode == 1, proc.stderr
+    _one_error_line(proc.stderr, f"{ref} does not hold a commit hash")
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
+
+
+def test_hub_ref_with_a_trailing_newline_builds(tmp_path: Path) -> None:
+    """A cache copied between machines: refs/main is '<commit>\\n' (was 'not in the local cache')."""
+    proc, _, out = _hub_build(tmp_path, "0123456789abcdef0123456789abcdef01234567\n")
+    assert proc.returncode == 0, proc.stderr
+    source = json.loads((out / "manifest.json").read_bytes())["source"]
+    assert source["uri"] == "hf://acme/tiny-model@main"
+    assert source["revision"] == "0123456789abcdef0123456789abcdef01234567"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from packer.recipe import recipe_from_dict
 from packer.source import hf_allow_patterns, parse_hf_uri, resolve_source
 from tests.hf_cache import populate_cache
 
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "fedcba9876543210fedcba9876543210fedcba98"
 DEMO_FILES = {"pytorch_model.bin", "config.json", "generation_config.json", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json"}
 
@@ -75,12 +78,28 @@ def test_bad_hf_uris(uri: str) -> None:
         parse_hf_uri(uri)
 
 
+@pytest.mark.parametrize(("uri", "reason"), [
+    ("hf://acme/tiny@../../models--evil--other/snapshots/x", "neither a commit hash nor a branch"),
+    ("hf://acme/tiny@main/.hidden", "neither a commit hash nor a branch"),
+    ("hf://acme/tiny@v1.lock", "neither a commit hash nor a branch"),
+    ("hf://acme/..@main", "not a hub repository id"),
+    ("hf://acme--x/tiny@main", "not a hub repository id"),
+])
+def test_revision_and_repo_grammar(uri: str, reason: str) -> None:
+    with pytest.raises(SourceError, match=reason):
+        parse_hf_uri(uri)
+
+
+def test_revision_forms_accepted() -> None:
+    for rev in ("main", "v1.0", "refs/pr/1", COMMIT):
+        assert parse_hf_uri(f"hf://acme/tiny@{rev}") == ("acme/tiny", rev)
+
+
 def test_hf_offline_from_cache(tmp_path: Path) -> None:
     snap_dir = populate_cache(tmp_path, "acme/tiny", {"config.json": b"{}", "sub/x.txt": b"x"})
     with resolve_source(_recipe("hf://acme/tiny@main"), cache_dir=tmp_path) as snap:
         assert snap.kind == "hf" and snap.root == snap_dir
         assert snap.revision == "0123456789abcdef0123456789abcdef01234567"  # resolved commit
-        assert snap.allowed_root == tmp_path / "models--acme--tiny"
         assert (snap.root / "config.json").read_bytes() == b"{}"
 
 
@@ -95,3 +114,35 @@ def test_allow_patterns_follow_the_recipe() -> None:
     r = _recipe("hf://a/b@main", weights={"files": ["*.bin"]}, bundle={"include": ["tok*.json"]})
     assert hf_allow_patterns(r) == ["*.bin", "tok*.json"]
     assert "*.safetensors" in hf_allow_patterns(_recipe("hf://a/b@main"))
+
+
+@pytest.mark.parametrize("text", ["{commit}\n", "  {commit}\r\n", "{commit}"])
+def test_ref_file_with_surrounding_whitespace(tmp_path: Path, text: str) -> None:
+    """A cache copied between machines may carry a newline after the commit."""
+    snap_dir = populate_cache(tmp_path, "acme/tiny", {"config.json": b"{}"})
+    (tmp_path / "models--acme--tiny" / "refs" / "main").write_text(text.format(commit=COMMIT))
+    with resolve_source(_recipe("hf://acme/tiny@main"), cache_dir=tmp_path) as snap:
+        assert snap.root == snap_dir and snap.revision == COMMIT
+
+
+@pytest.mark.parametrize("target", ["relative", "absolute", "garbage"])
+def test_ref_file_holding_a_path_is_refused(tmp_path: Path, target: str) -> None:
+    """refs/main naming another repository's snapshot must not build that model under this name."""
+    populate_cache(tmp_path, "acme/tiny", {"config.json": b"{}"})
+    other = populate_cache(tmp_path, "evil/other", {"config.json": b'{"evil": 1}'}, commit=OTHER)
+    ref = tmp_path / "models--acme--tiny" / "refs" / "main"
+    ref.write_text({"relative": f"../../models--evil--other/snapshots/{OTHER}", "absolute": str(other),
+                    "garbage": "x" * 5000}[target])
+    reason = rf"{re.escape(str(ref))} does not hold a commit hash .*download the model again"
+    with pytest.raises(SourceError, match=reason), resolve_source(_recipe("hf://acme/tiny@main"), cache_dir=tmp_path):
+        pass
+
+
+def test_snapshot_folder_linked_to_another_repo_is_refused(tmp_path: Path) -> None:
+    populate_cache(tmp_path, "acme/tiny", {"config.json": b"{}"})
+    other = populate_cache(tmp_path, "evil/other", {"config.json": b"{}"}, commit=OTHER)
+    (tmp_path / "models--acme--tiny" / "refs" / "main").write_text(OTHER)
+    (tmp_path / "models--acme--tiny" / "snapshots" / OTHER).symlink_to(other)
+    with pytest.raises(SourceError, match="the snapshot of hf://acme/tiny@main leads outside"), \
+            resolve_source(_recipe("hf://acme/tiny@main"), cache_dir=tmp_path):
+        pass

@@ -318,8 +318,52 @@ def test_find_inputs_rules(tmp_path: Path) -> None:
     assert find_inputs(repo).files == (repo / "model.safetensors",)
     assert find_inputs(repo, pickles_first=True).files == (repo / "pytorch_model.bin",)
     (repo / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x"}}))
-    with pytest.raises(WeightsError, match=r"shard '../x' lies outside the index's directory"):
+    with pytest.raises(WeightsError, match=r"shard: '../x' is not a relative file name"):
         find_inputs(repo)
     (repo / "model.safetensors.index.json").write_text("{")
     with pytest.raises(WeightsError, match=r"model.safetensors.index.json: not a checkpoint index"):
         find_inputs(repo)
+
+
+def _hub_checkpoint(tmp_path: Path, name: str = "pytorch_model.bin", **files: bytes) -> tuple[Path, bytes]:
+    """A hub cache snapshot holding a real checkpoint (and ``files``)."""
+    from tests.hf_cache import populate_cache
+
+    save({"w": torch.arange(4.0)}, tmp_path / "ck.bin", "zip")
+    data = (tmp_path / "ck.bin").read_bytes()
+    return populate_cache(tmp_path / "hub", "acme/tiny", {name: data, **files}), data
+
+
+@pytest.mark.parametrize("target", ["outside the cache", "another repo's blobs", "another snapshot"])
+def test_snapshot_links_only_into_its_own_blobs(tmp_path: Path, target: str) -> None:
+    """A snapshot's checkpoint that links elsewhere is refused, as the bundle refuses config.json."""
+    from packer.weights.inputs import find_inputs
+    from tests.hf_cache import populate_cache
+
+    snap, data = _hub_checkpoint(tmp_path)
+    assert find_inputs(snap).files == (snap / "pytorch_model.bin",)  # its own blob: followed
+    other = populate_cache(tmp_path / "hub", "evil/other", {"pytorch_model.bin": data},
+                           commit="f" * 40)
+    elsewhere = {"outside the cache": tmp_path / "ck.bin",
+                 "another repo's blobs": (other / "pytorch_model.bin").resolve(),
+                 "another snapshot": other / "pytorch_model.bin"}[target]
+    (snap / "pytorch_model.bin").unlink()
+    os.symlink(os.path.relpath(elsewhere, snap), snap / "pytorch_model.bin")
+    with pytest.raises(WeightsError, match=r"pytorch_model.bin: checkpoint 'pytorch_model.bin' leads outside "
+                                           r".*models--acme--tiny/snapshots/0+.* or .*models--acme--tiny/blobs"):
+        find_inputs(snap)
+    result = subprocess.run([sys.executable, "-m", "packer", "convert", "--no-sandbox", str(snap),
+                             "-o", str(tmp_path / "out")], capture_output=True, text=True, check=False)
+    assert result.returncode == 1 and not (tmp_path / "out").exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "leads outside" in lines[0], result.stderr
+
+
+def test_sharded_hub_snapshot_converts(tmp_path: Path) -> None:
+    """Index and shards in a hub snapshot all link into the repository's blobs/."""
+    save({"w": torch.arange(4.0)}, tmp_path / "ck.bin", "zip")
+    index = json.dumps({"weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}).encode()
+    snap, _ = _hub_checkpoint(tmp_path, "pytorch_model-00001-of-00001.bin",
+                              **{"pytorch_model.bin.index.json": index})
+    result = convert(snap, tmp_path / "out", WeightsConfig())
+    check(tmp_path / "out", {"w": torch.arange(4.0)}, result.section)

@@ -5,17 +5,21 @@ A multi-platform index is resolved to the requested platform. Docker media types
 skopeo and umoci cannot resolve tags in a layout whose manifest uses Docker types. Layer
 blobs are unchanged (hardlinked or copied byte for byte), but the rewritten manifest and the
 new config have new digests; ``base.digest`` records the base manifest digest as found.
+
+Every document is read through :mod:`packer.oci.base_docs` (bounded, checked in shape and
+against its digest) before a field is used, and every blob a descriptor names must lie in the
+layout's own ``blobs/``: a descriptor cannot make packer read or write anywhere else.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
 from packer.fsutil import link_or_copy
+from packer.oci.base_docs import CONFIG, INDEX, MANIFEST, blob_file, read_doc, read_index
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -61,28 +65,6 @@ def parse_reference(ref: str) -> tuple[Path, str | None]:
     return Path(rest), None
 
 
-def read_blob(layout: Path, digest: str) -> bytes:
-    """Read a (small, JSON) blob from a layout."""
-    algo, _, hexd = digest.partition(":")
-    if algo != "sha256" or len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
-        raise ImageError(f"{layout}: unsupported or malformed digest {digest!r}")
-    try:
-        return (layout / "blobs" / "sha256" / hexd).read_bytes()
-    except OSError as e:
-        raise ImageError(f"{layout}: blob {digest} is missing: {e.strerror}") from e
-
-
-def read_json(layout: Path, digest: str) -> dict[str, Any]:
-    """Read and parse a JSON blob."""
-    try:
-        data = json.loads(read_blob(layout, digest))
-    except ValueError as e:
-        raise ImageError(f"{layout}: blob {digest} is not JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ImageError(f"{layout}: blob {digest} is not a JSON object")
-    return data
-
-
 def platform_fields(platform: str) -> dict[str, str]:
     """``"os/arch[/variant]"`` (``linux/arm64/v8``) as OCI platform fields: os, architecture, variant."""
     os_, _, rest = platform.partition("/")
@@ -95,16 +77,16 @@ def _platform_matches(desc: dict[str, Any], platform: str) -> bool:
     return all(p.get(k) == v for k, v in want.items())
 
 
-def _pick(descs: list[dict[str, Any]], tag: str | None, where: str) -> dict[str, Any]:
+def _pick(descs: list[dict[str, Any]], tag: str | None) -> dict[str, Any]:
     if tag is not None:
         found = [d for d in descs if (d.get("annotations") or {}).get(REF_NAME) == tag]
         if not found:
             names = sorted({(d.get("annotations") or {}).get(REF_NAME, "") for d in descs} - {""})
             tags = ", ".join(names) or "none"
-            raise ImageError(f"{where}: no image tagged {tag!r} (tags: {tags})")
+            raise ImageError(f"no image tagged {tag!r} (tags: {tags})")
         return found[0]
     if len(descs) != 1:
-        raise ImageError(f"{where}: holds {len(descs)} images; name one with 'oci:PATH:TAG'")
+        raise ImageError(f"holds {len(descs)} images; name one with 'oci:PATH:TAG'")
     return descs[0]
 
 
@@ -112,29 +94,30 @@ def resolve_base(ref: str, *, platform: str) -> BaseImage:
     """Resolve ``oci:PATH[:TAG]`` to a single-platform manifest.
 
     Raises:
-        ImageError: no layout, unknown tag, no manifest for ``platform``, bad media type.
+        ImageError: no layout, unknown tag, no manifest for ``platform``, bad media type, a
+            document that is malformed in shape (one line: file, JSON path, what was expected).
     """
     layout, tag = parse_reference(ref)
     try:
-        index = json.loads((layout / "index.json").read_bytes())
-    except (OSError, ValueError) as e:
-        raise ImageError(f"image.base {ref!r}: cannot read {layout}/index.json: {e}") from e
-    desc = _pick(list(index.get("manifests") or []), tag, f"image.base {ref!r}")
-    for _ in range(4):  # index -> (nested index) -> manifest
-        if desc.get("mediaType") not in INDEX_TYPES:
-            break
-        nested = read_json(layout, desc["digest"])
-        matches = [d for d in nested.get("manifests") or [] if _platform_matches(d, platform)]
-        if not matches:
-            raise ImageError(f"image.base {ref!r}: no manifest for platform {platform}")
-        desc = matches[0]
-    manifest = read_json(layout, desc["digest"])
-    media = manifest.get("mediaType") or desc.get("mediaType")
-    if media not in MANIFEST_TYPES:
-        raise ImageError(f"image.base {ref!r}: unsupported manifest media type {media!r}")
-    config = read_json(layout, manifest["config"]["digest"])
+        index = read_index(layout)
+        desc = _pick(index["manifests"], tag)
+        for _ in range(4):  # index -> (nested index) -> manifest
+            if desc["mediaType"] not in INDEX_TYPES:
+                break
+            nested = read_doc(layout, desc, INDEX, "index")
+            matches = [d for d in nested["manifests"] if _platform_matches(d, platform)]
+            if not matches:
+                raise ImageError(f"no manifest for platform {platform}")
+            desc = matches[0]
+        manifest = read_doc(layout, desc, MANIFEST, "manifest")
+        media = manifest.get("mediaType") or desc["mediaType"]
+        if media not in MANIFEST_TYPES:
+            raise ImageError(f"unsupported manifest media type {media!r}")
+        config = read_doc(layout, manifest["config"], CONFIG, "config")
+    except ImageError as e:
+        raise e.with_context(f"image.base {ref!r}") from e.__cause__
     layers = []
-    for d in manifest.get("layers") or []:
+    for d in manifest["layers"]:
         mt = DOCKER_TO_OCI.get(d["mediaType"], d["mediaType"])
         if not mt.startswith("application/vnd.oci.image.layer.v1.tar"):
             raise ImageError(f"image.base {ref!r}: layer {d['digest']}: unsupported type {mt!r}")
@@ -145,17 +128,22 @@ def resolve_base(ref: str, *, platform: str) -> BaseImage:
 def link_blobs(base: BaseImage, blobs_dir: Path) -> int:
     """Hardlink (or copy byte for byte) the base's layer blobs into ``blobs_dir``.
 
+    Each blob is first resolved inside the base layout's ``blobs/`` (a descriptor's digest is
+    checked in shape, so its file name cannot leave ``blobs_dir`` either); a link there is
+    followed, so the new name is a link to the file itself, never to a relative symlink.
+
     Returns:
         The number of bytes brought along.
+
+    Raises:
+        ImageError: a blob is missing, of the wrong size, not sha256, or leads outside.
     """
     total = 0
     for d in base.layers:
-        hexd = d["digest"].removeprefix("sha256:")
-        src, dst = base.layout / "blobs" / "sha256" / hexd, blobs_dir / hexd
-        if not src.is_file():
-            raise ImageError(f"image.base {base.reference!r}: blob {d['digest']} is missing")
-        if src.stat().st_size != d["size"]:
-            raise ImageError(f"image.base {base.reference!r}: blob {d['digest']} has a wrong size")
-        link_or_copy(src, dst)
+        try:
+            src, hexd = blob_file(base.layout, d)
+        except ImageError as e:
+            raise e.with_context(f"image.base {base.reference!r}") from e.__cause__
+        link_or_copy(src, blobs_dir / hexd)
         total += d["size"]
     return total

@@ -8,6 +8,11 @@ parsed at all and hold the same tensors when a repository ships both):
 5. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
 
 ``WeightsConfig.files`` globs (relative to the source) replace auto-detection.
+
+Every file found in a directory, and every shard an index names, must resolve inside the
+source (:func:`packer.idents.link_roots`: a hub snapshot's links only into its own
+repository's ``blobs/``), the rule the bundle applies to the same directory. A single file
+named by the recipe or the command line is taken as named.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 
 from packer.errors import WeightsError
 from packer.formats import WEIGHT_PATTERNS
+from packer.idents import check_rel_name, confined, link_roots
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")
@@ -52,7 +58,8 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
         The input files in order (index order for shards, sorted for globs).
 
     Raises:
-        WeightsError: nothing found, several candidates, a bad index or a missing shard.
+        WeightsError: nothing found, several candidates, a bad index, a missing shard, or a
+            file that leads outside the source.
     """
     if not src.exists():
         raise WeightsError(f"{src}: no such file or directory")
@@ -60,6 +67,15 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
         if globs:
             raise WeightsError(f"{src}: weights.files needs a directory source, got a file")
         return InputSet(src.parent, (src,))
+    found = _find(src, globs, pickles_first)
+    roots = link_roots(src)
+    for path in (*found.files, *([found.index] if found.index else [])):
+        confined(path, roots, error=WeightsError, what=f"checkpoint {found.rel(path)!r}",
+                 hint="copy the file into the model directory")
+    return found
+
+
+def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
     if globs:
         return _from_globs(src, globs)
     order = -1 if pickles_first else 1
@@ -109,12 +125,10 @@ def _from_index(src: Path, index: Path) -> InputSet:
         raise WeightsError(f"{index}: not a checkpoint index: {e}") from e
     shards: list[Path] = []
     for name in dict.fromkeys(sorted(weight_map.values())):
-        path = (index.parent / name).resolve()
-        if index.parent.resolve() not in path.parents:
-            raise WeightsError(f"{index}: shard {name!r} lies outside the index's directory")
+        path = index.parent / check_rel_name(name, where=f"{index}: shard", error=WeightsError)
         if not path.is_file():
             raise WeightsError(f"{index}: lists shard {name!r}, which does not exist")
-        shards.append(index.parent / name)
+        shards.append(path)
     return InputSet(src, tuple(shards), index, tuple(sorted(weight_map.items())))
 
 
