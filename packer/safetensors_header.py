@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from packer.errors import PackerError
+from packer.fsutil import open_regular
 
 # safetensors refuses larger headers: MAX_HEADER_SIZE = 100_000_000 (decimal bytes, not
 # 100 MiB) in huggingface/safetensors, safetensors/src/tensor.rs.
@@ -66,7 +67,7 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
 def read_header_file(path: Path, *, error: type[PackerError]) -> tuple[dict[str, Any], int]:
     """:func:`read_header` of the file at ``path``; an unreadable file is ``error`` too."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, error) as f:
             return read_header(f, path, os.fstat(f.fileno()).st_size, error=error)
     except OSError as e:
         raise error(f"{path}: cannot read safetensors header: {e.strerror or e}") from e

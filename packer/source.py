@@ -19,6 +19,7 @@ from typing import Any
 
 from packer.errors import SourceError
 from packer.formats import WEIGHT_PATTERNS
+from packer.fsutil import file_kind
 from packer.recipe import Recipe
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
@@ -105,7 +106,8 @@ def _resolve_local(recipe: Recipe) -> Snapshot:
     if path.is_file():
         return Snapshot(root=path.parent, weights=path, kind="local", uri=recipe.source, single_file=True)
     if not path.is_dir():
-        raise SourceError(f"source {recipe.source!r}: {path} is neither a file nor a directory")
+        kind = file_kind(path.stat().st_mode)
+        raise SourceError(f"source {recipe.source!r}: {path} is {kind}, neither a regular file nor a directory")
     return Snapshot(root=path, weights=path, kind="local", uri=recipe.source)
 
 

@@ -22,6 +22,7 @@ from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safete
 from packer.checkpoint.torch_zip import load_torch_zip
 from packer.checkpoint.tree import TensorRef, children, tensor_counts
 from packer.errors import CheckpointError
+from packer.fsutil import open_regular
 
 _I64 = 2**63
 _COMPLEX = {"complex32", "chalf", "complex64", "cfloat", "complex128", "cdouble"}
@@ -48,7 +49,7 @@ def _detect(f: BinaryIO, path: Path, size: int) -> str:
 def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = ()) -> tuple[str, object]:
     """Return (format, root object) or (format, CheckpointContents) for safetensors."""
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below in every case
+        f = open_regular(path, CheckpointError)  # a FIFO or device is refused, never waited on
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open: {e.strerror or e}") from e
     with f:

@@ -13,12 +13,14 @@ parsed at all and hold the same tensors when a repository ships both):
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
 from packer.formats import WEIGHT_PATTERNS
+from packer.fsutil import not_regular
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")
@@ -39,6 +41,18 @@ class InputSet:
         return path.relative_to(self.root).as_posix()
 
 
+def _is_input(path: Path) -> bool:
+    """True for a regular file, False for nothing or a directory; a FIFO, socket or device is
+    refused here, before anything opens it (an open would block, a read might never end)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return stat.S_ISREG(mode)
+    raise not_regular(path, mode, WeightsError)
+
+
 def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = False) -> InputSet:
     """Find the checkpoint files of ``src``.
 
@@ -56,7 +70,7 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
     """
     if not src.exists():
         raise WeightsError(f"{src}: no such file or directory")
-    if src.is_file():
+    if not src.is_dir() and _is_input(src):
         if globs:
             raise WeightsError(f"{src}: weights.files needs a directory source, got a file")
         return InputSet(src.parent, (src,))
@@ -64,12 +78,12 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
         return _from_globs(src, globs)
     order = -1 if pickles_first else 1
     for name in INDEXES[::order]:
-        if (src / name).is_file():
+        if _is_input(src / name):
             return _from_index(src, src / name)
     for name in SINGLES[::order]:
-        if (src / name).is_file():
+        if _is_input(src / name):
             return InputSet(src, (src / name,))
-    candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if p.is_file()})
+    candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if _is_input(p)})
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))
     if not candidates:
@@ -82,7 +96,7 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
 def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
     found: set[Path] = set()
     for pattern in globs:
-        matches = [p for p in src.glob(pattern) if p.is_file()]
+        matches = [p for p in src.glob(pattern) if _is_input(p)]
         if not matches:
             raise WeightsError(f"{src}: weights.files pattern {pattern!r} matches no file")
         found.update(matches)
@@ -112,7 +126,7 @@ def _from_index(src: Path, index: Path) -> InputSet:
         path = (index.parent / name).resolve()
         if index.parent.resolve() not in path.parents:
             raise WeightsError(f"{index}: shard {name!r} lies outside the index's directory")
-        if not path.is_file():
+        if not _is_input(path):
             raise WeightsError(f"{index}: lists shard {name!r}, which does not exist")
         shards.append(index.parent / name)
     return InputSet(src, tuple(shards), index, tuple(sorted(weight_map.items())))

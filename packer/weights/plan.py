@@ -165,6 +165,14 @@ def map_name(name: str, cfg: WeightsConfig) -> str:
     return name
 
 
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _alias_key(r: TensorRecord) -> tuple[Any, ...]:
     return (str(r.storage.path), r.storage.key, r.storage.offset, r.storage_offset,
             r.shape, r.stride, r.dtype)
@@ -183,6 +191,9 @@ def _rename_all(
             if not name or name == "__metadata__":
                 raise WeightsError(f"{here}: tensor name {name!r} cannot be written to "
                                    "safetensors; rename it with weights.renames")
+            if not _utf8(name):
+                raise WeightsError(f"{here}: tensor name {name!r} is not valid UTF-8 (it holds a lone "
+                                   "surrogate), which safetensors cannot store; rename it with weights.renames")
             if name in out:
                 raise WeightsError(
                     f"tensor name collision: {origin[name]} and {here} both become {name!r}; "
