@@ -230,7 +230,8 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
         except FileNotFoundError:
             raise BundleError(f"{path}: broken symlink") from None
         if not stat.S_ISREG(st.st_mode):
-            raise BundleError(f"{path}: is {file_kind(st.st_mode)}, not a regular file; exclude it with [bundle] exclude")
+            raise BundleError(f"{path}: is {file_kind(st.st_mode)}, not a regular file; "
+                              "exclude it with [bundle] exclude")
         members.append(BundleMember(rel, real, st.st_size))
     members.sort(key=lambda m: m.name)
     plan = BundlePlan(src, tuple(members), tuple(sorted(skipped)))
