@@ -136,7 +136,9 @@ def is_contiguous(r: TensorRecord) -> bool:
 
 
 def check_bounds(r: TensorRecord, where: Path | str) -> None:
-    """Raise WeightsError unless every element of the view lies inside its storage."""
+    """Raise WeightsError unless every element of the view lies inside its storage and the
+    view holds no more bytes than the storage: an expanded view (stride 0, overlapping
+    strides) of a 4-byte storage can describe terabytes, all of which would be written."""
     size = DTYPE_SIZES.get(r.dtype)
     if size is None:
         raise WeightsError(f"{where}: tensor {r.name!r}: dtype {r.dtype} cannot be written")
@@ -149,6 +151,12 @@ def check_bounds(r: TensorRecord, where: Path | str) -> None:
         raise WeightsError(
             f"{where}: tensor {r.name!r}: view ends at byte {(last + 1) * size}, past its "
             f"storage {r.storage.key!r} of {r.storage.nbytes} bytes"
+        )
+    if r.nbytes > r.storage.nbytes:
+        raise WeightsError(
+            f"{where}: tensor {r.name!r}: view of shape {list(r.shape)} stride {list(r.stride)} holds {r.nbytes} "
+            f"bytes, more than its whole storage {r.storage.key!r} of {r.storage.nbytes} bytes (an expanded or "
+            "overlapping view); packer writes every element, so save it with .contiguous() (or .clone()) first"
         )
 
 
