@@ -93,10 +93,27 @@ def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _error(text: str, debug: bool) -> None:
+def _traceback_lines(error: BaseException) -> list[str]:
+    """The traceback of ``error`` and its causes, oldest first, as lines; each message (and
+    note) is one line of its own, so a newline inside one cannot forge a line when shown."""
+    chain: list[BaseException] = []
+    exc: BaseException | None = error
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    lines: list[str] = []
+    for exc in reversed(chain):
+        lines.append("Traceback (most recent call last):")
+        lines += [line for entry in traceback.format_tb(exc.__traceback__) for line in entry.splitlines()]
+        lines.append(f"{type(exc).__qualname__}: {exc}")
+        lines += [f"note: {note}" for note in getattr(exc, "__notes__", ())]
+    return lines
+
+
+def _error(error: BaseException, text: str, debug: bool) -> None:
     """The one error line on stderr (with ``--debug`` the traceback first), escaped."""
     if debug:
-        for line in traceback.format_exc().splitlines():
+        for line in _traceback_lines(error):
             click.echo(show(line), err=True)
     click.echo(f"error: {show(text)}", err=True)
 
@@ -117,14 +134,14 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
                     param.type.check(kwargs[param.name])
             fn(ctx, **kwargs)
         except (PackerError, ImportError) as e:  # a missing package is named as itself
-            _error(str(missing_dependency(e) if isinstance(e, ImportError) else e), debug)
+            _error(e, str(missing_dependency(e) if isinstance(e, ImportError) else e), debug)
             sys.exit(1)
         except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
         except OSError as e:  # the file system said no: still one line, still exit 1
             where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-            _error(f"{where}{e.strerror or e}", debug)
+            _error(e, f"{where}{e.strerror or e}", debug)
             sys.exit(1)
 
     return wrapper

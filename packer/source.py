@@ -107,7 +107,7 @@ def _resolve_local(recipe: Recipe) -> Snapshot:
         return Snapshot(root=path.parent, weights=path, kind="local", uri=recipe.source, single_file=True)
     if not path.is_dir():
         kind = file_kind(path.stat().st_mode)
-        raise SourceError(f"source {recipe.source!r}: {path} is {kind}, neither a regular file nor a directory")
+        raise SourceError(f"source {recipe.source!r}: {path} is {kind}, not a regular file or a directory")
     return Snapshot(root=path, weights=path, kind="local", uri=recipe.source)
 
 
