@@ -25,7 +25,7 @@ from packer import tarfmt
 from packer.build_stages import StageOutput
 from packer.errors import BundleError, VerifyError
 from packer.formats import WEIGHT_SUFFIXES
-from packer.fsutil import FileEntry, atomic_open, quiet_cleanup, umask
+from packer.fsutil import FileEntry, atomic_open, check_regular, file_kind, open_regular, quiet_cleanup, umask
 from packer.idents import confined, link_roots
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
@@ -220,7 +220,8 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
         except FileNotFoundError:
             raise BundleError(f"{path}: broken symlink") from None
         if not stat.S_ISREG(st.st_mode):
-            raise BundleError(f"{path}: not a regular file; exclude it with [bundle] exclude")
+            raise BundleError(f"{path}: is {file_kind(st.st_mode)}, not a regular file; "
+                              "exclude it with [bundle] exclude")
         members.append(BundleMember(rel, real, st.st_size))
     members.sort(key=lambda m: m.name)
     plan = BundlePlan(src, tuple(members), tuple(sorted(skipped)))
@@ -287,7 +288,7 @@ def _tar_size(plan: BundlePlan, headers: list[tuple[bytes, BundleMember | None]]
 
 def _copy_member(member: BundleMember, out: Any) -> MemberDigest:
     h, left = hashlib.sha256(), member.size
-    with open(member.source, "rb") as f:
+    with open_regular(member.source, BundleError) as f:
         while left and (chunk := f.read(min(left, _CHUNK))):
             h.update(chunk)
             out.write(chunk)
@@ -434,6 +435,7 @@ def unbundle(archive: Path, dest: Path) -> list[str]:
     if dest.exists() and (not dest.is_dir() or dest.is_symlink() or any(dest.iterdir())):
         raise BundleError(f"{dest}: exists and is not an empty directory; choose a new -o")
     try:
+        check_regular(archive, BundleError)
         bundle = reader.Bundle.open(archive)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))

@@ -1,7 +1,9 @@
 """The ``packer`` command line: parse options, call one library function, print.
 
 No logic lives here. Library errors (:class:`PackerError`) become one line on stderr and exit
-code 1 in one place (:func:`_run`); click's usage errors exit with 2. Library modules are
+code 1 in one place (:func:`_common`); click's usage errors exit with 2. Everything printed goes
+through :meth:`Ctx.log`, :meth:`Ctx.emit` or :func:`_error`, which show input text escaped
+(:mod:`packer.show`): a message built anywhere in the library cannot reach the terminal raw. Library modules are
 imported inside the commands so that ``packer --help`` stays fast and never imports torch.
 """
 
@@ -23,6 +25,8 @@ import click
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
 from packer.formats import CAST_DTYPES, MANIFEST_NAME
+from packer.fsutil import check_regular
+from packer.show import show, show_json
 
 
 class Ctx:
@@ -32,13 +36,20 @@ class Ctx:
         self.quiet, self.json, self.debug = quiet, as_json, debug
 
     def log(self, text: str) -> None:
-        """Human output: stdout normally, stderr under --json, nothing under --quiet."""
+        """One line of human output (escaped: a newline in ``text`` shows as ``\\n``): stdout
+        normally, stderr under --json, nothing under --quiet."""
         if not self.quiet:
-            click.echo(text, err=self.json)
+            click.echo(show(text), err=self.json)
+
+    def log_lines(self, block: str) -> None:
+        """A block packer itself laid out in lines (a table, indented JSON), line by line."""
+        for line in block.splitlines():
+            self.log(line)
 
     def emit(self, summary: dict[str, Any]) -> None:
+        """The ``--json`` summary on stdout, every string in it escaped as :func:`packer.show.show_json`."""
         if self.json:
-            click.echo(json.dumps(summary, indent=2, sort_keys=True))
+            click.echo(json.dumps(show_json(summary), indent=2, sort_keys=True))
 
     @contextlib.contextmanager
     def progress(self, desc: str) -> Iterator[Callable[[int], None] | None]:
@@ -74,10 +85,37 @@ class InputPath(click.ParamType):
             raise PackerError(f"{path}: is a directory; expected a file")
         if not path.is_dir() and not self.file_okay:
             raise PackerError(f"{path}: is not a directory")
+        if not path.is_dir():  # a FIFO or device would block the first open: refused before it
+            check_regular(path)
 
 
 def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def _traceback_lines(error: BaseException) -> list[str]:
+    """The traceback of ``error`` and its causes, oldest first, as lines; each message (and
+    note) is one line of its own, so a newline inside one cannot forge a line when shown."""
+    chain: list[BaseException] = []
+    exc: BaseException | None = error
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    lines: list[str] = []
+    for exc in reversed(chain):
+        lines.append("Traceback (most recent call last):")
+        lines += [line for entry in traceback.format_tb(exc.__traceback__) for line in entry.splitlines()]
+        lines.append(f"{type(exc).__qualname__}: {exc}")
+        lines += [f"note: {note}" for note in getattr(exc, "__notes__", ())]
+    return lines
+
+
+def _error(error: BaseException, text: str, debug: bool) -> None:
+    """The one error line on stderr (with ``--debug`` the traceback first), escaped."""
+    if debug:
+        for line in _traceback_lines(error):
+            click.echo(show(line), err=True)
+    click.echo(f"error: {show(text)}", err=True)
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -96,18 +134,14 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
                     param.type.check(kwargs[param.name])
             fn(ctx, **kwargs)
         except (PackerError, ImportError) as e:  # a missing package is named as itself
-            if debug:
-                traceback.print_exc()
-            click.echo(f"error: {missing_dependency(e) if isinstance(e, ImportError) else e}", err=True)
+            _error(e, str(missing_dependency(e) if isinstance(e, ImportError) else e), debug)
             sys.exit(1)
         except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
         except OSError as e:  # the file system said no: still one line, still exit 1
-            if debug:
-                traceback.print_exc()
             where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-            click.echo(f"error: {where}{e.strerror or e}", err=True)
+            _error(e, f"{where}{e.strerror or e}", debug)
             sys.exit(1)
 
     return wrapper
@@ -131,7 +165,7 @@ _ALLOW_HELP = ("Read globals matching this 'module.Name' pattern (fnmatch) as in
 
 
 @main.command()
-@click.argument("recipe", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("recipe", required=False, type=InputPath(dir_okay=False))
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("dist"), show_default=True,
               help="Output directory (replaced atomically when the build succeeds).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bundle members, layers); write nothing.")
@@ -159,9 +193,9 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
     for note in result.notes:
         ctx.log(f"note: {note}")
     if dry_run:
-        ctx.log(json.dumps(result.manifest, indent=2, sort_keys=True))
+        ctx.log_lines(json.dumps(show_json(result.manifest), indent=2, sort_keys=True))
     else:
-        ctx.log(result.timer.table())
+        ctx.log_lines(result.timer.table())
         ctx.log(f"built {rec.name} {rec.version} into {result.out}")
     ctx.emit(result.summary())
 
@@ -214,7 +248,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
     for note in result.notes:
         ctx.log(f"note: {note}")
     if dry_run:
-        ctx.log(json.dumps(result.section, indent=2, sort_keys=True))
+        ctx.log_lines(json.dumps(show_json(result.section), indent=2, sort_keys=True))
     else:
         for f in result.files:
             ctx.log(f"{f.sha256}  {out / f.path}  ({f.size} bytes)")
@@ -335,7 +369,8 @@ def profile(ctx: Ctx, out: Path, device: str, verify_: bool) -> None:
         gbps = f"{s['gbps']:.2f}" if s.get("gbps") else ""
         ctx.log(f"{s['stage']:<16}{s['seconds']:>10.3f}{s['bytes'] or '':>14}{gbps:>8}")
     if result.get("slow_imports"):
-        ctx.log(f"\n{'slowest imports (python -X importtime)':<44}{'self ms':>10}{'total ms':>10}")
+        ctx.log("")
+        ctx.log(f"{'slowest imports (python -X importtime)':<44}{'self ms':>10}{'total ms':>10}")
         for imp in result["slow_imports"]:
             ctx.log(f"{imp['module']:<44}{imp['self_us'] / 1000:>10.1f}{imp['cumulative_us'] / 1000:>10.1f}")
     ctx.emit(result)

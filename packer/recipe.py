@@ -16,9 +16,11 @@ from typing import Any
 
 from packer.errors import RecipeError
 from packer.formats import CAST_DTYPES
+from packer.fsutil import open_regular
 
 DTYPES = tuple(CAST_DTYPES)
 COMPRESSIONS = ("gzip", "zstd", "none")
+MAX_RECIPE_BYTES = 2**20  # a recipe is a page of TOML
 WEIGHTS_PLACEMENT = ("layer", "external")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.I)
 _SIZE_UNITS = {
@@ -295,7 +297,11 @@ def load_recipe(path: str | Path) -> Recipe:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open_regular(path, RecipeError) as f:  # a FIFO is refused, never waited on
+            data = f.read(MAX_RECIPE_BYTES + 1)
+        if len(data) > MAX_RECIPE_BYTES:
+            raise RecipeError(f"{path}: recipe larger than {MAX_RECIPE_BYTES >> 20} MiB")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot read recipe: {getattr(e, 'strerror', None) or e}") from e
     try:

@@ -13,19 +13,45 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from packer.errors import PackerError
+from packer.fsutil import open_regular
 
 # safetensors refuses larger headers: MAX_HEADER_SIZE = 100_000_000 (decimal bytes, not
 # 100 MiB) in huggingface/safetensors, safetensors/src/tensor.rs.
 MAX_HEADER_BYTES = 100_000_000
 
 
+class _Refused(ValueError):
+    """Valid JSON that the safetensors library refuses (its parser is serde_json, into unsigned
+    integers and Rust strings)."""
+
+
+def _utf8(text: str) -> str:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _Refused(f"string {text[:40]!r} holds a lone surrogate escape (not valid UTF-8)") from None
+    return text
+
+
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in pairs:
+        _utf8(k)
+        if isinstance(v, str):
+            _utf8(v)
         if k in out:
             raise ValueError(f"duplicate key {k!r}")
         out[k] = v
     return out
+
+
+def _unsigned(text: str) -> int:
+    # json.loads reads "-0" as 0; serde_json reads it as the float -0.0, which no offset or
+    # shape accepts. Every integer in a header is unsigned, so any sign is refused.
+    if text.startswith("-"):
+        raise _Refused(f"signed integer {text[:24]} (offsets and shapes are unsigned)")
+    return int(text)
 
 
 def read_header(f: BinaryIO, path: Path, size: int, *,
@@ -33,14 +59,17 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
     """Parse the header of the open safetensors file ``f`` (``size`` bytes long).
 
     The length is checked against the file size and :data:`MAX_HEADER_BYTES` before anything
-    is allocated; duplicate keys are refused (JSON would keep the last one silently).
+    is allocated; duplicate keys are refused (JSON would keep the last one silently), and so
+    is what the safetensors library refuses though ``json`` reads it: a signed integer
+    (``-0``) and a string with a lone surrogate escape (``"\\ud800"``).
 
     Returns:
         ``(header, data_start)``: the header object and the offset where tensor data begins.
 
     Raises:
         error: ``"{path}: safetensors header: {reason}"`` for a short file, a length over the
-            cap or the file, invalid JSON, or a header that is not a JSON object.
+            cap or the file, invalid JSON, a signed integer, a lone surrogate, or a header that
+            is not a JSON object.
     """
 
     def fail(reason: str) -> PackerError:
@@ -55,7 +84,9 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
         raise fail(f"declares {n} bytes (file {size}, cap {MAX_HEADER_BYTES})")
     raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_int=_unsigned)
+    except _Refused as e:
+        raise fail(str(e)) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise fail(f"invalid JSON ({str(e)[:80]})") from None
     if not isinstance(header, dict):
@@ -66,7 +97,7 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
 def read_header_file(path: Path, *, error: type[PackerError]) -> tuple[dict[str, Any], int]:
     """:func:`read_header` of the file at ``path``; an unreadable file is ``error`` too."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, error) as f:
             return read_header(f, path, os.fstat(f.fileno()).st_size, error=error)
     except OSError as e:
         raise error(f"{path}: cannot read safetensors header: {e.strerror or e}") from e

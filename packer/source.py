@@ -24,6 +24,7 @@ from typing import Any
 
 from packer.errors import SourceError
 from packer.formats import WEIGHT_PATTERNS
+from packer.fsutil import file_kind
 from packer.idents import check_revision, confined, is_commit, read_ref_file
 from packer.recipe import Recipe
 
@@ -150,7 +151,8 @@ def _resolve_local(recipe: Recipe) -> Snapshot:
     if path.is_file():
         return Snapshot(root=path.parent, weights=path, kind="local", uri=recipe.source, single_file=True)
     if not path.is_dir():
-        raise SourceError(f"source {recipe.source!r}: {path} is neither a file nor a directory")
+        kind = file_kind(path.stat().st_mode)
+        raise SourceError(f"source {recipe.source!r}: {path} is {kind}, not a regular file or a directory")
     return Snapshot(root=path, weights=path, kind="local", uri=recipe.source)
 
 

@@ -277,3 +277,32 @@ def materialize(record: object) -> torch.Tensor:
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The tensor's values as bytes in logical order (NaN-safe comparison)."""
     return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _tensor_ops(storage: FakeStorage) -> bytes:
+    """The opcodes that push one tensor (a protocol-2 pickle without its header and STOP)."""
+    return tensor_pickle(FakeTensor(storage, 0, (4,), (1,)))[2:-1]
+
+
+def deep_nesting(depth: int, *, kind: str = "list", tensor_at_bottom: bool = False, key_len: int = 1) -> bytes:
+    """A torch zip ``{"w": tensor, "deep": [[[...]]]}`` nested ``depth`` levels, built without MARK.
+
+    The chain is pushed container by container (EMPTY_LIST / EMPTY_DICT) and closed by one
+    APPEND / SETITEM per level, so the VM's MARK-depth cap never sees it: about 1 (list) or
+    7 (dict) bytes per level. A dict chain's key is ``key_len`` characters, written once and
+    then fetched from the memo (BINGET), so long keys cost no file size. ``tensor_at_bottom``
+    puts a second tensor in the innermost container, so every level holds a tensor.
+    """
+    storage = FakeStorage("0", 4)
+    memo = struct.pack("<I", 1_000_000)  # clear of the memo slots the tensor opcodes use
+    keys = [b"X" + struct.pack("<I", key_len) + b"a" * key_len + b"r" + memo]  # LONG_BINPUT
+    keys += [b"j" + memo] * depth  # LONG_BINGET
+    if kind == "list":
+        opens, bottom, close = b"]" * depth, _tensor_ops(storage) + b"a", b"a"
+    else:
+        opens = b"}" + b"".join(k + b"}" for k in keys[: depth - 1])
+        bottom, close = keys[depth - 1] + _tensor_ops(storage) + b"s", b"s"
+    chain = opens + (bottom if tensor_at_bottom else b"") + close * (depth - 1)
+    pkl = (b"\x80\x02}" + b"X\x01\x00\x00\x00w" + _tensor_ops(storage) + b"s"
+           + b"X\x04\x00\x00\x00deep" + chain + b"s.")
+    return torch_zip(pkl, {"0": bytes(16)})

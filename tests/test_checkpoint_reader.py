@@ -7,13 +7,14 @@ import subprocess
 import sys
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from packer.checkpoint import inspect_checkpoint, read_checkpoint
-from packer.errors import CheckpointError
+from packer.errors import CheckpointError, UnsafeInputError
 from tests.ckpt_factory import (
     CODE_TO_TORCH,
     build_zip,
@@ -23,6 +24,7 @@ from tests.ckpt_factory import (
     random_tensor,
     save,
     tensor_bytes,
+    torch_zip,
     views_state_dict,
     zip_members,
 )
@@ -226,3 +228,30 @@ def test_unrecognised_files(tmp_path: Path, content: bytes) -> None:
 def test_importing_the_reader_does_not_import_torch() -> None:
     code = "import packer.checkpoint, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("make", "what", "fix"), [
+    (lambda: torch.eye(3).to_sparse(), "a sparse tensor", "to_dense()"),
+    (lambda: torch.eye(3).to_sparse_csr(), "a sparse tensor", "to_dense()"),
+    (lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8),
+     "a quantized tensor (qint8/quint8/qint32)", "dequantize()"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested (ragged) tensor", "unbind()"),
+])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_tensor_layout_safetensors_cannot_hold_is_named_with_its_fix(tmp_path: Path, make: Callable[[], object],
+                                                                        what: str, fix: str) -> None:
+    path = save({"dense": torch.ones(2), "t": make()}, tmp_path / "s.pt")
+    for call in (read_checkpoint, inspect_checkpoint):
+        with pytest.raises(CheckpointError) as err:
+            call(path)
+        message = str(err.value)
+        assert f"holds {what}, which packer does not convert" in message and fix in message
+        assert "--allow-global" not in message  # a placeholder would leave the tensor out
+
+
+def test_a_global_that_is_no_python_name_gets_no_allow_hint(tmp_path: Path) -> None:
+    path = tmp_path / "g.pt"
+    path.write_bytes(torch_zip(b"\x80\x04\x8c\x04os x\x8c\x06system\x93.", {}))
+    with pytest.raises(UnsafeInputError, match="global os x.system is not allowed.*it is not a Python name") as err:
+        read_checkpoint(path)
+    assert "--allow-global" not in str(err.value)

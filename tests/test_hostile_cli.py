@@ -2,7 +2,8 @@
 
 The checkpoint corpus (tests/test_hostile_checkpoints.py) goes through `packer convert` in
 process, a sample of it through the sandboxed child and through `packer build`; the archive
-corpus goes through `packer unbundle` in tests/test_bundle_reader.py.
+corpus goes through `packer unbundle` in tests/test_bundle_reader.py. A FIFO goes through every
+command that opens an input.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from packer.cli import main
@@ -109,3 +112,72 @@ def test_hub_ref_with_a_trailing_newline_builds(tmp_path: Path) -> None:
     source = json.loads((out / "manifest.json").read_bytes())["source"]
     assert source["uri"] == "hf://acme/tiny-model@main"
     assert source["revision"] == "0123456789abcdef0123456789abcdef01234567"
+
+
+def _fifo(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def _model_dir(tmp_path: Path, fifo_name: str) -> Path:
+    src = tmp_path / "model"
+    src.mkdir()
+    torch.save({"w": torch.ones(2)}, src / "pytorch_model.bin")
+    (src / "config.json").write_text("{}")
+    if fifo_name in ("pytorch_model.bin", "config.json"):
+        (src / fifo_name).unlink()
+    _fifo(src / fifo_name)
+    return src
+
+
+def _recipe(tmp_path: Path, source: Path) -> str:
+    (tmp_path / "r.toml").write_text(f'name = "x"\nversion = "1"\nsource = "{source}"\n')
+    return str(tmp_path / "r.toml")
+
+
+# every command that opens an input, with a FIFO where the input (or a file in it) belongs
+FIFO_CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
+    ("inspect", lambda t: ["inspect", str(_fifo(t / "ckpt.bin"))], "ckpt.bin: is a FIFO"),
+    ("convert", lambda t: ["convert", str(_fifo(t / "ckpt.bin")), "-o", str(t / "out")], "ckpt.bin: is a FIFO"),
+    ("convert-no-sandbox", lambda t: ["convert", "--no-sandbox", str(_fifo(t / "ckpt.bin")), "-o", str(t / "out")],
+     "ckpt.bin: is a FIFO"),
+    ("convert-dir", lambda t: ["convert", str(_model_dir(t, "pytorch_model.bin")), "-o", str(t / "out")],
+     "pytorch_model.bin: is a FIFO"),
+    ("unbundle", lambda t: ["unbundle", str(_fifo(t / "b.tar.zst")), "-o", str(t / "out")], "b.tar.zst: is a FIFO"),
+    ("build-recipe", lambda t: ["build", str(_fifo(t / "r.toml")), "-o", str(t / "out")], "r.toml: is a FIFO"),
+    ("build-source", lambda t: ["build", _recipe(t, _fifo(t / "ckpt.bin")), "-o", str(t / "out")],
+     "ckpt.bin is a FIFO"),
+    ("build-checkpoint", lambda t: ["build", _recipe(t, _model_dir(t, "pytorch_model.bin")), "-o", str(t / "out")],
+     "pytorch_model.bin: is a FIFO"),
+    ("build-config", lambda t: ["build", _recipe(t, _model_dir(t, "config.json")), "-o", str(t / "out")],
+     "config.json: is a FIFO"),
+    ("bundle", lambda t: ["bundle", str(_model_dir(t, "tokenizer.json")), "-o", str(t / "out")],
+     "tokenizer.json: is a FIFO"),
+]
+
+
+@pytest.mark.parametrize(("case", "args", "reason"), FIFO_CASES, ids=[c[0] for c in FIFO_CASES])
+def test_a_fifo_is_refused_before_it_is_opened(tmp_path: Path, case: str, args: Callable[[Path], list[str]],
+                                               reason: str) -> None:
+    # nothing ever writes to the FIFO: a blocking open would hang until the guard kills it
+    proc = subprocess.run([sys.executable, "-m", "packer", *args(tmp_path)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    _one_error_line(proc.stderr, reason)
+    assert "not a regular file" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_library_refuses_a_fifo_and_a_device_too(tmp_path: Path) -> None:
+    from packer.bundle import unbundle
+    from packer.checkpoint import inspect_checkpoint, read_checkpoint
+    from packer.errors import BundleError, CheckpointError
+
+    fifo = _fifo(tmp_path / "f")
+    for call, error in ((read_checkpoint, CheckpointError), (inspect_checkpoint, CheckpointError),
+                        (lambda p: unbundle(p, tmp_path / "out"), BundleError)):
+        with pytest.raises(error, match="is a FIFO"):
+            call(fifo)
+    with pytest.raises(CheckpointError, match="/dev/zero: is a character device"):
+        read_checkpoint(Path("/dev/zero"))

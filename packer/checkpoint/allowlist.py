@@ -59,3 +59,24 @@ VALUE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {("torch", n) for n in STORAGE_TYPES} | {("torch.storage", "UntypedStorage")}
     | {("torch", n) for n in TORCH_DTYPES} | TENSOR_TYPES
 )
+
+# Tensors torch pickles through rebuild functions outside the allowlist: refused with what
+# they are and what to save instead, never with an --allow-global hint (a placeholder would
+# leave the tensor out).
+_SPARSE = ("a sparse tensor, which packer does not convert: safetensors stores dense arrays only, and "
+           "densifying here could multiply its size unseen; save tensor.to_dense() instead (or keep "
+           "the indices and values as two dense tensors)")
+_QUANTIZED = ("a quantized tensor (qint8/quint8/qint32), which packer does not convert: safetensors has no "
+              "dtype that carries a scale and zero point; save tensor.dequantize(), or int_repr() with "
+              "q_scale() and q_zero_point() as plain tensors")
+_NESTED = ("a nested (ragged) tensor, which packer does not convert: safetensors stores rectangular arrays "
+           "only; save its components (tensor.unbind()) as separate tensors")
+UNCONVERTED: dict[tuple[str, str], str] = {
+    **{(_U, n): _SPARSE for n in ("_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor")},
+    **{("torch", n): _SPARSE for n in ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")},
+    ("torch.serialization", "_get_layout"): _SPARSE,
+    (_U, "_rebuild_qtensor"): _QUANTIZED,
+    **{("torch", n): _QUANTIZED for n in ("per_tensor_affine", "per_channel_affine",
+                                           "per_channel_affine_float_qparams")},
+    (_U, "_rebuild_nested_tensor"): _NESTED,
+}

@@ -65,8 +65,8 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = ()) -> dict
         containers: list[tuple[str, int]] = []
         metadata = dict(loaded.metadata)
     else:
-        refs, leaves, containers = walk(loaded)
-        placeholders = find_placeholders(loaded)
+        refs, leaves, containers = walk(loaded, path)
+        placeholders = find_placeholders(loaded, where=path)
         metadata = {}
         for name, ref in refs:
             if ref.dropped:
@@ -82,8 +82,9 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = ()) -> dict
             rec = make_record(path, name, ref)
             rows.append((rec, name, rec.dtype, rec.shape, rec.nbytes))
     tensors, alias_groups = _describe(rows)
+    unsupported_names = set(unsupported)
     for t in tensors:
-        t["supported"] = t["name"] not in unsupported
+        t["supported"] = t["name"] not in unsupported_names
         if t["name"] in dropped:
             t["dropped_attributes"] = dropped[str(t["name"])]
     return {

@@ -15,11 +15,12 @@ rules do on their arguments are capped.
 from __future__ import annotations
 
 import encodings.raw_unicode_escape  # noqa: F401 - loaded now so reading imports nothing
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from packer.checkpoint.allowlist import CALLABLES, VALUE_GLOBALS
+from packer.checkpoint.allowlist import CALLABLES, UNCONVERTED, VALUE_GLOBALS
 from packer.checkpoint.placeholders import (
     GlobalPolicy,
     Placeholder,
@@ -35,6 +36,7 @@ from packer.checkpoint.tree import (
 from packer.errors import CheckpointError, TruncatedPickle, UnsafeInputError
 
 PersistentLoad = Callable[[object], object]
+_PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 _NO_ENCODING = "utf-8"
 
 
@@ -412,7 +414,11 @@ class PickleVM:
         key = (module, name)
         if not self.policy.allowed(key) and not (key in _RECONSTRUCTORS and self.policy.placeholder_types):
             qual = f"{module}.{name}"
-            if module == "torch.nn" or module.startswith("torch.nn."):  # a whole pickled module
+            if key in UNCONVERTED:
+                raise self.fail(f"{qual}: the checkpoint holds {UNCONVERTED[key]}")
+            if not _PYTHON_NAME.match(qual):
+                hint = "it is not a Python name, so no class can be allowed: this is not a checkpoint's pickle"
+            elif module == "torch.nn" or module.startswith("torch.nn."):  # a whole pickled module
                 hint = ("it is a pickled torch.nn module, not a state dict: save model.state_dict() "
                         "instead, or convert once in a trusted environment")
             elif self.policy.placeholder_types:

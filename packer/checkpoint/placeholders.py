@@ -21,7 +21,7 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from packer.checkpoint.tree import Global, PickleDict, children
+from packer.checkpoint.tree import Global, PickleDict, named_walk
 
 _NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
 _LIGHTNING = (
@@ -154,25 +154,21 @@ def type_name(value: object) -> str | None:
 MAX_LISTED = 1000
 
 
-def find_placeholders(root: object, *, limit: int = MAX_LISTED) -> list[tuple[str, str]]:
+def find_placeholders(root: object, *, where: object, limit: int = MAX_LISTED) -> list[tuple[str, str]]:
     """(dotted path, type) of the placeholders under ``root`` (and inside dict- or list-like
     ones), the first ``limit`` in walk order.
 
     Each container is visited once (iteratively), so shared or cyclic graphs cost their size.
+
+    Raises:
+        CheckpointError: over the caps of :func:`packer.checkpoint.tree.named_walk` (``where``
+            names the file).
     """
     found: list[tuple[str, str]] = []
-    seen: set[int] = set()
-    todo: list[tuple[str, object]] = [("", root)]
-    while todo and len(found) < limit:
-        name, node = todo.pop()
+    for name, node, _ in named_walk(root, lambda _: True, where=where):
         kind = type_name(node)
         if kind is not None:
             found.append((name, kind))
-            if not isinstance(node, dict | list):
-                continue
-        kids = children(node)
-        if kids is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        todo.extend((f"{name}.{k}" if name else k, v) for k, v in reversed(kids))
+            if len(found) >= limit:
+                break
     return found

@@ -20,8 +20,9 @@ from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.records import CheckpointContents, TensorRecord, listing
 from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safetensors
 from packer.checkpoint.torch_zip import load_torch_zip
-from packer.checkpoint.tree import TensorRef, children, tensor_counts
+from packer.checkpoint.tree import TensorRef, children, named_walk, tensor_counts
 from packer.errors import CheckpointError
+from packer.fsutil import open_regular
 
 _I64 = 2**63
 _COMPLEX = {"complex32", "chalf", "complex64", "cfloat", "complex128", "cdouble"}
@@ -48,7 +49,7 @@ def _detect(f: BinaryIO, path: Path, size: int) -> str:
 def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = ()) -> tuple[str, object]:
     """Return (format, root object) or (format, CheckpointContents) for safetensors."""
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below in every case
+        f = open_regular(path, CheckpointError)  # a FIFO or device is refused, never waited on
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open: {e.strerror or e}") from e
     with f:
@@ -167,9 +168,9 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
     return tuple(records), tuple(skipped)
 
 
-def _notes(root: object, tensors: Sequence[tuple[str, TensorRef]]) -> tuple[str, ...]:
+def _notes(path: Path, root: object, tensors: Sequence[tuple[str, TensorRef]]) -> tuple[str, ...]:
     notes = []
-    found = find_placeholders(root)
+    found = find_placeholders(root, where=path)
     if found:
         notes.append(f"left as inert placeholders (not converted): {listing([f'{n} ({t})' for n, t in found])}")
     dropped = [f"{n} ({', '.join(ref.dropped)})" for n, ref in tensors if ref.dropped]
@@ -214,37 +215,29 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
     )
     node = loaded if key is None else (_resolve(loaded, key) or (None,))[0]
     refs = [(n, v) for n, v in children(node) or [] if isinstance(v, TensorRef)]
-    return CheckpointContents(path, fmt, tensors, skipped, left_out=left_out, notes=_notes(loaded, refs))
+    return CheckpointContents(path, fmt, tensors, skipped, left_out=left_out, notes=_notes(path, loaded, refs))
 
 
-def walk(root: object) -> tuple[list[tuple[str, TensorRef]], list[str], list[tuple[str, int]]]:
+def walk(root: object, where: object) -> tuple[list[tuple[str, TensorRef]], list[str], list[tuple[str, int]]]:
     """All tensors and non-tensor leaves under dotted names, and containers with tensors.
 
-    Each container is expanded once (the first path that reaches it), iteratively.
+    Each container is expanded once (the first path that reaches it), iteratively; only
+    containers holding tensors are expanded. Linear in the tree, capped as
+    :func:`packer.checkpoint.tree.named_walk` (``where`` names the file in its errors).
     """
     tensors: list[tuple[str, TensorRef]] = []
     leaves: list[str] = []
     containers: list[tuple[str, int]] = []
     counts = tensor_counts(root)
-    seen: set[int] = set()
-    todo: list[tuple[str, object]] = [("", root)]
-    while todo:
-        name, node = todo.pop()
+    for name, node, first in named_walk(root, lambda n: n is root or counts.get(id(n), 0) > 0, where=where):
         if isinstance(node, TensorRef):
             tensors.append((name, node))
-            continue
-        kids = children(node)
-        if kids is None:
+        elif not isinstance(node, dict | list | tuple):  # what children() expands
             leaves.append(name)
+        elif not first or not name:
             continue
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        count = counts.get(id(node), 0)
-        if name and count:
-            containers.append((name, count))
-        elif name and not count:
+        elif counts.get(id(node), 0):
+            containers.append((name, counts[id(node)]))
+        else:
             leaves.append(name)
-            continue
-        todo.extend((f"{name}.{k}" if name else k, v) for k, v in reversed(kids))
     return tensors, leaves, containers

@@ -8,10 +8,12 @@ only a :class:`Global` marker, and ``REDUCE`` on one of them builds a plain desc
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from packer.checkpoint.allowlist import TENSOR_TYPES, TORCH_DTYPES, TORCH_UTILS
 from packer.checkpoint.records import StorageRange
+from packer.errors import CheckpointError
 
 
 class _Short(reprlib.Repr):
@@ -264,3 +266,49 @@ def tensor_counts(root: object) -> dict[int, int]:
         todo.append((node, True))
         todo.extend((v, False) for _, v in kids if isinstance(v, dict | list | tuple))
     return counts
+
+
+# The VM caps MARK nesting at 1000; nesting built without MARK (EMPTY_LIST ... APPEND) is
+# capped here, at the same depth, by every walk that names entries.
+MAX_DEPTH = 1_000
+# Characters of dotted names one walk may build: far above any real checkpoint (a million
+# 60-character names), far below what a hostile chain of long keys would make.
+MAX_NAME_CHARS = 64 * 2**20
+
+
+def named_walk(root: object, expand: Callable[[object], bool], *,
+               where: object) -> Iterator[tuple[str, object, bool]]:
+    """Walk ``root`` depth first in document order, naming every node by its dotted path.
+
+    Yields ``(name, node, first)`` for ``root`` (name ``""``) and for the children of each
+    container that ``expand`` accepts; every container is expanded once, and ``first`` is
+    False when a container is reached again (shared, or a cycle). Each name is built once,
+    from its parent's, so the walk costs time and memory linear in the tree and the names.
+
+    Raises:
+        CheckpointError: nesting deeper than :data:`MAX_DEPTH`, or names longer than
+            :data:`MAX_NAME_CHARS` in all (``where`` names the file).
+    """
+    seen: set[int] = set()
+    budget = MAX_NAME_CHARS
+    todo: list[tuple[str, str, object, int]] = [("", "", root, 0)]
+    while todo:
+        prefix, key, node, depth = todo.pop()
+        name = f"{prefix}.{key}" if prefix else key
+        budget -= len(name)
+        if budget < 0:
+            raise CheckpointError(f"{where}: the entries' dotted names exceed {MAX_NAME_CHARS} characters "
+                                  "(cap); this is not the tree of a model checkpoint")
+        kids = children(node)
+        first = kids is None or id(node) not in seen
+        yield name, node, first
+        if kids is None or not first:
+            continue
+        seen.add(id(node))
+        if not expand(node):
+            continue
+        if kids and depth >= MAX_DEPTH:
+            shown = name if len(name) <= 60 else f"{name[:60]}…"
+            raise CheckpointError(f"{where}: entry {shown}: nested deeper than {MAX_DEPTH} levels (cap); "
+                                  "a checkpoint's tensors sit a few levels deep: re-save it without this entry")
+        todo.extend((name, k, v, depth + 1) for k, v in reversed(kids))

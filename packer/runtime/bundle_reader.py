@@ -369,7 +369,8 @@ def _parse_tar(data: bytearray, max_members: int, max_depth: int) -> dict[tuple[
 
 def _read_once(path: str | os.PathLike[str], limit: int) -> bytearray:
     """One open, one read: the whole archive, refused up front when over ``limit``."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    # non-blocking: a FIFO returns at once and is refused below instead of waiting for a writer
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

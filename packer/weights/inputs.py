@@ -18,12 +18,14 @@ named by the recipe or the command line is taken as named.
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
 from packer.formats import WEIGHT_PATTERNS
+from packer.fsutil import not_regular
 from packer.idents import check_rel_name, confined, link_roots
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -45,6 +47,18 @@ class InputSet:
         return path.relative_to(self.root).as_posix()
 
 
+def _is_input(path: Path) -> bool:
+    """True for a regular file, False for nothing or a directory; a FIFO, socket or device is
+    refused here, before anything opens it (an open would block, a read might never end)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return stat.S_ISREG(mode)
+    raise not_regular(path, mode, WeightsError)
+
+
 def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = False) -> InputSet:
     """Find the checkpoint files of ``src``.
 
@@ -63,7 +77,7 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
     """
     if not src.exists():
         raise WeightsError(f"{src}: no such file or directory")
-    if src.is_file():
+    if not src.is_dir() and _is_input(src):
         if globs:
             raise WeightsError(f"{src}: weights.files needs a directory source, got a file")
         return InputSet(src.parent, (src,))
@@ -80,12 +94,12 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
         return _from_globs(src, globs)
     order = -1 if pickles_first else 1
     for name in INDEXES[::order]:
-        if (src / name).is_file():
+        if _is_input(src / name):
             return _from_index(src, src / name)
     for name in SINGLES[::order]:
-        if (src / name).is_file():
+        if _is_input(src / name):
             return InputSet(src, (src / name,))
-    candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if p.is_file()})
+    candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if _is_input(p)})
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))
     if not candidates:
@@ -98,7 +112,7 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
 def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
     found: set[Path] = set()
     for pattern in globs:
-        matches = [p for p in src.glob(pattern) if p.is_file()]
+        matches = [p for p in src.glob(pattern) if _is_input(p)]
         if not matches:
             raise WeightsError(f"{src}: weights.files pattern {pattern!r} matches no file")
         found.update(matches)
@@ -126,7 +140,7 @@ def _from_index(src: Path, index: Path) -> InputSet:
     shards: list[Path] = []
     for name in dict.fromkeys(sorted(weight_map.values())):
         path = index.parent / check_rel_name(name, where=f"{index}: shard", error=WeightsError)
-        if not path.is_file():
+        if not _is_input(path):
             raise WeightsError(f"{index}: lists shard {name!r}, which does not exist")
         shards.append(path)
     return InputSet(src, tuple(shards), index, tuple(sorted(weight_map.items())))

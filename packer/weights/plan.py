@@ -136,7 +136,9 @@ def is_contiguous(r: TensorRecord) -> bool:
 
 
 def check_bounds(r: TensorRecord, where: Path | str) -> None:
-    """Raise WeightsError unless every element of the view lies inside its storage."""
+    """Raise WeightsError unless every element of the view lies inside its storage and the
+    view holds no more bytes than the storage: an expanded view (stride 0, overlapping
+    strides) of a 4-byte storage can describe terabytes, all of which would be written."""
     size = DTYPE_SIZES.get(r.dtype)
     if size is None:
         raise WeightsError(f"{where}: tensor {r.name!r}: dtype {r.dtype} cannot be written")
@@ -149,6 +151,12 @@ def check_bounds(r: TensorRecord, where: Path | str) -> None:
         raise WeightsError(
             f"{where}: tensor {r.name!r}: view ends at byte {(last + 1) * size}, past its "
             f"storage {r.storage.key!r} of {r.storage.nbytes} bytes"
+        )
+    if r.nbytes > r.storage.nbytes:
+        raise WeightsError(
+            f"{where}: tensor {r.name!r}: view of shape {list(r.shape)} stride {list(r.stride)} holds {r.nbytes} "
+            f"bytes, more than its whole storage {r.storage.key!r} of {r.storage.nbytes} bytes (an expanded or "
+            "overlapping view); packer writes every element, so save it with .contiguous() (or .clone()) first"
         )
 
 
@@ -163,6 +171,14 @@ def map_name(name: str, cfg: WeightsConfig) -> str:
     for rename in cfg.renames:
         name = re.sub(rename.pattern, rename.replace, name)
     return name
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _alias_key(r: TensorRecord) -> tuple[Any, ...]:
@@ -183,6 +199,9 @@ def _rename_all(
             if not name or name == "__metadata__":
                 raise WeightsError(f"{here}: tensor name {name!r} cannot be written to "
                                    "safetensors; rename it with weights.renames")
+            if not _utf8(name):
+                raise WeightsError(f"{here}: tensor name {name!r} is not valid UTF-8 (it holds a lone "
+                                   "surrogate), which safetensors cannot store; rename it with weights.renames")
             if name in out:
                 raise WeightsError(
                     f"tensor name collision: {origin[name]} and {here} both become {name!r}; "

@@ -26,7 +26,7 @@ from packer.build_stages import Progress
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
 from packer.errors import WeightsError
 from packer.formats import CAST_DTYPES
-from packer.fsutil import HashThread, umask
+from packer.fsutil import HashThread, open_regular, umask
 from packer.weights.plan import PlannedTensor, ShardPlan
 
 CHUNK = 8 * 2**20  # small enough that read-back and hashing find the bytes still in cache
@@ -53,7 +53,9 @@ class Sources:
 
     def get(self, path: Path) -> tuple[int, memoryview]:
         if path not in self._open:
-            fd = os.open(path, os.O_RDONLY)
+            f = open_regular(path, WeightsError)  # the file the reader saw; never a FIFO swapped in
+            fd = os.dup(f.fileno())
+            f.close()
             size = os.fstat(fd).st_size
             self._open[path] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None)
         fd, mm = self._open[path]
