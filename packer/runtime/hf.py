@@ -13,8 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from packer.runtime.assign import load_module
 from packer.runtime.empty import init_empty
 from packer.runtime.env import _dtype
+from packer.runtime.hf_keys import check_result, loading_info, prefix_map
 from packer.runtime.timeline import _torch
 
 _CONFIGS: dict[str, Any] = {}  # bundle directory -> parsed config (prepare() fills it)
@@ -45,8 +47,12 @@ def weights_dtype(torch: Any, manifest: dict[str, Any], config: Any) -> Any:
 
 
 def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", dtype: Any = None,
-                       verify: bool = False) -> Any:
+                       verify: bool = False, strict: bool = False, output_loading_info: bool = False) -> Any:
     """Construct ``model_class`` under :func:`init_empty` and load the build into it.
+
+    transformers' loading rules hold (:mod:`packer.runtime.hf_keys`): the base-model prefix
+    is added or stripped (a task checkpoint loads into its base model and back), unexpected
+    keys are reported, missing parameters raise.
 
     Args:
         loader: the :class:`Loader` of the build (its bundle holds ``config.json``).
@@ -56,38 +62,52 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
             weights' (transformers' ``dtype="auto"``). Another dtype than the weights' costs
             a cast (a copy).
         verify: also check every file's sha256.
+        strict: also raise on unexpected keys (default: logged on the ``packer_loader``
+            logger and returned with ``output_loading_info``).
+        output_loading_info: return ``(model, info)`` as transformers does, ``info`` holding
+            ``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` and ``error_msgs``.
 
     Returns:
-        the model in ``eval()`` mode, ties applied, every parameter a loaded tensor.
+        the model in ``eval()`` mode, ties applied, every parameter a loaded tensor (with
+        ``output_loading_info``: ``(model, info)``).
 
     Raises:
         ArtifactMismatchError: no bundle, or artifacts that do not match the manifest.
-        RuntimeError: keys missing or unexpected after the model's ignore patterns.
+        RuntimeError: parameters missing from the weights (after the model's ignore
+            patterns), a shape mismatch, or with ``strict`` unexpected keys.
     """
     torch = _torch(loader.timeline)
     bundle = loader.bundle_dir()
-    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
-        config = copy.deepcopy(_CONFIGS[str(bundle)])  # construction may change it
-    else:
-        with loader.timeline.stage("config"):
-            config = copy.deepcopy(hf_config(bundle))
+    config = _config(loader, bundle, model_class)
     dtype = dtype or weights_dtype(torch, loader.manifest, config)
     with loader.timeline.stage("construct"), init_empty(dtype=dtype):
         if hasattr(model_class, "from_config"):  # the Auto classes
             model = model_class.from_config(config, dtype=dtype)
         else:
             model = model_class._from_config(config, dtype=dtype)
-    loader.load_into(model, device=device, verify=verify)
-    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if left:
-        raise RuntimeError(f"from_pretrained: {len(left)} parameter(s) not in the weights "
-                           f"(ignored as missing by the model): {left[:8]}")
+    w = loader.manifest["weights"]
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    rule = prefix_map(model, names, [*w["tensors"], *w.get("aliases", {})])
+    result = load_module(loader, model, device=device, strict=False, verify=verify, key=rule)
+    if rule is not None:
+        result.notes.append(rule.describe())
     model.tie_weights()
+    check_result(model, result, strict=strict)
     if model.can_generate() and (bundle / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(bundle))
-    return model.eval()
+    model.eval()
+    return (model, loading_info(result)) if output_loading_info else model
+
+
+def _config(loader: Any, bundle: Path, model_class: Any) -> Any:
+    """A private copy of the bundle's parsed config (construction may change it)."""
+    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
+        return copy.deepcopy(_CONFIGS[str(bundle)])
+    with loader.timeline.stage("config"):
+        return copy.deepcopy(hf_config(bundle))
 
 
 def _link(src: Path, dst: Path) -> None:

@@ -107,13 +107,18 @@ def load_into(module: Any, *, device: str | None = None, strict: bool = True,
 
 
 def from_pretrained(model_class: Any, *, device: str = "cuda", dtype: Any = None, verify: bool = False,
+                    strict: bool = False, output_loading_info: bool = False,
                     root: str | Path | None = None) -> Any:
     """A Hugging Face model of this build, ready: config from the bundle, weights assigned.
 
-    The tokenizer stays ``AutoTokenizer.from_pretrained(bundle_dir())``. See
+    transformers' loading rules: the base-model prefix added or stripped, unexpected keys
+    logged (raised with ``strict=True``; returned with ``output_loading_info=True`` as
+    ``(model, info)``), missing parameters raised. The tokenizer stays
+    ``AutoTokenizer.from_pretrained(bundle_dir())``. See
     ``packer.runtime.hf.hf_from_pretrained`` for the arguments and errors.
     """
-    return hf_from_pretrained(default_loader(root), model_class, device=device, dtype=dtype, verify=verify)
+    return hf_from_pretrained(default_loader(root), model_class, device=device, dtype=dtype, verify=verify,
+                              strict=strict, output_loading_info=output_loading_info)
 
 
 def model_dir(*, root: str | Path | None = None, out: str | Path | None = None) -> Path:
