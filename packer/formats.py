@@ -17,6 +17,9 @@ SAFETENSORS_SUFFIX = ".safetensors"
 WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".pt", ".pth", ".ckpt", ".bin")
 WEIGHT_PATTERNS = tuple(f"*{s}" for s in WEIGHT_SUFFIXES)
 
+# What a source is (recipe ``weights.layout``; packer.components detects it under "auto").
+LAYOUTS = ("auto", "model", "diffusers", "sentence-transformers", "peft")
+
 # The dtypes floating tensors can be cast to (recipe ``weights.dtype``, ``convert --dtype``),
 # each with its safetensors code.
 CAST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}

@@ -13,10 +13,13 @@ from packer.recipe import recipe_from_dict
 from packer.runtime import loader as L
 
 
-def build_dir(src: Path, out: Path, **recipe: Any) -> BuildResult:
-    """``packer build`` of ``src`` (no sandbox: the tests' fixtures are their own) into ``out``."""
+def build_dir(src: Path, out: Path, *, dry_run: bool = False, **recipe: Any) -> BuildResult:
+    """``packer build`` of ``src`` (no sandbox: the tests' fixtures are their own) into ``out``.
+
+    ``recipe``: more recipe sections, e.g. ``weights={"layout": "model"}``.
+    """
     return build(recipe_from_dict({"name": "m", "version": "1", "source": str(src), **recipe}), out,
-                 sandbox=False)
+                 sandbox=False, dry_run=dry_run)
 
 
 def open_build(out: Path) -> L.Loader:

@@ -6,14 +6,12 @@ transformers is imported only inside these functions; the loader never depends o
 from __future__ import annotations
 
 import copy
-import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from packer.runtime.assign import load_module
+from packer.runtime.components import component_dir
+from packer.runtime.dirtree import lay_out
 from packer.runtime.empty import init_empty
 from packer.runtime.env import _dtype
 from packer.runtime.hf_keys import check_result, loading_info, prefix_map
@@ -77,7 +75,10 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
             patterns), a shape mismatch, or with ``strict`` unexpected keys.
     """
     torch = _torch(loader.timeline)
-    bundle = loader.bundle_dir()
+    bundle = loader.bundle_dir() / component_dir(loader.manifest["weights"])
+    if hasattr(model_class, "load_config"):  # a diffusers model (ConfigMixin): its own config format
+        return _diffusers_model(loader, model_class, bundle, device=device, dtype=dtype, verify=verify,
+                                strict=strict, output_loading_info=output_loading_info)
     config = _config(loader, bundle, model_class)
     dtype = dtype or weights_dtype(torch, loader.manifest, config)
     with loader.timeline.stage("construct"), init_empty(dtype=dtype):
@@ -102,6 +103,21 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
     return (model, loading_info(result)) if output_loading_info else model
 
 
+def _diffusers_model(loader: Any, model_class: Any, folder: Path, *, device: str, dtype: Any, verify: bool,
+                     strict: bool, output_loading_info: bool) -> Any:
+    """A diffusers model (``UNet2DConditionModel``...) of a component: its config, then the weights."""
+    torch = _torch(loader.timeline)
+    with loader.timeline.stage("config"):
+        config = model_class.load_config(str(folder))
+    dtype = dtype or weights_dtype(torch, loader.manifest, None)
+    with loader.timeline.stage("construct"), init_empty(dtype=dtype):
+        model = model_class.from_config(config)
+    result = load_module(loader, model, device=device, strict=False, verify=verify)
+    check_result(model, result, strict=strict)
+    model.eval()
+    return (model, loading_info(result)) if output_loading_info else model
+
+
 def _config(loader: Any, bundle: Path, model_class: Any) -> Any:
     """A private copy of the bundle's parsed config (construction may change it)."""
     if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
@@ -110,15 +126,12 @@ def _config(loader: Any, bundle: Path, model_class: Any) -> Any:
         return copy.deepcopy(hf_config(bundle))
 
 
-def _link(src: Path, dst: Path) -> None:
-    os.symlink(os.path.abspath(src), dst)
-
-
 def hf_model_dir(loader: Any, *, root: str | Path | None = None) -> Path:
     """A Hugging Face model directory for this build: bundle files and weights, linked.
 
     Laid out as transformers, vLLM, TGI and SGLang expect (``config.json``, tokenizer
-    files, ``generation_config.json``, ``model*.safetensors`` and the index when sharded).
+    files, ``generation_config.json``, ``model*.safetensors`` and the index when sharded);
+    a multi-component build as its libraries expect (:mod:`packer.runtime.dirtree`).
     Every entry is a symbolic link: to the extracted bundle, and to the weight files where
     they are (``PACKER_WEIGHTS_DIR`` honoured); nothing is copied. Made once per node
     beside the bundle cache (atomically: built under a temporary name, then renamed).
@@ -130,29 +143,4 @@ def hf_model_dir(loader: Any, *, root: str | Path | None = None) -> Path:
     Raises:
         ArtifactMismatchError: no bundle, or a weight file missing or of another size.
     """
-    bundle = loader.bundle_dir()
-    w = loader.manifest["weights"]
-    rels = [*w["files"], *([w["index"]] if w.get("index") else [])]
-    for rel in rels:
-        loader._check_plain(rel, verify=False)
-    key = hashlib.sha256("\n".join([str(bundle), *(str(loader.path(r).resolve()) for r in rels)]).encode())
-    base = Path(root) if root is not None else bundle.parent
-    out = base / f"model-{key.hexdigest()[:20]}"
-    if out.is_dir():
-        return out
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=base))
-    try:
-        names = {Path(r).name for r in rels}
-        for entry in sorted(bundle.iterdir()):
-            if entry.name not in names:
-                _link(entry, tmp / entry.name)
-        for rel in rels:
-            _link(loader.path(rel), tmp / Path(rel).name)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not out.is_dir():  # another process may have won the rename
-            raise
-    return out
+    return lay_out(loader, root=root)
