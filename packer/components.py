@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import WEIGHT_SUFFIXES
+from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES
 
 MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
            ("peft", "adapter_config.json"))
@@ -95,9 +95,11 @@ def _checked_name(marker: Path, name: Any) -> str:
 
 def checkpoint_of(folder: Path, stem: str) -> tuple[str, ...]:
     """The checkpoint a library would read in ``folder`` (index first, safetensors first), or ()."""
-    for name in (f"{stem}.safetensors.index.json", f"{stem}.safetensors", f"{stem}.bin.index.json", f"{stem}.bin"):
-        if (folder / name).is_file():
-            return (name,)
+    pickle_stem = "pytorch_model" if stem == "model" else stem  # transformers' pickles: pytorch_model.bin
+    for base, suffix in ((stem, SAFETENSORS_SUFFIX), (pickle_stem, BIN_SUFFIX)):  # safetensors first, as they do
+        for name in (f"{base}{suffix}.index.json", base + suffix):
+            if (folder / name).is_file():
+                return (name,)
     found = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES) \
         if folder.is_dir() else []
     return (found[0],) if len(found) == 1 else ()

@@ -172,3 +172,14 @@ def test_component_names_from_the_input_are_checked(tmp_path: Path) -> None:
     (src / "model_index.json").write_text('{"../up": ["diffusers", "UNet2DConditionModel"]}')
     with pytest.raises(WeightsError, match="is not a plain folder name"):
         detect_layout(src)
+
+
+def test_checkpoint_choice_follows_the_libraries(tmp_path: Path) -> None:
+    from packer.components import checkpoint_of
+
+    for name in ("pytorch_model.bin", "training_args.bin", "diffusion_pytorch_model.fp16.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert checkpoint_of(tmp_path, "model") == ("pytorch_model.bin",)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert checkpoint_of(tmp_path, "model") == ("model.safetensors",)  # safetensors first, as transformers
+    assert checkpoint_of(tmp_path, "diffusion_pytorch_model") == ()  # a variant alone is not the default file
