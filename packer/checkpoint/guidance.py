@@ -70,8 +70,12 @@ def _state_dict_key(value: object) -> str | None:
 
 
 def one_message(first: DisallowedGlobalError, refused: list[str], value: object) -> DisallowedGlobalError:
-    """The single error naming every refused global, the flags, and what the payload is."""
-    if not refused:
+    """The single error naming every refused global, the flags, and what the payload is.
+
+    A global that is no Python name (``os x.system``) can name no class to allow: the first
+    error stands as it is, with no flags.
+    """
+    if not refused or not all(part.isidentifier() for q in refused for part in q.split(".")):
         return first
     where, _, rest = str(first).partition(": global ")
     qual = rest.split(" ", 1)[0]  # the first global met: the headline, as a one-global message has it
