@@ -42,7 +42,7 @@ class BuildResult:
         files = {**self.manifest.get("files", {}), **self.manifest.get("image_files", {})}
         return {"out": str(self.out), "dry_run": self.dry_run, "files": len(files),
                 "bytes": sum(f["size"] for f in files.values()), "stages": self.timer.as_json(),
-                "notes": self.notes}
+                "notes": self.notes, "left_out": (self.manifest.get("weights") or {}).get("left_out", [])}
 
 
 def _check_out(out: Path) -> None:

@@ -87,7 +87,7 @@ class StageContext:
 
 def weights_stage(ctx: StageContext) -> StageOutput:
     """Convert the source's checkpoints into ``staging/weights`` (isolated unless ``ctx.sandbox`` is false)."""
-    from packer.sandbox import convert_cli
+    from packer.component_weights import convert_layout
 
     # With a third core, each weight file's own layer digest is computed while the file is
     # written (an extra hashing thread), and the image stage only copies it. On two cores both
@@ -95,9 +95,8 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     # the whole build by -0.3 % to +2.6 % in five runs (benchmarks/RESULTS.md).
     img = ctx.recipe.image
     layer_image = img if ctx.layer_digests and img.weights == "layer" and not img.single_layer else None
-    return convert_cli(ctx.snap.weights, ctx.staging / "weights", ctx.recipe.weights, rel_root=ctx.staging,
-                       dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress,
-                       layer_image=layer_image)
+    return convert_layout(ctx.snap.weights, ctx.staging, ctx.recipe.weights, single_file=ctx.snap.single_file,
+                          dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, layer_image=layer_image)
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:
@@ -129,10 +128,10 @@ def loader_stage(ctx: StageContext) -> StageOutput:
 def _planned_files(ctx: StageContext) -> list[FileEntry]:
     """The artifact file names a dry run would write (sizes are not known yet)."""
     from packer.bundle import ARCHIVE_NAME
+    from packer.components import artifact_files
     from packer.formats import LOADER_NAME
 
-    section = ctx.outputs["weights"].section
-    names = [*section.get("files", []), *([section["index"]] if section.get("index") else []),
+    names = [*artifact_files(ctx.outputs["weights"].section),
              *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), LOADER_NAME]
     return [FileEntry(p, 0, "") for p in names]
 

@@ -52,7 +52,9 @@ _MODULE_DIR = re.compile(r"^\d+_[A-Za-z]\w*$")
 _Globs = list[tuple[str, re.Pattern[str]]]
 KNOWN_DIRS = frozenset({"tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2",
                         "text_encoder_3", "scheduler", "feature_extractor", "image_processor", "processor",
-                        "unet", "vae", "transformer", "prior", "decoder"})
+                        "unet", "vae", "transformer", "prior", "decoder",
+                        # more diffusers pipeline components (model_index.json names them)
+                        "image_encoder", "safety_checker", "controlnet", "transformer_2", "vqvae", "movq"})
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ class UnsafeInputError(CheckpointError):
     """An input asks for code to run (a pickle global outside the allowlist, TorchScript...)."""
 
 
+class DisallowedGlobalError(UnsafeInputError):
+    """A pickle global outside the allowlist (the message names every one and the flags to pass)."""
+
+
 class TruncatedPickle(CheckpointError):
     """The pickle runs past the end of the bytes given (a caller may retry with more)."""
 

@@ -14,8 +14,12 @@ MANIFEST_NAME = "manifest.json"  # the artifact manifest, beside it
 SAFETENSORS_SUFFIX = ".safetensors"
 # Weight files packer converts: safetensors, then what torch.save writes under its customary
 # names. The order is the one the weights stage names them in when it finds none it expects.
-WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".pt", ".pth", ".ckpt", ".bin")
+BIN_SUFFIX = ".bin"  # pytorch_model.bin, diffusion_pytorch_model.bin, adapter_model.bin
+WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".pt", ".pth", ".ckpt", BIN_SUFFIX)
 WEIGHT_PATTERNS = tuple(f"*{s}" for s in WEIGHT_SUFFIXES)
+
+# What a source is (recipe ``weights.layout``; packer.components detects it under "auto").
+LAYOUTS = ("auto", "model", "diffusers", "sentence-transformers", "peft")
 
 # The dtypes floating tensors can be cast to (recipe ``weights.dtype``, ``convert --dtype``),
 # each with its safetensors code.

@@ -234,9 +234,11 @@ def _verify(out: Path) -> dict[str, Any]:
         stop.set()  # a failure above need not wait for every file to be hashed
         pool.shutdown(wait=True, cancel_futures=True)
     if manifest.get("weights"):
+        from packer.components import components_of
         from packer.weights.verify import verify_weights
 
-        verify_weights(out, manifest["weights"])
+        for section in components_of(manifest["weights"]):  # each component on its own
+            verify_weights(out, section)
     if manifest.get("bundle"):
         from packer.bundle import verify_bundle
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import RecipeError
-from packer.formats import CAST_DTYPES
+from packer.formats import CAST_DTYPES, LAYOUTS
 from packer.fsutil import open_regular
 
 DTYPES = tuple(CAST_DTYPES)
@@ -58,6 +58,9 @@ class WeightsConfig:
     tie_prefer: tuple[str, ...] = ()  # names preferred as the kept name of a tied group
     # "module.Name" patterns (fnmatch) of plain-data classes read as inert placeholders
     allow_globals: tuple[str, ...] = ()
+    # what the source is (packer.components): "auto" by its marker files, or forced
+    layout: str = "auto"
+    components: tuple[str, ...] = ()  # build only these components (empty: all)
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,7 @@ def _shape(path: str, v: Any) -> tuple[int, ...]:
 _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
-    "allow_globals": _global_patterns,
+    "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
 }
 _BUNDLE = {"include": _str_list, "exclude": _str_list}
 _IMAGE = {

@@ -113,7 +113,7 @@ def test_from_pretrained_refuses_missing_weights(tmp_path: Path) -> None:
     del sd["model.norm.weight"]
     save_file(sd, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     ld = loader_for(tmp_path / "hf", tmp_path / "out")
-    with pytest.raises(RuntimeError, match=r"missing keys \['model.norm.weight'\]"):
+    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM not in the weights: \['model.norm.weight'\]"):
         hf_from_pretrained(ld, LlamaForCausalLM, device="cpu")
 
 

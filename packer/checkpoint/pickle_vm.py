@@ -33,7 +33,7 @@ from packer.checkpoint.tree import (
     PickleSet,
     reduce_call,
 )
-from packer.errors import CheckpointError, TruncatedPickle, UnsafeInputError
+from packer.errors import CheckpointError, DisallowedGlobalError, TruncatedPickle, UnsafeInputError
 
 PersistentLoad = Callable[[object], object]
 _PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
@@ -426,9 +426,9 @@ class PickleVM:
                         "(recipe: weights.allow_globals)")
             else:
                 hint = "this pickle holds no objects"
-            raise self.unsafe(
-                f"global {qual} is not allowed; packer never imports or calls anything and reads tensors, "
-                f"plain containers and known plain-data types; {hint}"
+            raise DisallowedGlobalError(
+                f"{self.where} at byte {self.op_pos}: global {qual} is not allowed; packer never imports or calls "
+                f"anything and reads tensors, plain containers and known plain-data types; {hint}"
             )
         return Global(module, name)
 
@@ -568,6 +568,14 @@ def run_pickle(
         value, end = vm.run()
     except RecursionError:  # never expected: the VM is iterative; kept as a last guard
         raise vm.fail("structure nested too deeply") from None
+    except DisallowedGlobalError as e:
+        if not policy.placeholder_types:  # a pickle that may hold no objects at all: nothing to allow
+            raise
+        from packer.checkpoint.guidance import one_message, survey
+
+        refused, whole = survey(PickleVM, data, where=where, start=start, persistent_load=persistent_load,
+                                policy=policy, limits=limits)
+        raise one_message(e, refused, whole) from None
     if to_end and end != len(data):
         raise CheckpointError(f"{where} at byte {end}: {len(data) - end} bytes of junk after STOP")
     return value, end

@@ -44,6 +44,8 @@ PLACEHOLDER_TYPES: frozenset[tuple[str, str]] = frozenset(
     | {("datetime", n) for n in ("date", "time", "datetime", "timedelta", "timezone")}
     | {(m, n) for m in ("pathlib", "pathlib._local") for n in _PATHS}
     | {(b, n) for b in ("builtins", "__builtin__") for n in ("complex", "slice")}
+    # admitted by torch's own weights-only loader by default: a device names where, holds nothing
+    | {("torch", "device")}
 )
 # Plain types that appear only as arguments (a defaultdict's factory, copyreg's base class);
 # they are never reduced, and so never called even in spirit.

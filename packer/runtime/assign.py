@@ -12,6 +12,7 @@ transformers convention) are honoured.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from packer.runtime.env import _DTYPES
@@ -70,8 +71,12 @@ def _patterns(module: Any, attr: str) -> re.Pattern[str] | None:
 
 
 def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
-                aliases: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
+                aliases: dict[str, str], key: Callable[[str], str] | None = None,
+                ) -> tuple[list[str], list[str], list[str]]:
     """Set each slot's ``key``; return ``(missing, unexpected, notes)``.
+
+    ``key`` maps a module name to the stored name it loads from (transformers' base-model
+    prefix, :mod:`packer.runtime.hf_keys`); by default the names are the same.
 
     Raises:
         RuntimeError: a parameter or persistent buffer has another shape than its weight.
@@ -80,7 +85,7 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
     covered: set[str] = set()
     missing, notes = [], []
     for slot in slots:
-        hits = [n for n in slot.names if n in stored]
+        hits = [n for n in map(key, slot.names) if n in stored] if key else [n for n in slot.names if n in stored]
         covered.update(hits)
         if not hits:
             if slot.kind != "transient":
@@ -99,7 +104,8 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
             raise RuntimeError(f"load_into: size mismatch for {hits[0]}: the weights have shape "
                                f"{shape}, the module {list(slot.tensor.shape)}")
         slot.key = aliases.get(hits[0], hits[0])
-        notes += [f"{n}: tied to {hits[0]} in the module; loaded once" for n in slot.names if n not in stored]
+        notes += [f"{n}: tied to {hits[0]} in the module; loaded once" for n in slot.names
+                  if (key(n) if key else n) not in stored]
         notes += [f"{n}: also stored, but the module ties it to {hits[0]}; loaded from {hits[0]}"
                   for n in hits[1:] if aliases.get(n, n) != slot.key]
     unexpected = sorted(stored - covered)
@@ -132,12 +138,16 @@ def _set(slot: TensorSlot, value: Any) -> None:
 
 
 def load_module(loader: Any, module: Any, *, device: str | None = None, strict: bool = True,
-                verify: bool = False, pipeline: bool | None = None) -> LoadResult:
-    """The body of :meth:`Loader.load_into` (see there): assign to meta slots, copy into real ones."""
+                verify: bool = False, pipeline: bool | None = None,
+                key: Callable[[str], str] | None = None) -> LoadResult:
+    """The body of :meth:`Loader.load_into` (see there): assign to meta slots, copy into real ones.
+
+    ``key``: module name -> stored name (see :func:`match_slots`).
+    """
     torch = _torch(loader.timeline)
     w = loader.manifest["weights"]
     slots = module_slots(module)
-    missing, unexpected, notes = match_slots(module, slots, w["tensors"], w.get("aliases", {}))
+    missing, unexpected, notes = match_slots(module, slots, w["tensors"], w.get("aliases", {}), key)
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_into: missing keys {missing[:8]}, unexpected keys "
                            f"{unexpected[:8]} (pass strict=False to load the rest)")

@@ -6,15 +6,15 @@ transformers is imported only inside these functions; the loader never depends o
 from __future__ import annotations
 
 import copy
-import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from packer.runtime.assign import load_module
+from packer.runtime.components import component_dir
+from packer.runtime.dirtree import lay_out
 from packer.runtime.empty import init_empty
 from packer.runtime.env import _dtype
+from packer.runtime.hf_keys import check_result, loading_info, prefix_map
 from packer.runtime.timeline import _torch
 
 _CONFIGS: dict[str, Any] = {}  # bundle directory -> parsed config (prepare() fills it)
@@ -45,8 +45,12 @@ def weights_dtype(torch: Any, manifest: dict[str, Any], config: Any) -> Any:
 
 
 def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", dtype: Any = None,
-                       verify: bool = False) -> Any:
+                       verify: bool = False, strict: bool = False, output_loading_info: bool = False) -> Any:
     """Construct ``model_class`` under :func:`init_empty` and load the build into it.
+
+    transformers' loading rules hold (:mod:`packer.runtime.hf_keys`): the base-model prefix
+    is added or stripped (a task checkpoint loads into its base model and back), unexpected
+    keys are reported, missing parameters raise.
 
     Args:
         loader: the :class:`Loader` of the build (its bundle holds ``config.json``).
@@ -56,49 +60,78 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
             weights' (transformers' ``dtype="auto"``). Another dtype than the weights' costs
             a cast (a copy).
         verify: also check every file's sha256.
+        strict: also raise on unexpected keys (default: logged on the ``packer_loader``
+            logger and returned with ``output_loading_info``).
+        output_loading_info: return ``(model, info)`` as transformers does, ``info`` holding
+            ``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` and ``error_msgs``.
 
     Returns:
-        the model in ``eval()`` mode, ties applied, every parameter a loaded tensor.
+        the model in ``eval()`` mode, ties applied, every parameter a loaded tensor (with
+        ``output_loading_info``: ``(model, info)``).
 
     Raises:
         ArtifactMismatchError: no bundle, or artifacts that do not match the manifest.
-        RuntimeError: keys missing or unexpected after the model's ignore patterns.
+        RuntimeError: parameters missing from the weights (after the model's ignore
+            patterns), a shape mismatch, or with ``strict`` unexpected keys.
     """
     torch = _torch(loader.timeline)
-    bundle = loader.bundle_dir()
-    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
-        config = copy.deepcopy(_CONFIGS[str(bundle)])  # construction may change it
-    else:
-        with loader.timeline.stage("config"):
-            config = copy.deepcopy(hf_config(bundle))
+    bundle = loader.bundle_dir() / component_dir(loader.manifest["weights"])
+    if hasattr(model_class, "load_config"):  # a diffusers model (ConfigMixin): its own config format
+        return _diffusers_model(loader, model_class, bundle, device=device, dtype=dtype, verify=verify,
+                                strict=strict, output_loading_info=output_loading_info)
+    config = _config(loader, bundle, model_class)
     dtype = dtype or weights_dtype(torch, loader.manifest, config)
     with loader.timeline.stage("construct"), init_empty(dtype=dtype):
         if hasattr(model_class, "from_config"):  # the Auto classes
             model = model_class.from_config(config, dtype=dtype)
         else:
             model = model_class._from_config(config, dtype=dtype)
-    loader.load_into(model, device=device, verify=verify)
-    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if left:
-        raise RuntimeError(f"from_pretrained: {len(left)} parameter(s) not in the weights "
-                           f"(ignored as missing by the model): {left[:8]}")
+    w = loader.manifest["weights"]
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    rule = prefix_map(model, names, [*w["tensors"], *w.get("aliases", {})])
+    result = load_module(loader, model, device=device, strict=False, verify=verify, key=rule)
+    if rule is not None:
+        result.notes.append(rule.describe())
     model.tie_weights()
+    check_result(model, result, strict=strict)
     if model.can_generate() and (bundle / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(bundle))
-    return model.eval()
+    model.eval()
+    return (model, loading_info(result)) if output_loading_info else model
 
 
-def _link(src: Path, dst: Path) -> None:
-    os.symlink(os.path.abspath(src), dst)
+def _diffusers_model(loader: Any, model_class: Any, folder: Path, *, device: str, dtype: Any, verify: bool,
+                     strict: bool, output_loading_info: bool) -> Any:
+    """A diffusers model (``UNet2DConditionModel``...) of a component: its config, then the weights."""
+    torch = _torch(loader.timeline)
+    with loader.timeline.stage("config"):
+        config = model_class.load_config(str(folder))
+    dtype = dtype or weights_dtype(torch, loader.manifest, None)
+    with loader.timeline.stage("construct"), init_empty(dtype=dtype):
+        model = model_class.from_config(config)
+    result = load_module(loader, model, device=device, strict=False, verify=verify)
+    check_result(model, result, strict=strict)
+    model.eval()
+    return (model, loading_info(result)) if output_loading_info else model
+
+
+def _config(loader: Any, bundle: Path, model_class: Any) -> Any:
+    """A private copy of the bundle's parsed config (construction may change it)."""
+    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
+        return copy.deepcopy(_CONFIGS[str(bundle)])
+    with loader.timeline.stage("config"):
+        return copy.deepcopy(hf_config(bundle))
 
 
 def hf_model_dir(loader: Any, *, root: str | Path | None = None) -> Path:
     """A Hugging Face model directory for this build: bundle files and weights, linked.
 
     Laid out as transformers, vLLM, TGI and SGLang expect (``config.json``, tokenizer
-    files, ``generation_config.json``, ``model*.safetensors`` and the index when sharded).
+    files, ``generation_config.json``, ``model*.safetensors`` and the index when sharded);
+    a multi-component build as its libraries expect (:mod:`packer.runtime.dirtree`).
     Every entry is a symbolic link: to the extracted bundle, and to the weight files where
     they are (``PACKER_WEIGHTS_DIR`` honoured); nothing is copied. Made once per node
     beside the bundle cache (atomically: built under a temporary name, then renamed).
@@ -110,29 +143,4 @@ def hf_model_dir(loader: Any, *, root: str | Path | None = None) -> Path:
     Raises:
         ArtifactMismatchError: no bundle, or a weight file missing or of another size.
     """
-    bundle = loader.bundle_dir()
-    w = loader.manifest["weights"]
-    rels = [*w["files"], *([w["index"]] if w.get("index") else [])]
-    for rel in rels:
-        loader._check_plain(rel, verify=False)
-    key = hashlib.sha256("\n".join([str(bundle), *(str(loader.path(r).resolve()) for r in rels)]).encode())
-    base = Path(root) if root is not None else bundle.parent
-    out = base / f"model-{key.hexdigest()[:20]}"
-    if out.is_dir():
-        return out
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=base))
-    try:
-        names = {Path(r).name for r in rels}
-        for entry in sorted(bundle.iterdir()):
-            if entry.name not in names:
-                _link(entry, tmp / entry.name)
-        for rel in rels:
-            _link(loader.path(rel), tmp / Path(rel).name)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not out.is_dir():  # another process may have won the rename
-            raise
-    return out
+    return lay_out(loader, root=root)

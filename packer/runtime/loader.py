@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.runtime.assign import LoadResult
+from packer.runtime.components import all_loaders, component_loader
 from packer.runtime.empty import init_empty
 from packer.runtime.engines import CopyEngine, CpuEngine, CudaEngine
 from packer.runtime.env import MAX_HEADER, MAX_RING_BYTES, ArtifactMismatchError, _dtype, bundle_reader, manifest
@@ -91,29 +92,40 @@ def warmup_inputs(device: str = "cuda") -> list[dict[str, Any]]:
 
 def load_weights(device: str = "cuda", *, dtype: Any = None, verify: bool = False,
                  root: str | Path | None = None, pipeline: bool | None = None,
-                 copy: bool = False) -> dict[str, Any]:
-    """Load this build's weights; see :meth:`Loader.load_weights`."""
-    return default_loader(root).load_weights(device, dtype=dtype, verify=verify,
-                                             pipeline=pipeline, copy=copy)
+                 copy: bool = False, component: str | None = None) -> dict[str, Any]:
+    """Load this build's weights (of ``component``, e.g. ``"unet"``); see :meth:`Loader.load_weights`."""
+    return component_loader(default_loader(root), component).load_weights(device, dtype=dtype, verify=verify,
+                                                                          pipeline=pipeline, copy=copy)
 
 
 def load_into(module: Any, *, device: str | None = None, strict: bool = True,
-              verify: bool = False, root: str | Path | None = None) -> LoadResult:
-    """Load this build's weights into ``module`` (built under :func:`init_empty`: by assignment).
+              verify: bool = False, root: str | Path | None = None, component: str | None = None) -> LoadResult:
+    """Load this build's weights (of ``component``) into ``module`` (built under :func:`init_empty`: by assignment).
 
-    See :meth:`Loader.load_into`; returns ``(missing, unexpected)`` with ``.notes``.
+    See :meth:`Loader.load_into`; returns ``(missing, unexpected)`` with ``.notes``. A
+    multi-component build (a diffusers pipeline, a sentence-transformers stack, an adapter)
+    names the part with ``component`` (``"unet"``, ``"2_Dense"``); None is the root model.
     """
-    return default_loader(root).load_into(module, device=device, strict=strict, verify=verify)
+    return component_loader(default_loader(root), component).load_into(module, device=device, strict=strict,
+                                                                       verify=verify)
 
 
 def from_pretrained(model_class: Any, *, device: str = "cuda", dtype: Any = None, verify: bool = False,
-                    root: str | Path | None = None) -> Any:
+                    strict: bool = False, output_loading_info: bool = False,
+                    root: str | Path | None = None, component: str | None = None) -> Any:
     """A Hugging Face model of this build, ready: config from the bundle, weights assigned.
 
-    The tokenizer stays ``AutoTokenizer.from_pretrained(bundle_dir())``. See
-    ``packer.runtime.hf.hf_from_pretrained`` for the arguments and errors.
+    transformers' loading rules: the base-model prefix added or stripped, unexpected keys
+    logged (raised with ``strict=True``; returned with ``output_loading_info=True`` as
+    ``(model, info)``), missing parameters raised. The tokenizer stays
+    ``AutoTokenizer.from_pretrained(bundle_dir())``. See
+    ``packer.runtime.hf.hf_from_pretrained`` for the arguments and errors. ``component``
+    names a part of a multi-component build (``"text_encoder"``, ``"unet"`` with a diffusers
+    model class); its config is the bundle's ``<component>/config.json``.
     """
-    return hf_from_pretrained(default_loader(root), model_class, device=device, dtype=dtype, verify=verify)
+    loader = component_loader(default_loader(root), component)
+    return hf_from_pretrained(loader, model_class, device=device, dtype=dtype, verify=verify, strict=strict,
+                              output_loading_info=output_loading_info)
 
 
 def model_dir(*, root: str | Path | None = None, out: str | Path | None = None) -> Path:
@@ -199,10 +211,10 @@ def check_loaded(loader: Loader, tensors: dict[str, Any]) -> list[str]:
 
 
 def selftest(loader: Loader, device: str, verify: bool) -> list[str]:
-    """Load everything, compare it with the files (and the bundle); return the problems."""
-    tensors = loader.load_weights(device, verify=verify)
+    """Load everything (every component), compare it with the files (and the bundle); return the problems."""
+    loaded = [(label, part, part.load_weights(device, verify=verify)) for label, part in all_loaders(loader)]
     with loader.timeline.stage("check", sum(s["size"] for s in loader.manifest["files"].values())):
-        problems = check_loaded(loader, tensors)
+        problems = [label + p for label, part, tensors in loaded for p in check_loaded(part, tensors)]
         if loader.manifest.get("bundle"):
             root = loader.bundle_dir()
             for m in loader.manifest["bundle"].get("members", []):
@@ -259,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         sys.stderr.write(f"packer_loader: self-test failed: {len(problems)} problem(s)\n")
         return 1
-    sys.stderr.write(f"packer_loader: self-test passed ({len(loader.manifest['weights']['tensors'])} "
-                     f"tensors on {device})\n")
+    parts = all_loaders(loader)
+    count = sum(len(p.manifest["weights"]["tensors"]) for _, p in parts)
+    where = f" in {len(parts)} components" if len(parts) > 1 else ""
+    sys.stderr.write(f"packer_loader: self-test passed ({count} tensors{where} on {device})\n")
     return 0
 
 

@@ -1,0 +1,99 @@
+"""The weights stage over a source's components: each converted on its own, none merged.
+
+A plain model is converted as before (one call, the same manifest section). A diffusers
+pipeline, a sentence-transformers stack or a PEFT adapter (:mod:`packer.components`) is
+converted component by component into ``weights/<path>/``, each with its own shards, index,
+ties and inputs; the stage's section then carries ``layout``, ``components`` (each one's own
+weights section with its ``path`` and ``library``) and ``tree`` (the model directory the
+loader and the image lay out). The root component, when there is one, is also the section's
+top level, so a loader that knows nothing of components loads it as before. Every checkpoint of
+the source that no component read is named in a note and in the section's ``left_out``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from packer.build_stages import Progress, StageOutput
+from packer.components import Component, SourceLayout, detect_layout, left_out, model_tree
+from packer.recipe import ImageConfig, WeightsConfig
+
+_EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors": {}, "aliases": {}}
+
+
+def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file: bool = False,
+                   dry_run: bool = False, sandbox: bool = True, progress: Progress | None = None,
+                   layer_image: ImageConfig | None = None) -> StageOutput:
+    """Convert every component of the source ``src`` into ``staging/weights``.
+
+    Args:
+        src: the source directory (or single checkpoint file: always a plain model).
+        staging: the build's staging directory (paths in the result are relative to it).
+        cfg: the recipe's weights section (``layout`` and ``components`` choose the parts;
+            ``files`` given with ``layout = "auto"`` means one plain model).
+        single_file: ``src`` is one checkpoint file.
+        dry_run, sandbox, progress, layer_image: as :func:`packer.sandbox.convert_cli`.
+
+    Returns:
+        the files of every component, the section described in this module's docstring,
+        and notes (each component's, prefixed with its name).
+
+    Raises:
+        PackerError: from the layout detection or any component's conversion.
+    """
+    from packer.sandbox import convert_cli
+
+    layout = _layout(src, cfg, single_file)
+    opts: dict[str, Any] = {"rel_root": staging, "dry_run": dry_run, "sandbox": sandbox, "progress": progress,
+                            "layer_image": layer_image}
+    if not layout.multi:
+        out = convert_cli(src, staging / "weights", cfg, **opts)
+        return out if single_file else _with_left_out(src, out, [])
+    outs = [(c, convert_cli(src / c.path, staging / "weights" / c.path, replace(cfg, files=c.files), **opts))
+            for c in layout.components]
+    section = _merged(layout, outs)
+    notes = [layout.describe()]
+    notes += [f"{c.name}: {n}" for c, out in outs for n in out.notes]
+    merged = StageOutput(files=tuple(f for _, out in outs for f in out.files), section=section,
+                         bytes_processed=sum(out.bytes_processed for _, out in outs), notes=tuple(notes),
+                         digests={k: v for _, out in outs for k, v in out.digests.items()})
+    return _with_left_out(src, merged, [])
+
+
+def _layout(src: Path, cfg: WeightsConfig, single_file: bool) -> SourceLayout:
+    if single_file or (cfg.files and cfg.layout == "auto"):
+        return detect_layout(src, "model")
+    return detect_layout(src, cfg.layout, cfg.components)
+
+
+def _component_section(c: Component, section: dict[str, Any]) -> dict[str, Any]:
+    prefix = f"{c.path}/" if c.path else ""
+    inputs = [{**i, "path": prefix + i["path"]} for i in section.get("inputs", [])]
+    return {**section, "inputs": inputs, "name": c.name, "path": c.path, "library": c.library}
+
+
+def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> dict[str, Any]:
+    comps = {c.name: _component_section(c, out.section) for c, out in outs}
+    root = next((s for s in comps.values() if s["path"] == ""), None)
+    top = {k: root[k] for k in _EMPTY} if root is not None else dict(_EMPTY)
+    section: dict[str, Any] = {
+        **top, "layout": layout.kind, "components": comps,
+        "inputs": [i for s in comps.values() for i in s["inputs"]],
+        "skipped": sorted({k for s in comps.values() for k in s.get("skipped", [])}),
+    }
+    section["tree"] = model_tree({"components": comps})
+    return section
+
+
+def _with_left_out(src: Path, out: StageOutput, extra: list[str]) -> StageOutput:
+    """``out`` with every checkpoint of ``src`` it did not read named (note and ``left_out``)."""
+    used = {i["path"] for i in out.section.get("inputs", [])}
+    missed = [*left_out(src, used), *extra]
+    if not missed:
+        return out
+    shown = ", ".join(missed[:8]) + (f", ... ({len(missed)} in all)" if len(missed) > 8 else "")
+    note = (f"checkpoints in the source that this build leaves out: {shown} (name them in weights.files, "
+            "or check weights.layout / weights.components)")
+    return replace(out, section={**out.section, "left_out": missed}, notes=(*out.notes, note))

@@ -1,0 +1,239 @@
+"""A source as a set of components: a plain model, a diffusers pipeline, a sentence-transformers
+stack of modules, or a PEFT adapter; detected from the files each library writes.
+
+* **diffusers**: ``model_index.json`` names the components; each folder that holds a
+  checkpoint is one (``unet``, ``vae``, ``text_encoder``...). Folders without weights
+  (``scheduler``, ``tokenizer``) travel in the bundle only.
+* **sentence-transformers**: ``modules.json`` lists the modules; each module folder that holds
+  a checkpoint is one (the root transformer, ``2_Dense``...).
+* **PEFT**: ``adapter_config.json`` beside ``adapter_model.*``: the adapter is the one component.
+* **model**: anything else, one component at the root (``weights.files`` chooses its files).
+
+Each component is converted on its own into ``weights/<path>/`` (its own shards, index and
+ties); components are never merged. :func:`model_tree` gives the model directory a library
+reads: each component's weights at ``<path>/<library file name>`` (``unet/
+diffusion_pytorch_model.safetensors``, ``text_encoder/model.safetensors``,
+``adapter_model.safetensors``), the same list for the loader's ``model_dir()`` and the image.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packer.errors import WeightsError
+from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES
+
+MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
+           ("peft", "adapter_config.json"))
+STEMS = {"transformers": "model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+ROOT_NAME = "model"  # the root component's name (sentence-transformers' transformer, a plain model)
+MAX_MARKER_BYTES = 1 << 20  # these JSON files are a few hundred bytes
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
+_SEARCH_DEPTH = 3  # how deep a left-out checkpoint is looked for
+
+
+@dataclass(frozen=True)
+class Component:
+    """One part of a source converted on its own.
+
+    Attributes:
+        name: how the loader addresses it (``"unet"``, ``"2_Dense"``, ``"model"``).
+        path: its folder relative to the source (``""``: the root).
+        library: whose file names it gets (``transformers``, ``diffusers``, ``peft``).
+        files: the checkpoint file (or index) of the folder, relative to it.
+    """
+
+    name: str
+    path: str
+    library: str
+    files: tuple[str, ...]
+
+    @property
+    def stem(self) -> str:
+        """The weight file's stem in the model directory (``diffusion_pytorch_model``)."""
+        return STEMS.get(self.library, "model")
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """What a source is: its layout name and its components (one for a plain model)."""
+
+    kind: str
+    components: tuple[Component, ...]
+
+    @property
+    def multi(self) -> bool:
+        """True unless it is one plain model at the root (today's single conversion)."""
+        return self.kind != "model"
+
+    def describe(self) -> str:
+        """One line for the build's notes and ``--dry-run``."""
+        parts = ", ".join(f"{c.name} ({c.path or '.'}, {c.library})" for c in self.components)
+        return f"source layout: {self.kind}; components: {parts}"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        if path.stat().st_size > MAX_MARKER_BYTES:
+            raise ValueError(f"larger than {MAX_MARKER_BYTES} bytes")
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: unreadable: {e}") from e
+
+
+def _checked_name(marker: Path, name: Any) -> str:
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        raise WeightsError(f"{marker}: component {str(name)[:80]!r} is not a plain folder name; "
+                           "fix the file or set weights.layout = \"model\"")
+    return name
+
+
+def checkpoint_of(folder: Path, stem: str) -> tuple[str, ...]:
+    """The checkpoint a library would read in ``folder`` (index first, safetensors first), or ()."""
+    pickle_stem = "pytorch_model" if stem == "model" else stem  # transformers' pickles: pytorch_model.bin
+    for base, suffix in ((stem, SAFETENSORS_SUFFIX), (pickle_stem, BIN_SUFFIX)):  # safetensors first, as they do
+        for name in (f"{base}{suffix}.index.json", base + suffix):
+            if (folder / name).is_file():
+                return (name,)
+    found = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES) \
+        if folder.is_dir() else []
+    return (found[0],) if len(found) == 1 else ()
+
+
+def _diffusers(root: Path) -> list[Component]:
+    marker = root / "model_index.json"
+    index = _read_json(marker)
+    if not isinstance(index, dict):
+        raise WeightsError(f"{marker}: not an object")
+    out = []
+    for key, value in sorted(index.items()):
+        if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
+            continue
+        name = _checked_name(marker, key)
+        library = "diffusers" if value[0] == "diffusers" else "transformers"
+        files = checkpoint_of(root / name, STEMS[library])
+        if files:
+            out.append(Component(name, name, library, files))
+    return out
+
+
+def _sentence_transformers(root: Path) -> list[Component]:
+    marker = root / "modules.json"
+    modules = _read_json(marker)
+    if not isinstance(modules, list):
+        raise WeightsError(f"{marker}: not a list of modules")
+    out = []
+    for m in modules:
+        path = m.get("path", "") if isinstance(m, dict) else None
+        if path is None or not isinstance(path, str):
+            raise WeightsError(f"{marker}: a module without a path: {str(m)[:80]!r}")
+        path = path.strip("/")
+        if path:
+            _checked_name(marker, path)
+        files = checkpoint_of(root / path, "model")
+        if files:
+            out.append(Component(path or ROOT_NAME, path, "transformers", files))
+    return out
+
+
+def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) -> SourceLayout:
+    """The components of the source directory ``root``.
+
+    Args:
+        root: the source directory (a single file is always a plain model).
+        layout: recipe ``weights.layout``: ``auto`` (by the marker files), or one forced.
+        only: recipe ``weights.components``: build these components only (empty: all).
+
+    Returns:
+        the layout; ``kind == "model"`` for a plain model (one root component).
+
+    Raises:
+        WeightsError: a marker file that cannot be read, a component name that is no plain
+            folder name, a requested component that does not exist, or a layout with no weights.
+    """
+    if layout == "auto":
+        layout = next((kind for kind, marker in MARKERS if root.is_dir() and (root / marker).is_file()), "model")
+    if layout == "model":
+        return SourceLayout("model", (Component(ROOT_NAME, "", "transformers", ()),))
+    if layout == "diffusers":
+        comps = _diffusers(root)
+    elif layout == "sentence-transformers":
+        comps = _sentence_transformers(root)
+    else:
+        files = checkpoint_of(root, "adapter_model")
+        comps = [Component("adapter", "", "peft", files)] if files else []
+    if only:
+        unknown = sorted(set(only) - {c.name for c in comps})
+        if unknown:
+            raise WeightsError(f"{root}: weights.components names {unknown[0]!r}, not a {layout} component "
+                               f"with weights here (found: {', '.join(c.name for c in comps) or 'none'})")
+        comps = [c for c in comps if c.name in only]
+    if not comps:
+        raise WeightsError(f"{root}: a {layout} layout ({dict(MARKERS)[layout]}) but no component holds a "
+                           "checkpoint; set weights.layout = \"model\" to convert the root alone")
+    return SourceLayout(layout, tuple(comps))
+
+
+def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:
+    """Checkpoint files under ``root`` (hidden folders skipped, a few levels deep)."""
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        if p.name.startswith("."):
+            continue
+        if p.is_dir() and not p.is_symlink() and depth < _SEARCH_DEPTH:
+            yield from _checkpoints(p, depth + 1)
+        elif p.is_file() and p.suffix in WEIGHT_SUFFIXES:
+            yield p
+
+
+def left_out(root: Path, used: set[str]) -> list[str]:
+    """Checkpoint files of the source directory ``root`` the build did not read (relative paths)."""
+    if not root.is_dir():
+        return []
+    return [rel for p in _checkpoints(root) if (rel := p.relative_to(root).as_posix()) not in used]
+
+
+def _renamed(name: str, stem: str) -> str:
+    """A shard or index name under the library's stem: ``model.safetensors`` -> ``<stem>.safetensors``."""
+    return stem + name[len("model"):] if name.startswith("model.") else name
+
+
+def model_tree(section: dict[str, Any]) -> list[list[str]]:
+    """The model directory of a build: ``[path in the model directory, artifact path in OUT]`` pairs.
+
+    Args:
+        section: the manifest's weights section.
+
+    Returns:
+        sorted pairs; shards keep their names (the index names them), the single file and the
+        index take the component library's stem.
+    """
+    if "tree" in section:
+        return [list(p) for p in section["tree"]]
+    pairs = []
+    for comp in components_of(section):
+        base = comp.get("path", "")
+        stem = STEMS.get(comp.get("library", "transformers"), "model")
+        for rel in [*comp["files"], *([comp["index"]] if comp.get("index") else [])]:
+            name = _renamed(Path(rel).name, stem)
+            pairs.append([f"{base}/{name}" if base else name, rel])
+    return sorted(pairs)
+
+
+def components_of(section: dict[str, Any]) -> list[dict[str, Any]]:
+    """The component sections of a weights section (the section itself for a plain model)."""
+    comps = section.get("components")
+    return list(comps.values()) if comps else [section]
+
+
+def artifact_files(section: dict[str, Any]) -> list[str]:
+    """Every weight file and index of every component, as OUT paths."""
+    return [rel for c in components_of(section) for rel in [*c["files"], *([c["index"]] if c.get("index") else [])]]

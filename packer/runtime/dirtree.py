@@ -1,0 +1,76 @@
+"""The plain model directory of a build (``model_dir()``): each library's own file names, all links.
+
+The bundle's files at their relative paths (``config.json``, ``tokenizer/``, ``scheduler/
+scheduler_config.json``, ``unet/config.json``, ``2_Dense/config.json``...) and each weight
+file at its place in the build's model tree (:func:`packer.runtime.components.model_tree`):
+``model.safetensors`` for a plain model, ``unet/diffusion_pytorch_model.safetensors`` and
+``text_encoder/model.safetensors`` for a diffusers pipeline, ``2_Dense/model.safetensors``
+for a sentence-transformers module, ``adapter_model.safetensors`` for a PEFT adapter.
+Folders are real directories; every file is a symbolic link (nothing is copied).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from packer.runtime.components import model_tree
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(os.path.abspath(src), dst)
+
+
+def _fill(tmp: Path, bundle: Path, pairs: list[tuple[str, str]], loader: Any) -> None:
+    """Link the bundle's files (real folders for its folders), then the weights over the tree."""
+    taken = {dst for dst, _ in pairs}
+    for top, dirs, files in os.walk(bundle):
+        dirs.sort()
+        rel_top = Path(top).relative_to(bundle)
+        for name in sorted(files):
+            rel = (rel_top / name).as_posix()
+            if rel not in taken:
+                _link(Path(top) / name, tmp / rel)
+    for dst, rel in pairs:
+        _link(loader.path(rel), tmp / dst)
+
+
+def lay_out(loader: Any, *, root: str | Path | None = None) -> Path:
+    """Make (once per node and content) the model directory of ``loader``'s build; return it.
+
+    Args:
+        loader: the :class:`Loader` of the whole build (not of one component).
+        root: where to make it (default: beside the extracted bundle).
+
+    Returns:
+        the directory, named after the bundle and the weight files it links.
+
+    Raises:
+        ArtifactMismatchError: no bundle, or a weight file missing or of another size.
+    """
+    bundle = loader.bundle_dir()
+    pairs = model_tree(loader.manifest["weights"])
+    for _, rel in pairs:
+        loader._check_plain(rel, verify=False)
+    key = hashlib.sha256("\n".join([str(bundle), *(f"{dst}={loader.path(rel).resolve()}" for dst, rel in pairs)])
+                         .encode())
+    base = Path(root) if root is not None else bundle.parent
+    out = base / f"model-{key.hexdigest()[:20]}"
+    if out.is_dir():
+        return out
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=base))
+    try:
+        _fill(tmp, bundle, pairs, loader)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out.is_dir():  # another process may have won the rename
+            raise
+    return out
