@@ -96,6 +96,8 @@ def validate_layout(image: Path, tag: str | None = None, *, packer: bool = True)
     descs = index["manifests"]
     if tag is not None:
         descs = [d for d in descs if d.get("annotations", {}).get(REF) == tag]
+    else:  # the runnable image, not an artifact (packer's ModelPack view) beside it
+        descs = [d for d in descs if "artifactType" not in d]
     assert len(descs) == 1, f"expected one manifest tagged {tag!r}, got {len(descs)}"
     mraw = _blob(image, descs[0])
     assert descs[0]["mediaType"] == OCI_MANIFEST
