@@ -178,8 +178,11 @@ def _put(image: Path, data: bytes) -> str:
 
 
 def make_base(image: Path, *, tag: str = "base", docker_types: bool = False,
-              platforms: tuple[str, ...] = ()) -> dict[str, str]:
-    """A small base image layout; returns {platform: manifest digest}."""
+              platforms: tuple[str, ...] = (), arch: str = "amd64") -> dict[str, str]:
+    """A small base image layout; returns {platform: manifest digest}.
+
+    ``platforms`` makes a multi-platform index; without it, one manifest for linux/``arch``.
+    """
     (image / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
     (image / "oci-layout").write_bytes(b'{"imageLayoutVersion":"1.0.0"}')
     mt_manifest = "application/vnd.docker.distribution.manifest.v2+json" if docker_types else OCI_MANIFEST
@@ -188,7 +191,7 @@ def make_base(image: Path, *, tag: str = "base", docker_types: bool = False,
                 else "application/vnd.oci.image.layer.v1.tar+gzip")
     digests: dict[str, str] = {}
     descs = []
-    for plat in platforms or ("linux/amd64",):
+    for plat in platforms or (f"linux/{arch}",):
         os_, arch = plat.split("/")[:2]
         tar = _tar_bytes({"etc/base-release": f"base {plat}\n".encode()})
         blob = gzip.compress(tar, mtime=0)
