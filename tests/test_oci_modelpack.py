@@ -68,6 +68,8 @@ def test_modelpack_view_validates_and_shares_the_weight_blobs(demo: Path) -> Non
         meta = json.loads(la["annotations"][FILE_METADATA])
         assert path.startswith("models/") and meta["name"] == Path(path).name
         assert meta["size"] == len(files[path]) and meta["mode"] == 0o644 and meta["typeflag"] == ord("0")
+        if la in weights:  # uncompressed: the tar's digest is its diff_id
+            assert diff_id == la["digest"]
     paths = sorted(la["annotations"][FILEPATH] for la in manifest["layers"])
     assert paths == ["models/config.json", "models/generation_config.json", "models/model.safetensors",
                      "models/special_tokens_map.json", "models/tokenizer.json", "models/tokenizer_config.json"]
