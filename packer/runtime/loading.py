@@ -60,7 +60,7 @@ class Loader:
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine.
 
-        A weight file (``weights/…``) is under ``weights_dir`` when one is given; else under
+        A weight file (``weights/...``) is under ``weights_dir`` when one is given; else under
         the root as in OUT, or, in an image's model directory, at the root's top beside the
         config (where packer's image puts it), whichever exists.
         """
