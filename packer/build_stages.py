@@ -153,7 +153,8 @@ def image_stage(ctx: StageContext) -> StageOutput:
                            dry_run=True)
     return build_image(ctx.staging, **common, artifact_files=ctx.artifacts(),
                        artifact_manifest=(ctx.staging / MANIFEST_NAME).read_bytes(), verify=False,
-                       known_digests=ctx.outputs["weights"].digests)
+                       known_digests=ctx.outputs["weights"].digests,
+                       loader_paths=[f.path for f in ctx.outputs["loader"].files])
 
 
 Stage = Callable[[StageContext], StageOutput]

@@ -390,6 +390,8 @@ def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
     """
     from packer.oci.push import push as run_push
 
-    digest = run_push(out, ref, tls_verify=tls_verify)
-    ctx.log(f"pushed {ref}@{digest}")
-    ctx.emit({"ref": ref, "digest": digest})
+    pushed = run_push(out, ref, tls_verify=tls_verify)
+    for where, digest in pushed.items():
+        ctx.log(f"pushed {where}@{digest}")
+    (first, digest), *views = pushed.items()
+    ctx.emit({"ref": first, "digest": digest, "modelpack": dict(views) or None})

@@ -76,13 +76,20 @@ class ImageConfig:
     """The ``[image]`` section: the OCI image packer writes."""
 
     base: str | None = None  # "oci:PATH[:TAG]"
-    prefix: str = "/opt/model"
+    base_name: str | None = None  # the base's registry reference, for the base.name annotation
+    prefix: str = "/models"
     compression: str = "gzip"
     owner: str = "0:0"
     weights: str = "layer"
     single_layer: bool = False
     platform: str = "linux/amd64"
     tag: str | None = None  # defaults to "<name>:<version>"
+    # what the image runs (None: the base's entrypoint, packer's self-test command)
+    entrypoint: tuple[str, ...] | None = None
+    cmd: tuple[str, ...] | None = None
+    user: str | None = None  # None: the base's user
+    workdir: str | None = None  # None: the prefix
+    env: tuple[tuple[str, str], ...] = ()  # set after the base's environment and PYTHONPATH
 
 
 @dataclass(frozen=True)
@@ -194,10 +201,63 @@ def _owner(path: str, v: Any) -> str:
     return v
 
 
+def _platform(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"[a-z0-9]+/[a-z0-9_]+(/[a-z0-9]+)?", v):
+        raise _fail(path, 'a platform "os/architecture[/variant]" such as "linux/arm64/v8"', v)
+    return v
+
+
 def _base(path: str, v: Any) -> str:
     if not isinstance(v, str) or not v.startswith("oci:") or len(v) <= 4:
         raise _fail(path, 'an OCI layout reference "oci:PATH[:TAG]"', v)
     return v
+
+
+# a registry reference: a host (with a dot or a port, or localhost), a path, a tag and/or digest
+_REGISTRY_REF = re.compile(
+    r"^(?:[a-z0-9-]+(?:\.[a-z0-9-]+)+(?::\d+)?|localhost(?::\d+)?|[a-z0-9-]+:\d+)"
+    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_registry_reference(v: str) -> bool:
+    """Whether ``v`` is a fully-qualified registry reference such as ``docker.io/library/debian:12``."""
+    return bool(_REGISTRY_REF.match(v)) and ("@" in v or ":" in v.rpartition("/")[2])
+
+
+def _base_name(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not is_registry_reference(v):
+        raise _fail(path, 'a registry reference with a host and a tag or digest, such as '
+                          '"docker.io/library/debian:12@sha256:..."', v)
+    return v
+
+
+def _argv(path: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _fail(path, 'a list of strings such as ["python3", "serve.py"]', v)
+    return tuple(v)
+
+
+def _user(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?", v):
+        raise _fail(path, 'a user such as "1000:0" or "model"', v)
+    return v
+
+
+def _abs_path(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not v.startswith("/") or ".." in v.split("/"):
+        raise _fail(path, "an absolute path without '..'", v)
+    return v
+
+
+def _env(path: str, v: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(v, dict):
+        raise _fail(path, 'a table of strings such as {HF_HUB_OFFLINE = "1"}', v)
+    for key, value in v.items():
+        if not _ENV_NAME.match(key) or not isinstance(value, str) or "\0" in value:
+            raise _fail(f"{path}.{key}", "a variable name (letters, digits, _) with a string value", value)
+    return tuple(sorted(v.items()))
 
 
 def _table(path: str, v: Any) -> Mapping[str, Any]:
@@ -254,7 +314,9 @@ _WEIGHTS = {
 _BUNDLE = {"include": _str_list, "exclude": _str_list}
 _IMAGE = {
     "base": _base, "prefix": _str, "compression": _choice(COMPRESSIONS), "owner": _owner,
-    "weights": _choice(WEIGHTS_PLACEMENT), "single_layer": _bool, "platform": _str, "tag": _str,
+    "weights": _choice(WEIGHTS_PLACEMENT), "single_layer": _bool, "platform": _platform, "tag": _str,
+    "base_name": _base_name, "entrypoint": _argv, "cmd": _argv, "user": _user, "workdir": _abs_path,
+    "env": _env,
 }
 _RUNTIME = {"device": _str, "warmup": _warmup}
 

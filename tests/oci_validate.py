@@ -96,6 +96,8 @@ def validate_layout(image: Path, tag: str | None = None, *, packer: bool = True)
     descs = index["manifests"]
     if tag is not None:
         descs = [d for d in descs if d.get("annotations", {}).get(REF) == tag]
+    else:  # the runnable image, not an artifact (packer's ModelPack view) beside it
+        descs = [d for d in descs if "artifactType" not in d]
     assert len(descs) == 1, f"expected one manifest tagged {tag!r}, got {len(descs)}"
     mraw = _blob(image, descs[0])
     assert descs[0]["mediaType"] == OCI_MANIFEST
@@ -176,8 +178,11 @@ def _put(image: Path, data: bytes) -> str:
 
 
 def make_base(image: Path, *, tag: str = "base", docker_types: bool = False,
-              platforms: tuple[str, ...] = ()) -> dict[str, str]:
-    """A small base image layout; returns {platform: manifest digest}."""
+              platforms: tuple[str, ...] = (), arch: str = "amd64") -> dict[str, str]:
+    """A small base image layout; returns {platform: manifest digest}.
+
+    ``platforms`` makes a multi-platform index; without it, one manifest for linux/``arch``.
+    """
     (image / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
     (image / "oci-layout").write_bytes(b'{"imageLayoutVersion":"1.0.0"}')
     mt_manifest = "application/vnd.docker.distribution.manifest.v2+json" if docker_types else OCI_MANIFEST
@@ -186,7 +191,7 @@ def make_base(image: Path, *, tag: str = "base", docker_types: bool = False,
                 else "application/vnd.oci.image.layer.v1.tar+gzip")
     digests: dict[str, str] = {}
     descs = []
-    for plat in platforms or ("linux/amd64",):
+    for plat in platforms or (f"linux/{arch}",):
         os_, arch = plat.split("/")[:2]
         tar = _tar_bytes({"etc/base-release": f"base {plat}\n".encode()})
         blob = gzip.compress(tar, mtime=0)

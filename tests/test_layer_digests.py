@@ -18,7 +18,7 @@ from packer.errors import ImageError, VerifyError
 from packer.fsutil import FileEntry, canonical_json, file_entry
 from packer.oci import build_image
 from packer.oci.layer import write_layer
-from packer.oci.plan import weight_layer_framing
+from packer.oci.plan import image_rel, weight_layer_framing
 from packer.oci.tar_writer import Owner, SourceFile, tar_members, tar_pieces, tar_size
 from packer.recipe import ImageConfig, WeightsConfig, recipe_from_dict
 from packer.sandbox import convert_sandboxed
@@ -67,7 +67,7 @@ def test_framing_plus_content_is_the_stage_blob(
     assert head + (tmp_path / WEIGHTS).read_bytes() + tail == blob
     assert weight_layer_framing(cfg, WEIGHTS, size, mtime=int(epoch or 0)) == (head, tail)
     with tarfile.open(fileobj=io.BytesIO(blob)) as tf:  # an independent reader agrees
-        member = tf.getmember(f"{prefix.strip('/')}/{WEIGHTS}")
+        member = tf.getmember(f"{prefix.strip('/')}/{image_rel(WEIGHTS)}")
         assert (member.size, f"{member.uid}:{member.gid}", member.mtime) == (size, owner, int(epoch or 0))
 
 
@@ -77,8 +77,8 @@ def test_framing_of_a_file_over_8_gib_uses_a_pax_size() -> None:
     head, tail = weight_layer_framing(cfg, WEIGHTS, size, mtime=7)
     assert f" size={size}\n".encode() in head and len(head) % 512 == 0
     assert tail == b"\0" * (-size % 512) + b"\0" * 1024
-    members = tar_members([SourceFile(f"/opt/model/{WEIGHTS}", size, source=Path("x"))],
-                          owner=Owner(1000, 0), prefix="/opt/model")
+    members = tar_members([SourceFile(f"/models/{image_rel(WEIGHTS)}", size, source=Path("x"))],
+                          owner=Owner(1000, 0), prefix="/models")
     assert len(head) + size + len(tail) == tar_size(members, mtime=7)
     assert head == b"".join(p for p in tar_pieces(members, mtime=7) if isinstance(p, bytes))[: len(head)]
 

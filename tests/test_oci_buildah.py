@@ -9,6 +9,7 @@ import pytest
 
 from packer.fsutil import FileEntry
 from packer.oci import build_image
+from packer.oci.plan import image_rel
 from packer.recipe import ImageConfig
 from tests.oci_validate import all_files, make_base, make_out, require_tool, run, validate_layout
 
@@ -42,8 +43,11 @@ def test_buildah_builds_generated_dockerfile(tmp_path: Path, compression: str) -
     got = all_files(layout)
     assert got["etc/base-release"] == b"base linux/amd64\n"
     for f in files:
-        assert got[f"opt/model/{f.path}"] == (out / f.path).read_bytes(), f.path
-    assert layout.config["config"]["Env"][-1] == "PACKER_MODEL_DIR=/opt/model"
+        assert got[f"models/{image_rel(f.path)}"] == (out / f.path).read_bytes(), f.path
+    run_cfg = layout.config["config"]
+    assert "PYTHONPATH=/models" in run_cfg["Env"] and not any("PACKER_MODEL_DIR" in e for e in run_cfg["Env"])
+    assert run_cfg["Cmd"] == ["python3", "/models/packer_loader.py", "--selftest"]
+    assert run_cfg["WorkingDir"] == "/models"
     run([umoci, "unpack", "--image", f"{tmp_path / 'built'}:t", str(tmp_path / "bundle")])
-    loader = (tmp_path / "bundle/rootfs/opt/model/packer_loader.py").stat()
-    assert stat.S_IMODE(loader.st_mode) == 0o644 and loader.st_uid == 0
+    loader = (tmp_path / "bundle/rootfs/models/packer_loader.py").stat()
+    assert stat.S_IMODE(loader.st_mode) == 0o755 and loader.st_uid == 0  # runnable as a command

@@ -20,6 +20,7 @@ from packer.errors import ImageError, VerifyError
 from packer.fsutil import FileEntry, canonical_json
 from packer.oci import build_image, plan_image, verify_image
 from packer.oci.base import parse_reference
+from packer.oci.plan import image_rel
 from packer.recipe import ImageConfig
 from tests.oci_validate import (
     all_files,
@@ -49,13 +50,14 @@ def test_plan_orders_layers_least_changing_first() -> None:
     assert plan.tag == "m:2"
     assert [(la.name, la.compression, [f.dest for f in la.files]) for la in plan.layers] == [
         ("weights model-00001-of-00002.safetensors", "none",
-         ["/opt/model/weights/model-00001-of-00002.safetensors"]),
+         ["/models/model-00001-of-00002.safetensors"]),
         ("weights model-00002-of-00002.safetensors", "none",
-         ["/opt/model/weights/model-00002-of-00002.safetensors"]),
-        ("bundle", "gzip", ["/opt/model/bundle.tar.zst", "/opt/model/manifest.json",
-                            "/opt/model/weights/model.safetensors.index.json"]),
-        ("loader", "gzip", ["/opt/model/packer_loader.py"]),
+         ["/models/model-00002-of-00002.safetensors"]),
+        ("model files", "gzip", ["/models/model.safetensors.index.json"]),
+        ("bundle", "gzip", ["/models/bundle.tar.zst", "/models/manifest.json"]),
+        ("loader", "gzip", ["/models/packer_loader.py"]),
     ]
+    assert [f.executable for la in plan.layers for f in la.files] == [False] * 5 + [True]
     external = plan_image(cfg=ImageConfig(weights="external", compression="zstd"), name="m",
                           version="2", artifact_files=files, artifact_manifest=b"{}\n")
     assert [la.name for la in external.layers] == ["bundle", "loader"]
@@ -70,7 +72,7 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     files, manifest = make_out(tmp_path)
     out = build_image(tmp_path, cfg=ImageConfig(), name="d", version="1", source=SOURCE,
                       artifact_files=files, artifact_manifest=manifest, dry_run=True)
-    assert out.files == () and len(out.section["plan"]["layers"]) == 4
+    assert out.files == () and len(out.section["plan"]["layers"]) == 5
     assert not (tmp_path / "image").exists() and not (tmp_path / "Dockerfile").exists()
 
 
@@ -80,12 +82,12 @@ def test_layout_holds_the_artifact_files(tmp_path: Path, compression: str) -> No
     layout = validate_layout(tmp_path / "image", "demo:1.0")
     files = all_files(layout)
     for rel in ("weights/model-00001-of-00002.safetensors", "bundle.tar.zst", "packer_loader.py"):
-        assert files[f"opt/model/{rel}"] == (tmp_path / rel).read_bytes()
+        assert files[f"models/{image_rel(rel)}"] == (tmp_path / rel).read_bytes()
     _, manifest = make_out(tmp_path)
-    assert files["opt/model/manifest.json"] == manifest
+    assert files["models/manifest.json"] == manifest
     types = [la.descriptor["mediaType"].rsplit(".", 1)[-1] for la in layout.layers]
     ext = {"gzip": "tar+gzip", "zstd": "tar+zstd", "none": "tar"}[compression]
-    assert types == ["tar", "tar", ext, ext]
+    assert types == ["tar", "tar", ext, ext, ext]
     ann = layout.manifest["annotations"]
     assert ann["org.opencontainers.image.revision"] == "abc123"
     assert ann["org.opencontainers.image.created"] == layout.config["created"] == "1970-01-01T00:00:00Z"
@@ -102,7 +104,7 @@ def test_layout_holds_the_artifact_files(tmp_path: Path, compression: str) -> No
         assert (len(data), hashlib.sha256(data).hexdigest()) == (f.size, f.sha256), f.path
     descriptor = json.loads((tmp_path / "image/layers/layers.json").read_bytes())
     assert [la["file"].rsplit(".", 1)[-1] for la in descriptor["layers"]] == (
-        ["tar", "tar"] + (["gz", "gz"] if compression == "gzip" else ["tar", "tar"]))
+        ["tar", "tar"] + (["gz"] * 3 if compression == "gzip" else ["tar"] * 3))
 
 
 def test_external_weights_and_single_layer(tmp_path: Path) -> None:
@@ -165,17 +167,17 @@ def test_umoci_unpack_paths_modes_owners(tmp_path: Path, compression: str) -> No
     run([umoci, "unpack", *flags, "--image", f"{tmp_path / 'out' / 'image'}:t1", str(bundle)])
     root = bundle / "rootfs"
     expect = {
-        "opt": (0o755, 0), "opt/model": (0o755, 1000), "opt/model/weights": (0o755, 1000),
-        "opt/model/packer_loader.py": (0o644, 1000), "opt/model/bundle.tar.zst": (0o644, 1000),
-        "opt/model/manifest.json": (0o644, 1000),
-        "opt/model/weights/model-00002-of-00002.safetensors": (0o644, 1000),
+        "models": (0o755, 1000), "models/packer_loader.py": (0o755, 1000),
+        "models/bundle.tar.zst": (0o644, 1000), "models/manifest.json": (0o644, 1000),
+        "models/model-00002-of-00002.safetensors": (0o644, 1000),
+        "models/model.safetensors.index.json": (0o644, 1000),
     }
     for rel, (mode, uid) in expect.items():
         st = (root / rel).lstat()
         assert stat.S_IMODE(st.st_mode) == mode, rel
         if os.geteuid() == 0:
             assert (st.st_uid, st.st_gid) == (uid, 0), rel
-    assert (root / "opt/model/packer_loader.py").read_bytes() == (tmp_path / "out/packer_loader.py").read_bytes()
+    assert (root / "models/packer_loader.py").read_bytes() == (tmp_path / "out/packer_loader.py").read_bytes()
 
 
 @pytest.mark.parametrize("kind", ["oci", "docker", "multi-platform"])
@@ -187,16 +189,17 @@ def test_append_onto_base(tmp_path: Path, kind: str) -> None:
     build(tmp_path / "out", ImageConfig(base=ref))
     layout = validate_layout(tmp_path / "out" / "image")
     ann = layout.manifest["annotations"]
-    assert ann["org.opencontainers.image.base.name"] == ref
+    assert "org.opencontainers.image.base.name" not in ann  # "v1" is no registry reference, the path is local
     assert ann["org.opencontainers.image.base.digest"] == digests["linux/amd64"]
-    assert len(layout.layers) == 5
+    assert len(layout.layers) == 6
     assert all_files(layout)["etc/base-release"] == b"base linux/amd64\n"
     base_blob = layout.layers[0].descriptor["digest"].split(":")[1]
     assert (tmp_path / "out/image/blobs/sha256" / base_blob).stat().st_ino == (
         base_dir / "blobs/sha256" / base_blob).stat().st_ino  # hardlinked, not rewritten
     cfg = layout.config["config"]
-    assert cfg["Cmd"] == ["/bin/true"] and cfg["User"] == "1000"
-    assert cfg["Env"] == ["PATH=/usr/bin", "BASE=1", "PACKER_MODEL_DIR=/opt/model"]
+    assert cfg["Cmd"] == ["python3", "/models/packer_loader.py", "--selftest"] and cfg["User"] == "1000"
+    assert cfg["Env"] == ["PATH=/usr/bin", "BASE=1", "PYTHONPATH=/models"] and cfg["WorkingDir"] == "/models"
+    assert layout.index["manifests"][0]["platform"] == {"os": "linux", "architecture": "amd64"}
     assert layout.config["history"][0] == {"created_by": "base layer"}
     verify_image(tmp_path / "out")
     if shutil.which("skopeo"):
@@ -219,7 +222,9 @@ def test_dockerfiles_pass_hadolint(tmp_path: Path) -> None:
     build(tmp_path)
     text = (tmp_path / "Dockerfile").read_text()
     adds = [line.split()[1] for line in text.splitlines() if line.startswith("ADD ")]
-    assert adds[-1] == "image/layers/03-loader.tar.gz"
+    assert adds[-1] == "image/layers/04-loader.tar.gz"
+    assert "PACKER_MODEL_DIR" not in text and "ENV PYTHONPATH=/models${PYTHONPATH:+:${PYTHONPATH}}" in text
+    assert 'CMD ["python3", "/models/packer_loader.py", "--selftest"]' in text
     assert all(a.endswith((".tar", ".tar.gz")) for a in adds)
     run([hadolint, str(tmp_path / "Dockerfile")])
     run([hadolint, str(ROOT / "Dockerfile.runtime")])
@@ -274,7 +279,7 @@ def test_verify_checks_artifacts_and_tar_rules(tmp_path: Path) -> None:
     build(tmp_path)
     files, manifest = make_out(tmp_path)
     other = manifest.replace(b'"name":"demo"', b'"name":"demx"')
-    with pytest.raises(VerifyError, match="/opt/model/manifest.json: size/sha256"):
+    with pytest.raises(VerifyError, match="/models/manifest.json: size/sha256"):
         verify_image(tmp_path, artifact_manifest=other)
     tampered = json.loads(manifest)
     tampered["files"]["packer_loader.py"]["sha256"] = "0" * 64
@@ -282,7 +287,7 @@ def test_verify_checks_artifacts_and_tar_rules(tmp_path: Path) -> None:
         verify_image(tmp_path, artifact_manifest=canonical_json(tampered))
     # a config that claims another SOURCE_DATE_EPOCH makes every entry's mtime wrong
     _rewrite_config(tmp_path / "image", lambda c: c.__setitem__("created", "2001-01-01T00:00:00Z"))
-    with pytest.raises(VerifyError, match="entry .opt.: mtime 0, expected 978307200"):
+    with pytest.raises(VerifyError, match="entry .models.: mtime 0, expected 978307200"):
         verify_image(tmp_path)
 
 

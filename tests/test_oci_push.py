@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import subprocess
@@ -63,9 +64,24 @@ def test_push_digest_matches_local(tmp_path: Path, registry: str) -> None:
     result = build_image(out, cfg=ImageConfig(), name="demo", version="1.0",
                          source={"kind": "demo", "uri": "demo", "revision": None},
                          artifact_files=files, artifact_manifest=manifest)
-    digest = push(out, f"{registry}/models/demo:1.0", tls_verify=False)
+    pushed = push(out, f"{registry}/models/demo:1.0", tls_verify=False)
     local = validate_layout(out / "image").manifest_digest
-    assert digest == local == result.section["manifest_digest"]
+    view = result.section["modelpack"]["manifest_digest"]
+    assert pushed == {f"{registry}/models/demo:1.0": local, f"{registry}/models/demo:1.0-modelpack": view}
+    assert local == result.section["manifest_digest"]
+    # read back with a real client: the same manifest bytes under both tags, the weights stored once
+    for tag, digest in (("1.0", local), ("1.0-modelpack", view)):
+        raw = run([skopeo, "inspect", "--raw", "--tls-verify=false",
+                   f"docker://{registry}/models/demo:{tag}"]).stdout.encode()
+        assert "sha256:" + hashlib.sha256(raw).hexdigest() == digest
+    back = tmp_path / "back"
+    run([skopeo, "copy", "--quiet", "--src-tls-verify=false", "--preserve-digests",
+         f"docker://{registry}/models/demo:1.0-modelpack", f"oci:{back}:mp"])
+    (desc,) = json.loads((back / "index.json").read_bytes())["manifests"]
+    assert desc["digest"] == view
+    shared = {la["digest"] for la in result.section["layers"] if la["media_type"].endswith(".tar")}
+    data = tmp_path / "registry-data/docker/registry/v2/blobs/sha256"
+    assert shared and all((data / d[7:9] / d[7:] / "data").is_file() for d in shared)
     remote = json.loads(run([skopeo, "inspect", "--tls-verify=false",
                              f"docker://{registry}/models/demo:1.0"]).stdout)
     assert remote["Digest"] == local

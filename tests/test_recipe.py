@@ -22,7 +22,8 @@ def test_shipped_recipes_load() -> None:
     assert demo.normalised() == demo_recipe().normalised()  # `packer build` == demo.toml
     hf = load_recipe(REPO / "recipes" / "hf-model.toml")
     assert hf.source.startswith("hf://") and hf.weights.max_shard_size == 2 * 10**9
-    assert hf.image.owner == "1000:0"
+    assert hf.image.owner == "1000:0" and hf.image.env == (("HF_HUB_OFFLINE", "1"),)
+    assert hf.image.base_name == "docker.io/nvidia/cuda:12.4.1-runtime-ubuntu22.04"
 
 
 @pytest.mark.parametrize(
@@ -39,6 +40,14 @@ def test_shipped_recipes_load() -> None:
         ({"image": {"base": "docker://x"}}, 'image.base: expected an OCI layout reference'),
         ({"image": {"prefix": "opt/model"}}, "image.prefix: expected an absolute path"),
         ({"image": {"single_layer": "yes"}}, "image.single_layer: expected true or false"),
+        ({"image": {"base_name": "/srv/layouts/base"}}, "image.base_name: expected a registry reference"),
+        ({"image": {"base_name": "debian:12"}}, "image.base_name: expected a registry reference"),
+        ({"image": {"cmd": "python3 serve.py"}}, "image.cmd: expected a list of strings"),
+        ({"image": {"env": {"A-B": "1"}}}, "image.env.A-B: expected a variable name"),
+        ({"image": {"env": {"A": 1}}}, "image.env.A: expected a variable name"),
+        ({"image": {"user": "root;x"}}, "image.user: expected a user"),
+        ({"image": {"workdir": "srv"}}, "image.workdir: expected an absolute path"),
+        ({"image": {"platform": "amd64"}}, "image.platform: expected a platform"),
         ({"runtime": {"warmup": [{"name": "x", "shape": [1, -2]}]}},
          "runtime.warmup[0].shape: expected a list of positive"),
         ({"runtime": {"warmup": [{"shape": [1]}]}}, "runtime.warmup[0]: expected a table with"),

@@ -52,6 +52,7 @@ class BaseImage:
     manifest_digest: str  # digest of the base manifest as found (before conversion)
     layers: tuple[dict[str, Any], ...]  # OCI descriptors
     config: dict[str, Any]
+    ref_name: str | None = None  # the layout's ref annotation of the picked image, as found
 
 
 def parse_reference(ref: str) -> tuple[Path, str | None]:
@@ -100,7 +101,7 @@ def resolve_base(ref: str, *, platform: str) -> BaseImage:
     layout, tag = parse_reference(ref)
     try:
         index = read_index(layout)
-        desc = _pick(index["manifests"], tag)
+        desc = top = _pick(index["manifests"], tag)
         for _ in range(4):  # index -> (nested index) -> manifest
             if desc["mediaType"] not in INDEX_TYPES:
                 break
@@ -122,7 +123,27 @@ def resolve_base(ref: str, *, platform: str) -> BaseImage:
         if not mt.startswith("application/vnd.oci.image.layer.v1.tar"):
             raise ImageError(f"image.base {ref!r}: layer {d['digest']}: unsupported type {mt!r}")
         layers.append({"mediaType": mt, "digest": d["digest"], "size": d["size"]})
-    return BaseImage(ref, layout, desc["digest"], tuple(layers), config)
+    check_platform(config, platform, f"image.base {ref!r}")
+    ref_name = (top.get("annotations") or {}).get(REF_NAME)
+    return BaseImage(ref, layout, desc["digest"], tuple(layers), config,
+                     ref_name=ref_name if isinstance(ref_name, str) else None)
+
+
+def check_platform(config: dict[str, Any], platform: str, where: str) -> None:
+    """The base's config must be for ``platform``: a single-manifest base is not resolved by
+    platform, and appending to another architecture would make an image that lies about it.
+
+    Raises:
+        ImageError: naming the config's platform and the requested one.
+    """
+    want = platform_fields(platform)
+    got = {k: config.get(k) for k in ("os", "architecture", "variant") if config.get(k)}
+    if got.get("os") != want["os"] or got.get("architecture") != want["architecture"] or (
+            "variant" in want and "variant" in got and got["variant"] != want["variant"]):
+        have = "/".join(str(got.get(k, "?")) for k in ("os", "architecture")) + (
+            f"/{got['variant']}" if "variant" in got else "")
+        raise ImageError(f"{where}: the base image is for {have}, but image.platform is {platform}; "
+                         f"set image.platform = \"{have}\" or use a base for {platform}")
 
 
 def link_blobs(base: BaseImage, blobs_dir: Path) -> int:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from packer import tarfmt
 from packer.build_stages import Progress, StageOutput
 from packer.errors import ImageError
-from packer.formats import MANIFEST_NAME
+from packer.formats import LOADER_NAME, MANIFEST_NAME
 from packer.fsutil import FileEntry, file_entry
-from packer.oci.base import BaseImage, link_blobs, resolve_base
+from packer.oci.base import REF_NAME, BaseImage, link_blobs, resolve_base
 from packer.oci.dockerfile import (
     LAYERS_DIR,
     Standalone,
@@ -23,7 +24,11 @@ from packer.oci.dockerfile import (
 )
 from packer.oci.layer import MEDIA_TYPES, Layer, LayerJob, write_layers
 from packer.oci.layout import rfc3339, write_layout
-from packer.oci.plan import ImagePlan, PlannedLayer, plan_layers
+from packer.oci.model_dir import read_members
+from packer.oci.modelpack import wanted as modelpack_wanted
+from packer.oci.modelpack import write_modelpack
+from packer.oci.plan import ImagePlan, PlannedLayer, model_files, plan_layers
+from packer.oci.runconfig import base_name, created_epoch, image_annotations, run_config
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
 
@@ -33,6 +38,16 @@ def source_date_epoch() -> int:
     return tarfmt.source_date_epoch(ImageError)
 
 
+def _json_or_empty(raw: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(raw) if raw else {}
+    except ValueError as e:
+        raise ImageError(f"{MANIFEST_NAME}: the artifact manifest is not JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise ImageError(f"{MANIFEST_NAME}: the artifact manifest is not a JSON object")
+    return parsed
+
+
 def plan_image(
     *,
     cfg: ImageConfig,
@@ -40,24 +55,19 @@ def plan_image(
     version: str,
     artifact_files: Sequence[FileEntry],
     artifact_manifest: bytes,
+    loader_paths: Collection[str] = (LOADER_NAME,),
 ) -> ImagePlan:
-    """The layer plan only (what ``--dry-run`` prints); reads nothing from disk."""
+    """The layer plan only (what ``--dry-run`` prints); reads nothing from disk.
+
+    ``loader_paths`` are the files the loader stage wrote (the top layer); the bundle's
+    members come from the artifact manifest (none in a dry run, which has no manifest yet).
+    """
     digest = hashlib.sha256(artifact_manifest).hexdigest()
     manifest = FileEntry(MANIFEST_NAME, len(artifact_manifest), digest)
     files = [f for f in artifact_files if f.path != MANIFEST_NAME]
-    return plan_layers(files, cfg, name=name, version=version, manifest=manifest)
-
-
-def _annotations(name: str, version: str, source: dict[str, Any], created: str) -> dict[str, str]:
-    out = {
-        "org.opencontainers.image.created": created,
-        "org.opencontainers.image.title": name,
-        "org.opencontainers.image.version": version,
-        "org.opencontainers.image.source": str(source.get("uri") or source.get("kind") or ""),
-    }
-    if source.get("revision"):
-        out["org.opencontainers.image.revision"] = str(source["revision"])
-    return out
+    bundle_path, members = model_files(_json_or_empty(artifact_manifest))
+    return plan_layers(files, cfg, name=name, version=version, manifest=manifest, members=members,
+                       bundle_path=bundle_path, loader_paths=loader_paths)
 
 
 def _known_digest(planned: PlannedLayer, known: Mapping[str, str]) -> str | None:
@@ -69,14 +79,15 @@ def _known_digest(planned: PlannedLayer, known: Mapping[str, str]) -> str | None
 
 def _write_layers(
     out_dir: Path, plan: ImagePlan, manifest: bytes, mtime: int, progress: Progress | None,
-    known: Mapping[str, str],
+    known: Mapping[str, str], member_bytes: Mapping[str, bytes],
 ) -> tuple[list[Layer], list[Standalone]]:
     blobs = out_dir / "image" / "blobs" / "sha256"
     jobs, rels = [], []
     for i, planned in enumerate(plan.layers):
         sources = [
-            SourceFile(f.dest, f.size, data=manifest) if f.rel_path == MANIFEST_NAME
-            else SourceFile(f.dest, f.size, source=out_dir / f.rel_path)
+            SourceFile(f.dest, f.size, data=manifest) if f.rel_path == MANIFEST_NAME and f.member is None
+            else SourceFile(f.dest, f.size, data=member_bytes[f.dest]) if f.member is not None
+            else SourceFile(f.dest, f.size, source=out_dir / f.rel_path, executable=f.executable)
             for f in planned.files
         ]
         members = tar_members(sources, owner=plan.owner, prefix=plan.prefix)
@@ -104,7 +115,7 @@ def _write_layers(
 
 def _layer_section(layer: Layer, planned: PlannedLayer) -> dict[str, Any]:
     return {"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
-            "media_type": layer.media_type, "files": [f.rel_path for f in planned.files]}
+            "media_type": layer.media_type, "files": [f.label for f in planned.files]}
 
 
 def _entries(out_dir: Path, layers: Sequence[Layer], tarballs: Sequence[Standalone],
@@ -143,6 +154,7 @@ def build_image(
     verify: bool = True,
     progress: Progress | None = None,
     known_digests: Mapping[str, str] | None = None,
+    loader_paths: Collection[str] = (LOADER_NAME,),
 ) -> StageOutput:
     """Write ``OUT/image`` (OCI layout), standalone layer tarballs and ``OUT/Dockerfile``.
 
@@ -160,6 +172,7 @@ def build_image(
         known_digests: ``{"layer:<path in OUT>": "sha256:…"}`` of one-file uncompressed
             layers, hashed while the weights were written: those layers are copied, not
             hashed. Trusted: a wrong one is caught by ``verify`` (or the build's own check).
+        loader_paths: the files the loader stage wrote (the top layer; ``packer_loader.py`` executable).
 
     Returns:
         The files written and the manifest's ``image`` section.
@@ -169,10 +182,10 @@ def build_image(
         VerifyError: ``verify`` found the written image inconsistent.
     """
     plan = plan_image(cfg=cfg, name=name, version=version, artifact_files=artifact_files,
-                      artifact_manifest=artifact_manifest)
+                      artifact_manifest=artifact_manifest, loader_paths=loader_paths)
     if dry_run:
         return StageOutput(section={"plan": plan.as_json()})
-    epoch = source_date_epoch()
+    epoch = created_epoch(source)
     created = rfc3339(epoch)
     image_dir = out_dir / "image"
     if image_dir.exists():
@@ -181,13 +194,21 @@ def build_image(
     (out_dir / LAYERS_DIR).mkdir()
     base = resolve_base(cfg.base, platform=cfg.platform) if cfg.base else None
     base_bytes = link_blobs(base, image_dir / "blobs" / "sha256") if base else 0
-    layers, tarballs = _write_layers(out_dir, plan, artifact_manifest, epoch, progress,
-                                     known_digests or {})
-    annotations = _annotations(name, version, source, created)
+    # digests hashed during conversion assumed SOURCE_DATE_EPOCH's mtime: trust them only then
+    known = (known_digests or {}) if epoch == source_date_epoch() else {}
+    member_bytes = read_members(out_dir, plan)
+    layers, tarballs = _write_layers(out_dir, plan, artifact_manifest, epoch, progress, known, member_bytes)
+    annotations = image_annotations(name, version, source, created)
+    extra = [write_modelpack(out_dir, plan, layers, member_bytes=member_bytes, mtime=epoch, created=created,
+                             source=source, name=name, version=version, annotations=annotations)
+             ] if modelpack_wanted(plan) else []
+    run = run_config(cfg, (base.config.get("config") or {}) if base else {}, prefix=plan.prefix,
+                     runnable=base is not None)
     digests = write_layout(
-        image_dir, plan, layers, base=base, created=created, annotations=annotations
+        image_dir, plan, layers, base=base, created=created, annotations=annotations, run=run,
+        base_name=base_name(cfg, base.ref_name) if base else None, extra=extra,
     )
-    write_docker_files(out_dir, plan, tarballs, annotations)
+    write_docker_files(out_dir, plan, tarballs, annotations, cfg)
     if verify:
         from packer.oci.verify import verify_image
 
@@ -199,6 +220,8 @@ def build_image(
         "layers": [_layer_section(la, p) for la, p in zip(layers, plan.layers, strict=True)],
         "base": None if base is None else {
             "name": base.reference, "digest": base.manifest_digest, "layers": len(base.layers)},
+        "modelpack": None if not extra else {"tag": extra[0]["annotations"][REF_NAME],
+                                             "manifest_digest": extra[0]["digest"]},
     }
     return StageOutput(
         files=tuple(_entries(out_dir, layers, tarballs, base)),

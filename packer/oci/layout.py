@@ -50,15 +50,14 @@ def image_config(
     base: BaseImage | None,
     created: str,
     labels: dict[str, str],
+    run: dict[str, Any],
 ) -> dict[str, Any]:
-    """The image config: the base's (env, cmd, user kept) plus packer's layers and history."""
+    """The image config: the base's, with ``run`` as its run config, plus packer's layers and history."""
     cfg: dict[str, Any] = dict(base.config) if base else {}
     for key, value in platform_fields(plan.platform).items():
         cfg.setdefault(key, value)
     cfg["created"] = created
-    run = dict(cfg.get("config") or {})
-    env = [e for e in run.get("Env") or [] if not e.startswith("PACKER_MODEL_DIR=")]
-    run["Env"] = [*env, f"PACKER_MODEL_DIR={plan.prefix}"]
+    run = dict(run)
     run["Labels"] = {**(run.get("Labels") or {}), **labels}
     cfg["config"] = run
     base_ids = list((cfg.get("rootfs") or {}).get("diff_ids") or []) if base else []
@@ -79,6 +78,9 @@ def write_layout(
     base: BaseImage | None,
     created: str,
     annotations: dict[str, str],
+    run: dict[str, Any],
+    base_name: str | None = None,
+    extra: Sequence[dict[str, Any]] = (),
 ) -> LayoutDigests:
     """Write config, manifest, ``index.json`` and ``oci-layout`` (blobs already stored).
 
@@ -89,19 +91,23 @@ def write_layout(
         base: the base image whose layers go below packer's, or None.
         created: RFC 3339 creation time (from SOURCE_DATE_EPOCH).
         annotations: ``org.opencontainers.image.*`` annotations for the manifest.
+        run: the image config's run config (see :func:`packer.oci.runconfig.run_config`).
+        base_name: the base's registry reference (``base.name``), or None to leave it out.
+        extra: more index entries (descriptors with their own tag), after the image's.
 
     Returns:
         The digests of index, manifest and config.
     """
     blobs = image_dir / "blobs" / "sha256"
-    config = image_config(plan, layers, base=base, created=created, labels=annotations)
+    config = image_config(plan, layers, base=base, created=created, labels=annotations, run=run)
     config_desc = write_json_blob(blobs, config, OCI_CONFIG)
     manifest_annotations = dict(annotations)
     manifest_annotations[ANNOTATION_PREFIX] = plan.prefix
     manifest_annotations[ANNOTATION_OWNER] = str(plan.owner)
     manifest_annotations[ANNOTATION_WEIGHTS] = plan.weights
     if base is not None:
-        manifest_annotations["org.opencontainers.image.base.name"] = base.reference
+        if base_name:
+            manifest_annotations["org.opencontainers.image.base.name"] = base_name
         manifest_annotations["org.opencontainers.image.base.digest"] = base.manifest_digest
     manifest = {
         "schemaVersion": 2,
@@ -111,11 +117,13 @@ def write_layout(
         "annotations": manifest_annotations,
     }
     manifest_desc = write_json_blob(blobs, manifest, OCI_MANIFEST)
-    platform = platform_fields(plan.platform)
+    # the index says what the config says: a runtime picks by the index, then runs the config
+    platform = {k: config[k] for k in ("os", "architecture", "variant") if config.get(k)}
     index = {
         "schemaVersion": 2,
         "mediaType": OCI_INDEX,
-        "manifests": [{**manifest_desc, "platform": platform, "annotations": {REF_NAME: plan.tag}}],
+        "manifests": [{**manifest_desc, "platform": platform, "annotations": {REF_NAME: plan.tag}},
+                      *extra],
     }
     index_raw = canonical_json(index)
     atomic_write_bytes(image_dir / "oci-layout", OCI_LAYOUT, 0o644)

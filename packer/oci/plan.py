@@ -1,13 +1,19 @@
 """The layer plan: which OUT files go in which layer, least-changing at the bottom.
 
-Pure: no I/O. Order, bottom to top:
+Pure: no I/O. The prefix (``/models`` by default) is a plain model directory: the files of
+OUT's ``weights/`` sit at its top (:func:`image_rel`), beside the bundle's members as plain
+files, so a read-only mount of the image is a directory transformers and vLLM read as is.
+Order, bottom to top:
 
-1. one uncompressed layer per weight file (``weights/*.safetensors``): identical weights
+1. one uncompressed layer per weight file (``model*.safetensors``): identical weights
    give identical layers, deduplicated across builds and registries, and nothing is gained
    by compressing float data;
-2. one compressed layer with ``bundle.tar.zst``, ``manifest.json`` (the artifact manifest)
-   and any other small artifact file (e.g. the shard index);
-3. one compressed layer with ``packer_loader.py``, the file most likely to change.
+2. one compressed layer with the model files: the bundle's members (config, generation
+   config, tokenizer files) as plain files, and the shard index;
+3. one compressed layer with ``bundle.tar.zst``, ``manifest.json`` (the artifact manifest)
+   and any other small artifact file;
+4. one compressed layer with the loader's files (``packer_loader.py``, executable, and what
+   the loader stage wrote beside it), the files most likely to change.
 
 ``image.weights = "external"`` leaves every ``weights/`` file out; ``image.single_layer``
 puts everything in one layer compressed with ``image.compression``.
@@ -15,7 +21,7 @@ puts everything in one layer compressed with ``image.compression``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -38,6 +44,13 @@ class PlannedFile:
     dest: str
     size: int
     sha256: str
+    member: str | None = None  # a bundle member: its bytes come from the bundle at rel_path
+    executable: bool = False
+
+    @property
+    def label(self) -> str:
+        """What the file is, for history lines and messages: its OUT path (and member)."""
+        return f"{self.rel_path}:{self.member}" if self.member else self.rel_path
 
 
 @dataclass(frozen=True)
@@ -54,7 +67,7 @@ class PlannedLayer:
 
     def created_by(self, prefix: str) -> str:
         """The history line: what packer added, and where."""
-        names = ", ".join(f.rel_path for f in self.files)
+        names = ", ".join(f.label for f in self.files)
         return f"packer: ADD {names} {prefix}/ ({self.name} layer)"
 
 
@@ -90,7 +103,41 @@ def _prefix(cfg: ImageConfig) -> str:
 
 
 def _dest(prefix: str, rel_path: str) -> str:
-    return f"{prefix.rstrip('/')}/{rel_path}"
+    return f"{prefix.rstrip('/')}/{image_rel(rel_path)}"
+
+
+def image_rel(rel_path: str) -> str:
+    """Where the OUT file ``rel_path`` lies below the image prefix.
+
+    The files of OUT's ``weights/`` go to the top, beside the config (``model.safetensors``,
+    the shard index), as a Hugging Face model directory has them; the rest keep their path.
+    """
+    return rel_path[len(WEIGHTS_DIR):] if rel_path.startswith(WEIGHTS_DIR) else rel_path
+
+
+def model_files(artifact: Mapping[str, Any]) -> tuple[str, list[FileEntry]]:
+    """The bundle's members, which the image also holds as plain files, from the artifact manifest.
+
+    Args:
+        artifact: the parsed artifact manifest (its ``bundle`` section, or none).
+
+    Returns:
+        ``(bundle path in OUT, members as FileEntry(name, size, sha256))``; ``("", [])`` without a bundle.
+
+    Raises:
+        ImageError: a member name that is not a plain relative path.
+    """
+    section = artifact.get("bundle") or {}
+    if not section.get("members"):
+        return "", []
+    out = []
+    for m in section["members"]:
+        name = str(m.get("name", ""))
+        p = PurePosixPath(name)
+        if not name or p.is_absolute() or ".." in p.parts or "\\" in name or name != p.as_posix():
+            raise ImageError(f"bundle member {name!r}: expected a relative path inside the model directory")
+        out.append(FileEntry(name, int(m["size"]), str(m["sha256"])))
+    return str(section["file"]), out
 
 
 def weight_layer_framing(
@@ -128,6 +175,17 @@ def weight_layer_framing(
     return b"".join(head), b"".join(tail)
 
 
+def _check_places(files: Sequence[PlannedFile]) -> None:
+    """Two files for one place in the image (a bundle member named like a weight file or the
+    manifest) would make one hide the other: refuse, naming both."""
+    seen: dict[str, PlannedFile] = {}
+    for f in files:
+        other = seen.setdefault(f.dest.rstrip("/"), f)
+        if other is not f:
+            raise ImageError(f"image path {f.dest}: both {other.label} and {f.label} would go there; "
+                             "leave one out (bundle.exclude) or rename it")
+
+
 def plan_layers(
     files: Sequence[FileEntry],
     cfg: ImageConfig,
@@ -135,6 +193,9 @@ def plan_layers(
     name: str,
     version: str,
     manifest: FileEntry,
+    members: Sequence[FileEntry] = (),
+    bundle_path: str = "",
+    loader_paths: Collection[str] = (LOADER_NAME,),
 ) -> ImagePlan:
     """Plan the image's layers.
 
@@ -143,40 +204,43 @@ def plan_layers(
         cfg: the recipe's ``[image]`` section.
         name: model name; with ``version`` it makes the default tag ``name:version``.
         manifest: the artifact manifest as a file entry (path ``manifest.json``).
+        members: the bundle's members, placed as plain files (see :func:`model_files`).
+        bundle_path: the bundle's path in OUT (where the members' bytes are read).
+        loader_paths: the files the loader stage wrote (the top layer).
 
     Returns:
         The :class:`ImagePlan`.
 
     Raises:
-        ImageError: an unsafe path, or no files left to put in the image.
+        ImageError: an unsafe path, two files for one place, or no files left to put in the image.
     """
     prefix = _prefix(cfg)
     owner = Owner.parse(cfg.owner)
-    weights: list[PlannedFile] = []
-    meta: list[PlannedFile] = []
-    top: list[PlannedFile] = []
+    groups: dict[str, list[PlannedFile]] = {"weights": [], "model files": [], "bundle": [], "loader": []}
     for entry in sorted([*files, manifest], key=lambda e: e.path):
         p = PurePosixPath(entry.path)
         if p.is_absolute() or ".." in p.parts or not entry.path:
             raise ImageError(f"artifact file {entry.path!r}: expected a relative path inside OUT")
-        pf = PlannedFile(entry.path, _dest(prefix, entry.path), entry.size, entry.sha256)
+        pf = PlannedFile(entry.path, _dest(prefix, entry.path), entry.size, entry.sha256,
+                         executable=entry.path == LOADER_NAME)
         if entry.path.startswith(WEIGHTS_DIR):
             if cfg.weights == "external":
                 continue
-            (weights if entry.path.endswith(SAFETENSORS_SUFFIX) else meta).append(pf)
-        elif entry.path == LOADER_NAME:
-            top.append(pf)
+            groups["weights" if entry.path.endswith(SAFETENSORS_SUFFIX) else "model files"].append(pf)
         else:
-            meta.append(pf)
+            groups["loader" if entry.path in loader_paths else "bundle"].append(pf)
+    groups["model files"] += [PlannedFile(bundle_path, f"{prefix.rstrip('/')}/{m.path}", m.size, m.sha256,
+                                          member=m.path) for m in members]
+    _check_places([f for g in groups.values() for f in g])
     if cfg.single_layer:
-        everything = tuple(sorted(weights + meta + top, key=lambda f: f.dest))
+        everything = tuple(sorted((f for g in groups.values() for f in g), key=lambda f: f.dest))
         layers: tuple[PlannedLayer, ...] = (PlannedLayer("model", everything, cfg.compression),)
     else:
         layers = tuple(
             [PlannedLayer(f"weights {PurePosixPath(w.rel_path).name}", (w,), "none")
-             for w in weights]
-            + ([PlannedLayer("bundle", tuple(meta), cfg.compression)] if meta else [])
-            + ([PlannedLayer("loader", tuple(top), cfg.compression)] if top else [])
+             for w in groups["weights"]]
+            + [PlannedLayer(n, tuple(sorted(groups[n], key=lambda f: f.dest)), cfg.compression)
+               for n in ("model files", "bundle", "loader") if groups[n]]
         )
     return ImagePlan(
         tag=cfg.tag or f"{name}:{version}", prefix=prefix, owner=owner,

@@ -15,13 +15,15 @@ import json
 import os
 import tarfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
-from packer.errors import ImageArtifactMismatchError, VerifyError
+from packer.errors import ImageArtifactMismatchError, ImageError, VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import HashThread
+from packer.oci import modelpack
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
 from packer.oci.layout import (
@@ -31,6 +33,7 @@ from packer.oci.layout import (
     OCI_LAYOUT,
     PACKER_PREFIX,
 )
+from packer.oci.plan import WEIGHTS_DIR, image_rel, model_files
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
 from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
@@ -176,9 +179,11 @@ def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files
 
 
 def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[str, Any] | None,
-                 hash_files: bool) -> Expected:
+                 hash_files: bool, kind: str | None = None) -> Expected:
     media = desc.get("mediaType")
     path = _blob_path(image, desc.get("digest", ""))
+    if kind is not None:  # an artifact's own tar media type
+        media = MEDIA_TYPES[kind]
     if media not in COMPRESSION_OF:
         known = ", ".join(sorted(MEDIA_TYPES.values()))
         raise _fail(str(path), f"layer media type {media!r} is not one of {known}")
@@ -195,7 +200,7 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
             found = _walk_tar(stream, str(path), rules, hash_files)
         stream.drain()
         reader.drain()
-    except (OSError, EOFError, tarfile.TarError, ValueError, VerifyError) as e:
+    except (OSError, EOFError, tarfile.TarError, ValueError, zlib.error, VerifyError) as e:
         # a damaged blob explains any read error: name the digest mismatch first
         reader.drain()
         _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
@@ -222,10 +227,16 @@ def _epoch(created: str) -> int:
         raise _fail("config", f"created {created!r} is not RFC 3339 UTC") from e
 
 
-def _check_manifest(image: Path, desc: dict[str, Any], found: Expected,
-                    hash_files: bool) -> dict[str, Any]:
+def _rules(ann: dict[str, Any], created: str) -> dict[str, Any]:
+    return {"prefix": str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/"),
+            "owner": Owner.parse(str(ann.get(ANNOTATION_OWNER, "0:0"))), "mtime": _epoch(created)}
+
+
+def _check_manifest(image: Path, desc: dict[str, Any], found: Expected, hash_files: bool,
+                    per_layer: dict[str, Expected] | None = None) -> dict[str, Any]:
     manifest = _check_json_blob(image, desc, OCI_MANIFEST)
     config = _check_json_blob(image, manifest.get("config") or {}, OCI_CONFIG)
+    _check_platform(str(image / "index.json"), desc, config)
     diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
     layers = manifest.get("layers") or []
     if len(diff_ids) != len(layers):
@@ -234,9 +245,7 @@ def _check_manifest(image: Path, desc: dict[str, Any], found: Expected,
     if len(ours) != len(layers):
         raise _fail(str(image), f"{len(layers)} layers but {len(ours)} non-empty history entries")
     ann = manifest.get("annotations") or {}
-    rules = {"prefix": str(ann.get(ANNOTATION_PREFIX, "/opt/model")).strip("/"),
-             "owner": Owner.parse(str(ann.get(ANNOTATION_OWNER, "0:0"))),
-             "mtime": _epoch(config.get("created", ""))}
+    rules = _rules(ann, config.get("created", ""))
     # layers are independent: check them concurrently (hashing releases the GIL), then
     # report the first problem in layer order so the message does not depend on timing
     workers = max(1, min(len(layers), os.cpu_count() or 1))
@@ -244,26 +253,42 @@ def _check_manifest(image: Path, desc: dict[str, Any], found: Expected,
         futures = [pool.submit(_check_layer, image, ldesc, diff_id, rules if mine else None,
                                hash_files)
                    for ldesc, diff_id, mine in zip(layers, diff_ids, ours, strict=True)]
-        for fut in futures:
-            found.update(fut.result())
+        for ldesc, fut in zip(layers, futures, strict=True):
+            got = fut.result()
+            found.update(got)
+            if per_layer is not None:
+                per_layer[ldesc["digest"]] = got
     return manifest
 
 
-def _check_artifacts(
-    found: Expected, artifact_manifest: bytes, ann: dict[str, Any], where: str
-) -> None:
-    prefix = str(ann.get(ANNOTATION_PREFIX, "/opt/model")).strip("/")
+def expected_files(artifact_manifest: bytes, ann: dict[str, Any], where: str) -> tuple[Expected, set[str]]:
+    """What a packer image holds: every artifact file where :func:`image_rel` puts it, the bundle's
+    members as plain files, the artifact manifest; and the paths that may be missing (external weights)."""
+    prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
     external = ann.get(ANNOTATION_WEIGHTS) == "external"
     try:
-        files = json.loads(artifact_manifest)["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise _fail(where, "the artifact manifest is not JSON with a 'files' map") from e
+        artifact = json.loads(artifact_manifest)
+        files = artifact["files"]
+        _, members = model_files(artifact)
+    except (ValueError, KeyError, TypeError, ImageError) as e:
+        raise _fail(where, f"the artifact manifest is not JSON with a 'files' map: {e}") from e
     root = f"/{prefix}/" if prefix else "/"
     expected: Expected = {f"{root}{MANIFEST_NAME}": (len(artifact_manifest),
                                                   hashlib.sha256(artifact_manifest).hexdigest())}
-    manifest_paths = set(expected)
+    optional = set()
     for rel, entry in files.items():
-        expected[f"{root}{rel}"] = (entry["size"], entry["sha256"])
+        expected[f"{root}{image_rel(rel)}"] = (entry["size"], entry["sha256"])
+        if external and rel.startswith(WEIGHTS_DIR):
+            optional.add(f"{root}{image_rel(rel)}")
+    for m in members:
+        expected.setdefault(f"{root}{m.path}", (m.size, m.sha256))
+    return expected, optional
+
+
+def _check_artifacts(found: Expected, artifact_manifest: bytes, ann: dict[str, Any], where: str,
+                     *, complete: bool = True) -> None:
+    expected, optional = expected_files(artifact_manifest, ann, where)
+    manifest_paths = {p for p in expected if p.endswith("/" + MANIFEST_NAME)}
     # the artifact files first: a changed file is a more useful message than the manifest's
     for path, got in sorted(found.items(), key=lambda kv: (kv[0] in manifest_paths, kv[0])):
         if path not in expected:
@@ -271,9 +296,45 @@ def _check_artifacts(
         if got != expected[path]:
             want = expected[path]
             raise _fail(where, f"{path}: size/sha256 {got} differ from the artifact's {want}")
-    for path in sorted(set(expected) - set(found)):
-        if not (external and path.startswith(f"{root}weights/")):
-            raise _fail(where, f"{path}: artifact file missing from the image")
+    for path in sorted(set(expected) - set(found) - optional) if complete else ():
+        raise _fail(where, f"{path}: artifact file missing from the image")
+
+
+def _check_platform(where: str, desc: dict[str, Any], config: dict[str, Any]) -> None:
+    """The index's platform must be the config's: a node picks by the one and runs the other."""
+    said = desc.get("platform")
+    if said is None:
+        return
+    for key in ("os", "architecture", "variant"):
+        if said.get(key) != config.get(key):
+            raise _fail(where, f"manifest {desc.get('digest')}: the index says {key} {said.get(key)!r}, "
+                               f"the image config {config.get(key)!r}")
+
+
+def _check_modelpack(image: Path, desc: dict[str, Any], found: Expected, hash_files: bool,
+                     rules: dict[str, Any], seen: dict[str, Expected]) -> dict[str, Any]:
+    """A ModelPack manifest: its config and every layer blob, diffIds, and (with ``hash_files``)
+    the files in its layers, which must be the image's files. A blob the image's own manifest
+    holds (the weights) was checked there and is not read twice."""
+    where = str(image)
+    manifest = _check_json_blob(image, desc, OCI_MANIFEST)
+    if manifest.get("artifactType") != modelpack.ARTIFACT_TYPE:
+        raise _fail(where, f"manifest {desc.get('digest')}: artifactType {manifest.get('artifactType')!r}")
+    config = _check_json_blob(image, manifest.get("config") or {}, modelpack.CONFIG_TYPE)
+    diff_ids = (config.get("modelfs") or {}).get("diffIds") or []
+    layers = manifest.get("layers") or []
+    if len(diff_ids) != len(layers):
+        raise _fail(where, f"ModelPack: {len(layers)} layers but {len(diff_ids)} diffIds in the config")
+    for ldesc, diff_id in zip(layers, diff_ids, strict=True):
+        kind = modelpack.compression_of(str(ldesc.get("mediaType")))
+        got = seen.get(ldesc.get("digest", "")) if kind == "none" and ldesc.get("digest") == diff_id else None
+        if got is None:
+            got = _check_layer(image, ldesc, diff_id, rules, hash_files, kind=kind)
+        path = "/" + str((ldesc.get("annotations") or {}).get(modelpack.FILEPATH, ""))
+        if hash_files and list(got) != [path]:
+            raise _fail(where, f"ModelPack layer {ldesc.get('digest')}: holds {sorted(got)}, its filepath says {path}")
+        found.update(got)
+    return manifest
 
 
 def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> set[str]:
@@ -308,18 +369,32 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
     manifests = index.get("manifests") or []
     if not manifests:
         raise _fail(str(image / "index.json"), "lists no manifest")
-    for desc in manifests:
+    images = [d for d in manifests if d.get("artifactType") != modelpack.ARTIFACT_TYPE]
+    views = [d for d in manifests if d.get("artifactType") == modelpack.ARTIFACT_TYPE]
+    if not images:
+        raise _fail(str(image / "index.json"), "lists no image manifest (only artifacts)")
+    ann: dict[str, Any] = {}
+    rules: dict[str, Any] = {}
+    seen: dict[str, Expected] = {}  # files of each image layer, by blob digest
+    for desc in images + views:
         if not (desc.get("annotations") or {}).get(REF_NAME):
             where = str(image / "index.json")
             raise _fail(where, f"manifest {desc.get('digest')} has no {REF_NAME}")
         found: Expected = {}
-        manifest = _check_manifest(image, desc, found, artifact_manifest is not None)
-        if artifact_manifest is not None:
+        hash_files = artifact_manifest is not None
+        if desc in views:  # checked with the tar rules of the image it was written beside
+            manifest = _check_modelpack(image, desc, found, hash_files, rules, seen)
+            layer_blobs = [lay["digest"] for lay in manifest["layers"]]
+        else:
+            manifest = _check_manifest(image, desc, found, hash_files, seen)
             ann = manifest.get("annotations") or {}
+            rules = _rules(ann, _check_json_blob(image, manifest["config"], OCI_CONFIG).get("created", ""))
+            layer_blobs = [lay["digest"] for lay in manifest["layers"]]
+        if artifact_manifest is not None:
             try:
-                _check_artifacts(found, artifact_manifest, ann, str(image))
+                _check_artifacts(found, artifact_manifest, ann, str(image), complete=desc not in views)
             except VerifyError as e:  # the image is sound; what it was compared with differs
                 raise ImageArtifactMismatchError(str(e)) from e
-        checked |= {desc["digest"], manifest["config"]["digest"], *(lay["digest"] for lay in manifest["layers"])}
+        checked |= {desc["digest"], manifest["config"]["digest"], *layer_blobs}
     return checked
 

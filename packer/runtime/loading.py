@@ -58,10 +58,18 @@ class Loader:
         self.make_engine: Callable[[Any], CopyEngine] = make_engine  # torch device -> copy engine (tests slow it down)
 
     def path(self, rel: str) -> Path:
-        """Where the artifact ``rel`` (a manifest path) is on this machine."""
-        if self.weights_dir is not None and rel.startswith("weights/"):
+        """Where the artifact ``rel`` (a manifest path) is on this machine.
+
+        A weight file (``weights/...``) is under ``weights_dir`` when one is given; else under
+        the root as in OUT, or, in an image's model directory, at the root's top beside the
+        config (where packer's image puts it), whichever exists.
+        """
+        if not rel.startswith("weights/"):
+            return self.root / rel
+        if self.weights_dir is not None:
             return self.weights_dir / rel[len("weights/"):]
-        return self.root / rel
+        nested, flat = self.root / rel, self.root / rel[len("weights/"):]
+        return flat if not nested.exists() and flat.exists() else nested
 
     def open_shards(self, verify: bool = False) -> list[Shard]:
         """Open and check every weight file (size, header; sha256 when ``verify``)."""
