@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from packer import tarfmt
-from packer.build_stages import StageOutput
 from packer.errors import BundleError, VerifyError
 from packer.formats import WEIGHT_SUFFIXES
 from packer.fsutil import FileEntry, atomic_open, check_regular, file_kind, open_regular, quiet_cleanup, umask
 from packer.idents import confined, link_roots
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
+from packer.stage import StageOutput
 
 ARCHIVE_NAME = "bundle.tar.zst"
 # Level 3 (zstd's default): ~400 MB/s per thread, ratio ~4-5x on tokenizer JSON; decoding speed

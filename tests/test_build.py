@@ -16,8 +16,8 @@ import pytest
 
 from packer.build import build
 from packer.errors import PackerError, VerifyError
-from packer.manifest import verify
 from packer.recipe import demo_recipe, recipe_from_dict
+from packer.verify import verify
 
 EXPECTED = {"manifest.json", "weights/model.safetensors", "bundle.tar.zst", "packer_loader.py", "Dockerfile"}
 
@@ -304,7 +304,7 @@ def test_manifest_pins_every_input_shard(tmp_path: Path) -> None:
 def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    import packer.build as build_module
+    import packer.build_stages as stages_module
     import packer.fsutil as fsutil
     from packer.demo import write_demo
 
@@ -318,7 +318,7 @@ def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, mon
         hashed_on.append((Path(path).name, threading.current_thread().name))
         return real(path, stop)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(build_module, "sha256_file", spy)  # hashed when needed
+    monkeypatch.setattr(stages_module, "sha256_file", spy)  # hashed when needed (the inputs stage)
     monkeypatch.setattr(fsutil, "sha256_file", spy)  # hashed ahead (sha256_file_or_none)
     build(recipe_from_dict({"name": "m", "version": "1", "source": str(src)}), tmp_path / "out", sandbox=False)
     threads = {name: [t for n, t in hashed_on if n == name] for name, _ in hashed_on}
