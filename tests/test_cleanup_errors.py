@@ -117,13 +117,13 @@ def test_atomic_write_failing_cleanup_keeps_the_first_error(tmp_path: Path,
 
 
 def test_layer_failing_mid_stream_keeps_its_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer.oci import layer as layer_mod
+    from packer import fsutil  # the blob and the tee are written through fsutil.TempFile
 
     def pieces() -> Iterator[bytes]:
         yield b"x" * 4096  # a partial write
         raise ImageError("layer entry /opt/model/a: source changed size while read")
 
-    _failing_unlink(monkeypatch, layer_mod)
+    _failing_unlink(monkeypatch, fsutil)
     for compression in ("none", "gzip", "zstd"):
         with pytest.raises(ImageError) as e:
             write_layer(pieces(), tmp_path, compression=compression, tee=tmp_path / "t.tar")
@@ -132,13 +132,13 @@ def test_layer_failing_mid_stream_keeps_its_message(tmp_path: Path, monkeypatch:
 
 
 def test_layer_failing_rename_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer.oci import layer as layer_mod
+    from packer import fsutil  # the blob is renamed into place by fsutil.TempFile
 
     def replace(a: object, b: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(layer_mod, "os", type("O", (), {"__getattr__": lambda s, n: replace if n == "replace"
-                                                        else getattr(os, n)})())
+    monkeypatch.setattr(fsutil, "os", type("O", (), {"__getattr__": lambda s, n: replace if n == "replace"
+                                                     else getattr(os, n)})())
     with pytest.raises(OSError, match="cross-device"):
         write_layer([b"y" * 1024], tmp_path, compression="none")
     assert list(tmp_path.iterdir()) == []
