@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("inputs", ("packer.recipe", "packer.source", "packer.components", "packer.demo", "packer.checkpoint",
                 "packer.checkpoint.*")),
     ("formats", ("packer", "packer.errors", "packer.fsutil", "packer.formats", "packer.tarfmt",
-                 "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape")),
+                 "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape",
+                 "packer.show")),
     # shipped into the serving container: may import nothing from the build side
     ("runtime", ("packer.runtime", "packer.runtime.*")),
 )
