@@ -1,9 +1,9 @@
 """``packer build``: order the stages, time them, verify the result and publish it atomically.
 
-source → weights → bundle → loader → (artifact manifest) → image → manifest → verify → publish.
-Each stage is a function of one :class:`~packer.build_stages.StageContext` returning a
-:class:`~packer.build_stages.StageOutput` (:data:`packer.build_stages.STAGES`); this module only calls them in
-order and times them, so it knows nothing of their internals.
+source → weights → bundle → loader → inputs (the artifact manifest) → image → manifest → verify
+→ publish. Each stage is a function of one :class:`~packer.stage.StageContext` returning a
+:class:`~packer.stage.StageOutput`; this module runs the one list of them,
+:data:`packer.build_stages.STAGES`, in order and times them, so it knows nothing of their internals.
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from packer.build_stages import STAGES, Early, Progress, StageContext, StageOutput, default_layer_digests
+from packer.build_stages import STAGES, BuildStage, default_layer_digests
 from packer.errors import PackerError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file, sha256_file_or_none
-from packer.manifest import TIMINGS, artifact_manifest, files_map, verify
+from packer.fsutil import atomic_write_bytes, canonical_json, sha256_file_or_none
+from packer.manifest import TIMINGS, files_map
 from packer.publish import make_scratch, make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
+from packer.stage import Early, Progress, StageContext
 from packer.timing import StageTimer
+from packer.verify import verify
 
 
 @dataclass
@@ -69,29 +71,12 @@ def _hash_inputs_early(snap: Snapshot, recipe: Recipe, pool: ThreadPoolExecutor,
     return {f.absolute(): pool.submit(sha256_file_or_none, f, stop) for f in files}
 
 
-def _input_entries(snap: Snapshot, weights: StageOutput, bundle: StageOutput | None,
-                   early: Early) -> list[FileEntry]:
-    """sha256 of every source file a stage used, relative to the source root."""
-    rels = {i["path"] for i in weights.section.get("inputs", [])}
-    if bundle is not None:
-        rels |= {m["name"] for m in bundle.section.get("members", [])}
-    base = snap.weights.parent if snap.single_file else snap.root
-    entries = []
-    for rel in sorted(rels):
-        path = (base / rel).absolute()
-        got = early[path].result() if path in early else None
-        size, digest = got or sha256_file(path)
-        entries.append(FileEntry(rel, size, digest))
-    return entries
-
-
-def _run_stage(ctx: StageContext, timer: StageTimer, name: str) -> StageOutput:
-    """Run the stage ``name`` under its timer and record its output in the context."""
-    with timer.stage(name) as t:
-        out = STAGES[name](ctx)
+def _run_stage(ctx: StageContext, timer: StageTimer, stage: BuildStage) -> None:
+    """Run ``stage`` under its timer and record its output in the context."""
+    with timer.stage(stage.name) as t:
+        out = stage.run(ctx)
         t.nbytes = out.bytes_processed
-    ctx.outputs[name] = out
-    return out
+    ctx.outputs[stage.name] = out
 
 
 def _run_stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[str]]:
@@ -106,28 +91,20 @@ def _run_stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], l
 
 
 def _stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[str]]:
-    recipe, snap = ctx.recipe, ctx.snap
-    weights = _run_stage(ctx, timer, "weights")
-    bundle = None if snap.single_file else _run_stage(ctx, timer, "bundle")
-    if ctx.dry_run:  # the image plan from the planned file names (sizes are not known yet)
-        image = STAGES["image"](ctx)
-        manifest = {"recipe": recipe.normalised(), "source": snap.identity(), "weights": weights.section,
-                    "bundle": bundle.section if bundle else None, "image": image.section}
-        return manifest, [*weights.notes, *(bundle.notes if bundle else ())]
-    loader = _run_stage(ctx, timer, "loader")
-    with timer.stage("inputs") as t:
-        inputs = _input_entries(snap, weights, bundle, ctx.early)
-        t.nbytes = sum(e.size for e in inputs)
-    sections = {"weights": weights.section, "bundle": bundle.section if bundle else None,
-                "loader": loader.section}
-    manifest = artifact_manifest(recipe=recipe.normalised(), source=snap.identity(), inputs=inputs,
-                                 files=ctx.artifacts(), sections=sections)
-    atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
-    image = _run_stage(ctx, timer, "image")
-    manifest = {**manifest, "image": image.section, "image_files": files_map(image.files)}
-    atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
-    notes = [note for out in ctx.outputs.values() for note in out.notes]
-    return manifest, notes
+    for stage in STAGES:
+        if stage.runs_when(ctx):
+            _run_stage(ctx, timer, stage)
+    out = ctx.outputs
+    image = out["image"]
+    if ctx.dry_run:  # the plan: nothing was written, no input hashed
+        bundle = out.get("bundle")
+        manifest = {"recipe": ctx.recipe.normalised(), "source": ctx.snap.identity(),
+                    "weights": out["weights"].section, "bundle": bundle.section if bundle else None,
+                    "image": image.section}
+    else:
+        manifest = {**out["inputs"].section, "image": image.section, "image_files": files_map(image.files)}
+        atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
+    return manifest, [note for o in out.values() for note in o.notes]
 
 
 def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bool = True,
@@ -137,7 +114,7 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
 
     The weights stage, which reads untrusted checkpoints, runs in an isolated child process
     unless ``sandbox`` is false; ``progress`` receives the weight bytes as they are written (increments, see
-    :data:`packer.build_stages.Progress`), with or without the sandbox.
+    :data:`packer.stage.Progress`), with or without the sandbox.
     ``layer_digests`` computes the weight layers' digests during conversion (default: when
     there are three cores or more; the output is the same either way). The
     build runs in a staging directory beside ``out`` and is renamed into place only when every

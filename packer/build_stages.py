@@ -1,88 +1,23 @@
-"""The build's stage seam: one context in, one :class:`StageOutput` out, one progress contract.
+"""The build's stages in order: :data:`STAGES`, the one list :mod:`packer.build` runs.
 
-Every stage of ``packer build`` is a function ``stage(ctx: StageContext) -> StageOutput``
-(:data:`STAGES`); :mod:`packer.build` only orders and times them. Each stage adapts the context
-to its own module's public function (``convert_cli``, ``run_bundle``, ``emit_loader``,
-``build_image``), which the commands and tests also call directly. Stage modules are imported
+Each entry adapts the :class:`~packer.stage.StageContext` to its stage module's public
+function (``convert_layout``, ``run_bundle``, ``emit_loader``, ``build_image``), which the
+commands and tests also call directly. This module composes the stages, so it sits above them;
+the contract they implement is :mod:`packer.stage`, below them. Stage modules are imported
 inside the stage functions, so importing this module stays cheap (no torch).
-
-Progress, everywhere on the build side, is :data:`Progress`: called with the number of bytes
-just written (an increment; the sum of the calls is what the stage wrote).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from packer.fsutil import FileEntry
-
-if TYPE_CHECKING:
-    from packer.recipe import Recipe
-    from packer.source import Snapshot
-
-Progress = Callable[[int], None]
-"""Called with the bytes just written (an increment, never a running total)."""
-
-Early = dict[Path, "Future[tuple[int, str] | None]"]
-"""Input files being hashed while the stages run: absolute path -> (size, sha256) or None."""
-
-
-@dataclass(frozen=True)
-class StageOutput:
-    """The result of one stage.
-
-    Attributes:
-        files: every file the stage wrote, relative to the output directory.
-        section: the stage's manifest section (JSON-able, deterministic: no timings).
-        bytes_processed: bytes read or written, for the stage table's throughput column.
-        notes: human-readable remarks for the build log (skipped entries and the like).
-        digests: facts for later stages that are not part of the manifest section, e.g.
-            ``{"layer:weights/model.safetensors": "sha256:…"}`` (a weight file's image layer).
-    """
-
-    files: tuple[FileEntry, ...] = ()
-    section: dict[str, Any] = field(default_factory=dict)
-    bytes_processed: int = 0
-    notes: tuple[str, ...] = ()
-    digests: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class StageContext:
-    """Everything a build stage may read.
-
-    Attributes:
-        recipe: the build's recipe.
-        snap: the resolved source (local files).
-        staging: the staging output directory every stage writes into.
-        dry_run: plan only; stages write nothing.
-        sandbox: read checkpoints in an isolated child process.
-        progress: the weights stage's byte increments (see :data:`Progress`), or None.
-        layer_digests: compute the weight layers' digests while converting.
-        early: input hashes started before the stages (see :mod:`packer.build`).
-        outputs: the earlier stages' outputs by stage name (``"weights"``, ``"bundle"``,
-            ``"loader"``); the build adds each one as its stage ends.
-    """
-
-    recipe: Recipe
-    snap: Snapshot
-    staging: Path
-    dry_run: bool = False
-    sandbox: bool = True
-    progress: Progress | None = None
-    layer_digests: bool = False
-    early: Early = field(default_factory=dict)
-    outputs: dict[str, StageOutput] = field(default_factory=dict)
-
-    def artifacts(self) -> list[FileEntry]:
-        """The artifact files written so far (weights, bundle, loader), in that order."""
-        return [f for name in ("weights", "bundle", "loader") if name in self.outputs
-                for f in self.outputs[name].files]
+from packer.formats import LOADER_NAME
+from packer.fsutil import FileEntry, canonical_json, sha256_file
+from packer.manifest import artifact_manifest, files_map
+from packer.stage import Stage, StageContext, StageOutput
 
 
 def weights_stage(ctx: StageContext) -> StageOutput:
@@ -109,8 +44,6 @@ def bundle_stage(ctx: StageContext) -> StageOutput:
 
 def embedded_manifest(ctx: StageContext) -> dict[str, Any]:
     """The manifest the loader embeds: identity, the weights and bundle files and sections, runtime."""
-    from packer.manifest import files_map
-
     weights, bundle = ctx.outputs["weights"], ctx.outputs.get("bundle")
     return {"name": ctx.recipe.name, "version": ctx.recipe.version,
             "files": files_map([*weights.files, *(bundle.files if bundle else ())]),
@@ -125,11 +58,39 @@ def loader_stage(ctx: StageContext) -> StageOutput:
     return emit_loader(ctx.staging, embedded_manifest(ctx), rel_root=ctx.staging)
 
 
+def _input_entries(ctx: StageContext) -> list[FileEntry]:
+    """sha256 of every source file a stage used, relative to the source root."""
+    weights, bundle = ctx.outputs["weights"], ctx.outputs.get("bundle")
+    rels = {i["path"] for i in weights.section.get("inputs", [])}
+    if bundle is not None:
+        rels |= {m["name"] for m in bundle.section.get("members", [])}
+    base = ctx.snap.weights.parent if ctx.snap.single_file else ctx.snap.root
+    entries = []
+    for rel in sorted(rels):
+        path = (base / rel).absolute()
+        got = ctx.early[path].result() if path in ctx.early else None
+        size, digest = got or sha256_file(path)
+        entries.append(FileEntry(rel, size, digest))
+    return entries
+
+
+def inputs_stage(ctx: StageContext) -> StageOutput:
+    """Pin the inputs; the section is the artifact manifest (everything but the image).
+
+    Most inputs were hashed while the weights stage ran (``ctx.early``); the rest are hashed here.
+    """
+    inputs = _input_entries(ctx)
+    sections = {name: out.section if (out := ctx.outputs.get(name)) else None
+                for name in ("weights", "bundle", "loader")}
+    manifest = artifact_manifest(recipe=ctx.recipe.normalised(), source=ctx.snap.identity(), inputs=inputs,
+                                 files=ctx.artifacts(), sections=sections)
+    return StageOutput(section=manifest, bytes_processed=sum(e.size for e in inputs))
+
+
 def _planned_files(ctx: StageContext) -> list[FileEntry]:
     """The artifact file names a dry run would write (sizes are not known yet)."""
     from packer.bundle import ARCHIVE_NAME
     from packer.components import artifact_files
-    from packer.formats import LOADER_NAME
 
     names = [*artifact_files(ctx.outputs["weights"].section),
              *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), LOADER_NAME]
@@ -137,13 +98,11 @@ def _planned_files(ctx: StageContext) -> list[FileEntry]:
 
 
 def image_stage(ctx: StageContext) -> StageOutput:
-    """Write the OCI image and Dockerfile around the artifacts and ``staging/manifest.json``.
+    """Write the OCI image and Dockerfile around the artifacts and the artifact manifest.
 
-    A dry run plans the image from the planned file names. Otherwise the artifact manifest
-    must already be in the staging directory; the build verifies the whole output once
-    afterwards, so the image is not re-read here.
+    A dry run plans the image from the planned file names. Otherwise the build verifies the
+    whole output once afterwards, so the image is not re-read here.
     """
-    from packer.formats import MANIFEST_NAME
     from packer.oci import build_image
 
     common: dict[str, Any] = {"cfg": ctx.recipe.image, "name": ctx.recipe.name, "version": ctx.recipe.version,
@@ -152,16 +111,40 @@ def image_stage(ctx: StageContext) -> StageOutput:
         return build_image(ctx.staging, **common, artifact_files=_planned_files(ctx), artifact_manifest=b"",
                            dry_run=True)
     return build_image(ctx.staging, **common, artifact_files=ctx.artifacts(),
-                       artifact_manifest=(ctx.staging / MANIFEST_NAME).read_bytes(), verify=False,
+                       artifact_manifest=canonical_json(ctx.outputs["inputs"].section), verify=False,
                        known_digests=ctx.outputs["weights"].digests,
                        loader_paths=[f.path for f in ctx.outputs["loader"].files])
 
 
-Stage = Callable[[StageContext], StageOutput]
+def _always(ctx: StageContext) -> bool:
+    return True
 
-STAGES: dict[str, Stage] = {"weights": weights_stage, "bundle": bundle_stage, "loader": loader_stage,
-                            "image": image_stage}
-"""The stages by name, in build order."""
+
+def _has_bundle(ctx: StageContext) -> bool:
+    return not ctx.snap.single_file  # a single checkpoint file comes without tokenizer or config
+
+
+def _writes(ctx: StageContext) -> bool:
+    return not ctx.dry_run  # nothing to emit or pin before the files exist
+
+
+@dataclass(frozen=True)
+class BuildStage:
+    """One entry of :data:`STAGES`: the timer's name, the stage, and when it runs."""
+
+    name: str
+    run: Stage
+    runs_when: Callable[[StageContext], bool] = _always
+
+
+STAGES: tuple[BuildStage, ...] = (
+    BuildStage("weights", weights_stage),
+    BuildStage("bundle", bundle_stage, _has_bundle),
+    BuildStage("loader", loader_stage, _writes),
+    BuildStage("inputs", inputs_stage, _writes),
+    BuildStage("image", image_stage),
+)
+"""The stages in build order; each output is in ``ctx.outputs[name]`` for the ones after it."""
 
 
 def default_layer_digests() -> bool:

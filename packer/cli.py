@@ -53,7 +53,7 @@ class Ctx:
 
     @contextlib.contextmanager
     def progress(self, desc: str) -> Iterator[Callable[[int], None] | None]:
-        """A tqdm bar on stderr fed with byte increments (:data:`packer.build_stages.Progress`); None when
+        """A tqdm bar on stderr fed with byte increments (:data:`packer.stage.Progress`); None when
         quiet, JSON or not a terminal."""
         if self.quiet or self.json or not sys.stderr.isatty():
             yield None
@@ -342,7 +342,7 @@ def verify(ctx: Ctx, out: Path) -> None:
     Example:
       packer verify dist
     """
-    from packer.manifest import verify as run_verify
+    from packer.verify import verify as run_verify
 
     summary = run_verify(out)
     ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / MANIFEST_NAME}")

@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from packer.build_stages import Progress, StageOutput
 from packer.components import Component, SourceLayout, detect_layout, left_out, model_tree
 from packer.recipe import ImageConfig, WeightsConfig
+from packer.stage import Progress, StageOutput
 
 _EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors": {}, "aliases": {}}
 

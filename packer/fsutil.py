@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -122,29 +123,83 @@ def umask() -> int:
     return mask
 
 
+class TempFile:
+    """A new file under a temporary name beside ``dest``, renamed into place by :meth:`commit`.
+
+    The writer behind :func:`atomic_open`, and for writers that learn the final name only at
+    the end (a blob named by its digest: :meth:`commit` takes another name in the same
+    directory). A context manager: leaving it without a commit closes and removes the
+    temporary file, and a failure of that cleanup is noted on the error that caused it, never
+    raised over it.
+
+    Args:
+        dest: the final path (``.NAME.XXXX.tmp`` beside it until the commit).
+        mode: the final file's mode, minus the umask (mkstemp alone would leave 0600).
+        buffering: as for :func:`open`; 0 for writers that use :attr:`fd` directly.
+    """
+
+    def __init__(self, dest: str | Path, mode: int = 0o666, *, buffering: int = -1) -> None:
+        self.dest = Path(dest)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.dest.name}.", suffix=".tmp", dir=self.dest.parent)
+        self.path = Path(tmp)
+        self._committed = False
+        try:
+            os.fchmod(fd, mode & ~umask())
+            self.file: IO[bytes] = os.fdopen(fd, "wb", buffering=buffering)
+        except BaseException as e:
+            quiet_cleanup(e, functools.partial(os.close, fd), functools.partial(os.unlink, tmp))
+            raise
+
+    @property
+    def fd(self) -> int:
+        return self.file.fileno()
+
+    def commit(self, dest: str | Path | None = None, *, fsync: bool = True,
+               check: Callable[[Path], object] | None = None) -> None:
+        """Flush and close the file, then ``check`` it (if given) and rename it into place.
+
+        Args:
+            dest: the final path, when not the one given at creation (the same directory).
+            fsync: sync before the rename; False for a writer whose caller syncs a whole tree once.
+            check: called with the complete, closed temporary file; what it raises leaves the
+                destination untouched.
+        """
+        self.file.flush()
+        if fsync:
+            os.fsync(self.fd)
+        self.file.close()
+        if check is not None:
+            check(self.path)
+        os.replace(self.path, self.dest if dest is None else dest)
+        self._committed = True
+
+    def __enter__(self) -> TempFile:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        if self._committed:
+            return
+        steps = (self.file.close, functools.partial(os.unlink, self.path))
+        if error is None:
+            for step in steps:
+                with contextlib.suppress(FileNotFoundError):
+                    step()
+        else:
+            quiet_cleanup(error, *steps)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: int = 0o666, *,
                 check: Callable[[Path], object] | None = None) -> Iterator[IO[bytes]]:
     """Open a temporary file next to ``path``; on success fsync and rename it into place.
 
-    The final file gets ``mode`` minus the umask (mkstemp alone would leave 0600). ``check``,
-    if given, is called with the complete, closed temporary file before the rename; whatever
-    it raises leaves ``path`` untouched. On any error the temporary file is removed.
+    The final file gets ``mode`` minus the umask. ``check``, if given, is called with the
+    complete, closed temporary file before the rename; whatever it raises leaves ``path``
+    untouched. On any error the temporary file is removed (see :class:`TempFile`).
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode & ~umask())
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        if check is not None:
-            check(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException as e:
-        quiet_cleanup(e, lambda: os.unlink(tmp))
-        raise
+    with TempFile(path, mode) as tmp:
+        yield tmp.file
+        tmp.commit(check=check)
 
 
 def quiet_cleanup(error: BaseException, *steps: Callable[[], object]) -> None:

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packer import errors
-from packer.build_stages import Progress, StageOutput
 from packer.fsutil import FileEntry
 from packer.recipe import ImageConfig, Rename, WeightsConfig
+from packer.stage import Progress, StageOutput
 
 if TYPE_CHECKING:  # the convert machinery is imported where it runs (the child), not here
     from packer.weights.convert import LayerFraming
@@ -213,7 +213,7 @@ def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | No
     """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
 
     ``progress`` receives the bytes as they are written (increments, see
-    :data:`packer.build_stages.Progress`), with or without the sandbox. With
+    :data:`packer.stage.Progress`), with or without the sandbox. With
     ``layer_image``, each weight file's image-layer digest is computed while it is written
     and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``).
     """

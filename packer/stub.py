@@ -13,11 +13,11 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from packer.build_stages import StageOutput
 from packer.errors import StubError
 from packer.formats import LOADER_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, file_entry
 from packer.runtime_join import RUNTIME, amalgamate
+from packer.stage import StageOutput
 
 BEGIN = "# >>> packer:embedded (replaced by packer.stub when the loader is emitted)\n"
 END = "# <<< packer:embedded\n"

@@ -15,9 +15,15 @@ from pathlib import Path
 import pytest
 
 from packer.build import build
+from packer.bundle import unbundle
+from packer.demo import write_demo
 from packer.errors import PackerError, VerifyError
-from packer.manifest import verify
+from packer.manifest import split_artifact
 from packer.recipe import demo_recipe, recipe_from_dict
+from packer.verify import verify
+from tests.bundle_validate import validate_bundle
+from tests.oci_validate import require_tool, run, validate_layout
+from tests.weights_validate import aliases_of, validate_output
 
 EXPECTED = {"manifest.json", "weights/model.safetensors", "bundle.tar.zst", "packer_loader.py", "Dockerfile"}
 
@@ -52,6 +58,55 @@ def test_demo_build_outputs(demo_out: Path) -> None:
     timings = json.loads((demo_out / "build-timings.json").read_bytes())
     assert [s["stage"] for s in timings["stages"]][:3] == ["source", "weights", "bundle"]
     assert not list(demo_out.parent.glob(".out.packer-*"))  # no staging left behind
+
+
+def test_safetensors_reads_back_the_source_tensors(demo_out: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    src = write_demo(tmp_path)  # the same deterministic demo the build generated
+    want = torch.load(src / "pytorch_model.bin", weights_only=True)  # an oracle, on a file we made
+    validate_output(demo_out / "weights")
+    got = load_file(demo_out / "weights" / "model.safetensors")
+    aliases = aliases_of(demo_out / "weights")
+    assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert sorted([*got, *aliases]) == sorted(want)
+    for name, tensor in want.items():
+        stored = got[aliases.get(name, name)]
+        assert (stored.dtype, stored.shape) == (tensor.dtype, tensor.shape), name
+        assert torch.equal(stored.flatten().view(torch.uint8), tensor.contiguous().flatten().view(torch.uint8)), name
+
+
+def test_tokenizers_loads_the_bundled_tokenizer(demo_out: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    src = write_demo(tmp_path)
+    files = validate_bundle(demo_out / "bundle.tar.zst")
+    assert files["tokenizer.json"] == (src / "tokenizer.json").read_bytes()
+    assert unbundle(demo_out / "bundle.tar.zst", tmp_path / "bundle") == sorted(files)
+    bundled = Tokenizer.from_file(str(tmp_path / "bundle" / "tokenizer.json"))
+    source = Tokenizer.from_file(str(src / "tokenizer.json"))
+    words = sorted(w for w in source.get_vocab() if w.isalpha() and w.islower() and len(w) > 1)[:8]  # "baba"...
+    ids = bundled.encode(" ".join(words)).ids
+    assert ids == source.encode(" ".join(words)).ids == [source.token_to_id(w) for w in words]
+
+
+def test_skopeo_and_umoci_read_the_image(demo_out: Path, tmp_path: Path) -> None:
+    skopeo, umoci = require_tool("skopeo"), require_tool("umoci")
+    copy = tmp_path / "out"  # the tools get a copy: nothing they might write lands in demo_out
+    subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
+    manifest = json.loads((copy / "manifest.json").read_bytes())
+    image = manifest["image"]
+    layout = validate_layout(copy / "image", image["tag"])
+    info = json.loads(run([skopeo, "inspect", f"oci:{copy / 'image'}:{image['tag']}"]).stdout)
+    assert info["Digest"] == image["manifest_digest"] == layout.manifest_digest
+    assert info["Layers"] == [layer["digest"] for layer in image["layers"]]
+    flags = [] if os.geteuid() == 0 else ["--rootless"]
+    run([umoci, "unpack", *flags, "--image", f"{copy / 'image'}:{image['tag']}", str(tmp_path / "bundle")])
+    root = tmp_path / "bundle" / "rootfs" / image["prefix"].lstrip("/")
+    for rel in manifest["files"]:
+        assert (root / rel).read_bytes() == (copy / rel).read_bytes(), rel
+    assert (root / "manifest.json").read_bytes() == split_artifact(manifest)
 
 
 def test_verify_passes_then_names_any_changed_file(demo_out: Path, tmp_path: Path) -> None:
@@ -304,7 +359,7 @@ def test_manifest_pins_every_input_shard(tmp_path: Path) -> None:
 def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    import packer.build as build_module
+    import packer.build_stages as stages_module
     import packer.fsutil as fsutil
     from packer.demo import write_demo
 
@@ -318,7 +373,7 @@ def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, mon
         hashed_on.append((Path(path).name, threading.current_thread().name))
         return real(path, stop)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(build_module, "sha256_file", spy)  # hashed when needed
+    monkeypatch.setattr(stages_module, "sha256_file", spy)  # hashed when needed (the inputs stage)
     monkeypatch.setattr(fsutil, "sha256_file", spy)  # hashed ahead (sha256_file_or_none)
     build(recipe_from_dict({"name": "m", "version": "1", "source": str(src)}), tmp_path / "out", sandbox=False)
     threads = {name: [t for n, t in hashed_on if n == name] for name, _ in hashed_on}

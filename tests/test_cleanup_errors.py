@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer import bundle as bundle_mod
-from packer.bundle import ARCHIVE_NAME, plan_bundle, unbundle, write_bundle
+from packer.bundle import ARCHIVE_NAME, BundleMember, plan_bundle, unbundle, write_bundle
+from packer.bundle import write as bundle_write
+from packer.bundle.tar import MemberDigest
 from packer.errors import BundleError, ImageError, WeightsError
 from packer.fsutil import atomic_write_bytes
 from packer.oci.layer import write_layer
@@ -79,16 +80,16 @@ def test_long_tokenizer_name_bundles_and_reads_back(tmp_path: Path) -> None:
 def test_bundle_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     src = _tokenizer_dir(tmp_path / "src")
-    real = bundle_mod._copy_member
+    real = bundle_write.copy_member
     calls: list[str] = []
 
-    def copy(member: bundle_mod.BundleMember, out: object) -> bundle_mod.MemberDigest:
+    def copy(member: BundleMember, out: object) -> MemberDigest:
         calls.append(member.name)
         if len(calls) == 2:  # the first member is in the frame already
             raise BundleError(f"{member.source}: changed size while being bundled; retry")
         return real(member, out)
 
-    monkeypatch.setattr(bundle_mod, "_copy_member", copy)
+    monkeypatch.setattr(bundle_write, "copy_member", copy)
     from packer import fsutil  # the archive is written through fsutil.atomic_open
 
     _failing_unlink(monkeypatch, fsutil)
@@ -116,13 +117,13 @@ def test_atomic_write_failing_cleanup_keeps_the_first_error(tmp_path: Path,
 
 
 def test_layer_failing_mid_stream_keeps_its_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer.oci import layer as layer_mod
+    from packer import fsutil  # the blob and the tee are written through fsutil.TempFile
 
     def pieces() -> Iterator[bytes]:
         yield b"x" * 4096  # a partial write
         raise ImageError("layer entry /opt/model/a: source changed size while read")
 
-    _failing_unlink(monkeypatch, layer_mod)
+    _failing_unlink(monkeypatch, fsutil)
     for compression in ("none", "gzip", "zstd"):
         with pytest.raises(ImageError) as e:
             write_layer(pieces(), tmp_path, compression=compression, tee=tmp_path / "t.tar")
@@ -131,13 +132,13 @@ def test_layer_failing_mid_stream_keeps_its_message(tmp_path: Path, monkeypatch:
 
 
 def test_layer_failing_rename_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer.oci import layer as layer_mod
+    from packer import fsutil  # the blob is renamed into place by fsutil.TempFile
 
     def replace(a: object, b: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(layer_mod, "os", type("O", (), {"__getattr__": lambda s, n: replace if n == "replace"
-                                                        else getattr(os, n)})())
+    monkeypatch.setattr(fsutil, "os", type("O", (), {"__getattr__": lambda s, n: replace if n == "replace"
+                                                     else getattr(os, n)})())
     with pytest.raises(OSError, match="cross-device"):
         write_layer([b"y" * 1024], tmp_path, compression="none")
     assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from packer import tarfmt
-from packer.build_stages import Progress, StageOutput
 from packer.errors import ImageError
 from packer.formats import LOADER_NAME, MANIFEST_NAME
 from packer.fsutil import FileEntry, file_entry
@@ -31,6 +30,7 @@ from packer.oci.plan import ImagePlan, PlannedLayer, model_files, plan_layers
 from packer.oci.runconfig import base_name, created_epoch, image_annotations, run_config
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
+from packer.stage import Progress, StageOutput
 
 
 def source_date_epoch() -> int:
@@ -168,7 +168,7 @@ def build_image(
         dry_run: only plan; the section is the plan and nothing is written.
         verify: re-read the written image with :func:`verify_image` (checks every byte).
         progress: called after each layer with its size (an increment, see
-            :data:`packer.build_stages.Progress`).
+            :data:`packer.stage.Progress`).
         known_digests: ``{"layer:<path in OUT>": "sha256:…"}`` of one-file uncompressed
             layers, hashed while the weights were written: those layers are copied, not
             hashed. Trusted: a wrong one is caught by ``verify`` (or the build's own check).

@@ -13,13 +13,12 @@ one: the build syncs the staging directory once before publishing it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import functools
 import hashlib
 import mmap
 import os
 import re
-import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from packer.errors import ImageError
-from packer.fsutil import quiet_cleanup, umask
+from packer.fsutil import TempFile
 from packer.oci.tar_writer import FileRange
 
 CHUNK = 16 * 2**20
@@ -76,6 +75,7 @@ class _HashingFile:
 
     def __init__(self, fd: int, *, hashing: bool = True) -> None:
         self.fd = fd
+        self.hashing = hashing
         self.hash: Any = hashlib.sha256() if hashing else _NoHash()
         self.size = 0
 
@@ -86,6 +86,16 @@ class _HashingFile:
         while view:
             view = view[os.write(self.fd, view) :]
         return len(data)
+
+    def copy_range(self, src: Path, size: int) -> None:
+        """Append ``size`` bytes of ``src`` by kernel copy, hashed alongside unless not hashing."""
+        if self.hashing and size:  # (an empty file cannot be mapped, and has nothing to hash)
+            _copy_range_fast(src, size, self)
+            return
+        with open(src, "rb") as f:
+            _check_size(f.fileno(), src, size)
+            _copy_fd(f.fileno(), self.fd, size, src)
+        self.size += size
 
 
 class _Gzip:
@@ -191,23 +201,6 @@ def _check_size(fd: int, src: Path, size: int) -> None:
         raise ImageError(f"{src}: is {actual} bytes, the plan expected {size}; rebuild")
 
 
-def _copy_known(pieces: Iterable[bytes | FileRange], fd: int) -> int:
-    """Write an uncompressed tar stream to ``fd`` without hashing it; returns its size."""
-    size = 0
-    for piece in pieces:
-        if isinstance(piece, FileRange):
-            with open(piece.path, "rb") as f:
-                _check_size(f.fileno(), piece.path, piece.size)
-                _copy_fd(f.fileno(), fd, piece.size, piece.path)
-            size += piece.size
-        else:
-            view = memoryview(piece)
-            while view:
-                view = view[os.write(fd, view) :]
-            size += len(piece)
-    return size
-
-
 def write_layer(
     pieces: Iterable[bytes | FileRange],
     blobs_dir: Path,
@@ -233,57 +226,37 @@ def write_layer(
     Raises:
         ImageError: unknown compression, or a source file changed size while read.
     """
-    fd, tmp = tempfile.mkstemp(prefix=".blob.", suffix=".tmp", dir=blobs_dir)
-    tee_fd, tee_tmp = (-1, "")
-    if tee is not None:
-        tee_fd, tee_tmp = tempfile.mkstemp(prefix=f".{tee.name}.", suffix=".tmp", dir=tee.parent)
-    try:
-        if digest is not None:
-            if compression != "none" or tee is not None:
-                raise ImageError("a known layer digest needs an uncompressed layer without a tee")
-            if not _DIGEST.fullmatch(digest):  # it names a file: never a path
-                raise ImageError(f"known layer digest {digest!r}: expected sha256:<64 hex digits>")
-            size = _copy_known(pieces, fd)
-            done, fd = fd, -1  # _finish closes it, whatever happens
-            _finish(done, tmp, blobs_dir / digest.removeprefix("sha256:"))
-            return Layer(digest, digest, size, MEDIA_TYPES["none"],
-                         blobs_dir / digest.removeprefix("sha256:"))
-        out = _HashingFile(fd)
+    if digest is not None:
+        if compression != "none" or tee is not None:
+            raise ImageError("a known layer digest needs an uncompressed layer without a tee")
+        if not _DIGEST.fullmatch(digest):  # it names a file: never a path
+            raise ImageError(f"known layer digest {digest!r}: expected sha256:<64 hex digits>")
+    with contextlib.ExitStack() as stack:
+        blob = stack.enter_context(TempFile(blobs_dir / "blob", 0o644, buffering=0))  # named by its digest
+        teed = stack.enter_context(TempFile(tee, 0o644, buffering=0)) if tee is not None else None
+        out = _HashingFile(blob.fd, hashing=digest is None)
         sink, close = _compressor(compression, out)
         # uncompressed: the blob hash is the diff_id, so hash once
         diff: Any = _NoHash() if compression == "none" else hashlib.sha256()
-        tee_out = _HashingFile(tee_fd, hashing=False) if tee is not None else None
+        target: _Sink = _Tee(sink, _HashingFile(teed.fd, hashing=False)) if teed else sink
         buf = bytearray(CHUNK)
         for piece in pieces:
-            if isinstance(piece, FileRange):
-                if compression == "none" and tee_out is None and piece.size:
-                    _copy_range_fast(piece.path, piece.size, out)
-                else:
-                    target: _Sink = _Tee(sink, tee_out) if tee_out else sink
-                    _copy_range(piece.path, piece.size, target, diff, buf)
-            else:
+            if not isinstance(piece, FileRange):
                 diff.update(piece)
-                sink.write(piece)
-                if tee_out is not None:
-                    tee_out.write(piece)
+                target.write(piece)
+            elif target is out:  # the blob is the tar itself: a kernel copy
+                out.copy_range(piece.path, piece.size)
+            else:
+                _copy_range(piece.path, piece.size, target, diff, buf)
         close()
-        digest = "sha256:" + out.hash.hexdigest()
-        done, fd = fd, -1  # _finish closes it, whatever happens
-        _finish(done, tmp, blobs_dir / digest.removeprefix("sha256:"))
-        if tee is not None:
-            done, tee_fd = tee_fd, -1
-            _finish(done, tee_tmp, tee)
-        diff_id = digest if compression == "none" else "sha256:" + diff.hexdigest()
-        return Layer(digest, diff_id, out.size, MEDIA_TYPES[compression],
-                     blobs_dir / digest.removeprefix("sha256:"))
-    except BaseException as e:
-        # a failed rename leaves its temp file behind too: remove both, never raising over e
-        for f, t in ((fd, tmp), (tee_fd, tee_tmp)):
-            if f >= 0:
-                quiet_cleanup(e, functools.partial(os.close, f))
-            if t:
-                quiet_cleanup(e, functools.partial(os.unlink, t))
-        raise
+        digest = digest or "sha256:" + out.hash.hexdigest()
+        path = blobs_dir / digest.removeprefix("sha256:")
+        # not synced one by one: the build syncs the staging directory once before publishing it
+        blob.commit(path, fsync=False)
+        if teed is not None:
+            teed.commit(fsync=False)
+    diff_id = digest if compression == "none" else "sha256:" + diff.hexdigest()
+    return Layer(digest, diff_id, out.size, MEDIA_TYPES[compression], path)
 
 
 @dataclass(frozen=True)
@@ -346,12 +319,3 @@ class _Tee:
         self.a.write(data)
         self.b.write(data)
         return len(data)
-
-
-def _finish(fd: int, tmp: str, final: Path) -> None:
-    """Give the temp file the mode any new file gets (mkstemp made it 0600), close, rename it."""
-    try:
-        os.fchmod(fd, 0o644 & ~umask())
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)

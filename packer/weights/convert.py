@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from packer.build_stages import Progress, StageOutput
 from packer.checkpoint.records import CheckpointContents, listing
 from packer.errors import DependencyError, PackerError, WeightsError
 from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import WeightsConfig
+from packer.stage import Progress, StageOutput
 from packer.weights.inputs import InputSet, check_index, find_inputs
 from packer.weights.plan import INDEX_NAME, WeightsPlan, plan_weights
 from packer.weights.ties import read_tie_config
@@ -128,7 +128,7 @@ def convert(
         cfg: the recipe's weights section.
         rel_root: what file paths in the result are relative to (default ``dest_dir``).
         progress: called with the tensor bytes just written (increments, see
-            :data:`packer.build_stages.Progress`).
+            :data:`packer.stage.Progress`).
         dry_run: plan only; ``section`` describes what would be written.
         verify: re-parse the outputs and compare every tensor's bytes with its source.
         layer_framing: given a shard's path relative to ``rel_root`` and its size, the bytes

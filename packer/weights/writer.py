@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer.build_stages import Progress
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
 from packer.errors import WeightsError
 from packer.formats import CAST_DTYPES
 from packer.fsutil import HashThread, open_regular, umask
+from packer.stage import Progress
 from packer.weights.plan import PlannedTensor, ShardPlan
 
 CHUNK = 8 * 2**20  # small enough that read-back and hashing find the bytes still in cache
@@ -230,7 +230,7 @@ def write_shard(
         sources: the open input files.
         verify: read every span back and compare it with what it should hold.
         progress: called with the number of tensor bytes written after each chunk (an
-            increment, see :data:`packer.build_stages.Progress`).
+            increment, see :data:`packer.stage.Progress`).
         framing: ``(prefix, suffix)``: also hash ``prefix + file + suffix`` (the shard's
             image layer) on another thread, into ``framed_sha256``.
 

@@ -1,0 +1,81 @@
+"""The bundle stage (``run_bundle``) and its command-line twin (``packer bundle``): plan, then write.
+
+The dry run's section is the plan itself (members with their sources, and what was skipped
+and why); a written bundle's section pins the archive and every member's sha256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from packer.bundle.plan import BundlePlan
+from packer.bundle.select import plan_bundle
+from packer.bundle.write import ZSTD_LEVEL, WrittenBundle, write_bundle
+from packer.fsutil import FileEntry
+from packer.recipe import BundleConfig
+from packer.stage import StageOutput
+
+ARCHIVE_NAME = "bundle.tar.zst"
+
+
+def _plan_section(plan: BundlePlan) -> dict[str, Any]:
+    return {"file": ARCHIVE_NAME, "dry_run": True, "zstd_level": ZSTD_LEVEL,
+            "members": [{"name": m.name, "size": m.size, "source": str(m.source)} for m in plan.members],
+            "skipped": [{"name": n, "reason": r} for n, r in plan.skipped]}
+
+
+def _section(file: str, written: WrittenBundle) -> dict[str, Any]:
+    return {"file": file, "size": written.size, "sha256": written.sha256, "zstd_level": written.zstd_level,
+            "members": [{"name": m.name, "size": m.size, "sha256": m.sha256} for m in written.members]}
+
+
+def _notes(plan: BundlePlan) -> tuple[str, ...]:
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in plan.skipped:
+        if not reason.startswith("weights"):  # the weights stage converts those: no news
+            by_reason.setdefault(reason, []).append(name)
+    return tuple(f"bundle: skipped ({reason}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                 for reason, names in sorted(by_reason.items()))
+
+
+def run_bundle(src: Path, cfg: BundleConfig, out_dir: Path, *, rel_root: Path | None = None,
+               allowed_root: Path | None = None, dry_run: bool = False) -> StageOutput:
+    """The build stage: plan and write ``out_dir/bundle.tar.zst``.
+
+    Args:
+        src: the model directory (a local snapshot).
+        cfg: the recipe's ``[bundle]`` section.
+        out_dir: where the archive goes.
+        rel_root: manifest paths are relative to this (default ``out_dir``).
+        allowed_root: where symlinks may lead (see :func:`plan_bundle`).
+        dry_run: return the plan as the section and write nothing.
+
+    Returns:
+        the archive as a FileEntry and the section ``{file, size, sha256, zstd_level, members}``.
+
+    Raises:
+        BundleError: see :func:`plan_bundle` and :func:`write_bundle`.
+    """
+    plan = plan_bundle(src, cfg, allowed_root=allowed_root)
+    if dry_run:
+        return StageOutput(section=_plan_section(plan), notes=_notes(plan))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = write_bundle(plan, out_dir / ARCHIVE_NAME)
+    rel = written.path.relative_to(rel_root if rel_root is not None else out_dir).as_posix()
+    return StageOutput(files=(FileEntry(rel, written.size, written.sha256),), section=_section(rel, written),
+                       bytes_processed=plan.total_size, notes=_notes(plan))
+
+
+def bundle_to_file(src: Path, out: Path, cfg: BundleConfig, *, dry_run: bool = False) -> dict[str, Any]:
+    """``packer bundle SRC -o ARCHIVE``: like :func:`run_bundle` with a free archive name.
+
+    Returns:
+        the section (``members`` always; ``size`` and ``sha256`` unless ``dry_run``).
+    """
+    plan = plan_bundle(src, cfg)
+    if dry_run:
+        return _plan_section(plan)
+    out = Path(out)
+    return _section(str(out), write_bundle(plan, out))

@@ -1,0 +1,173 @@
+"""``packer verify``: prove that a build output still matches its manifest, byte for byte.
+
+The walk composes each stage's own check (:func:`packer.oci.verify.verify_image`,
+:func:`packer.weights.verify.verify_weights`, :func:`packer.bundle.verify_bundle`) with the
+manifest's file list (:mod:`packer.manifest`), so it sits above the stages it calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from packer.bundle import verify_bundle
+from packer.components import components_of
+from packer.errors import ImageArtifactMismatchError, VerifyError
+from packer.formats import MANIFEST_NAME
+from packer.fsutil import canonical_json, sha256_file, sha256_file_or_none
+from packer.manifest import TIMINGS, load_manifest, split_artifact
+from packer.oci.verify import verify_image
+from packer.weights.verify import verify_weights
+
+Inode = tuple[int, int]
+
+
+def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
+                stop: threading.Event) -> dict[Inode, Future[tuple[int, str] | None]]:
+    """Start hashing, largest first, the listed files the image walk does not check itself.
+
+    The image walk hashes every blob (and the files inside packer's layers); the files
+    outside the image (and nothing twice: layer tarballs are hardlinks of blobs) can be
+    hashed at the same time on the other cores.
+    """
+    found: dict[str, os.stat_result] = {}
+    for rel in listed:
+        try:
+            st = (out / rel).lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found[rel] = st
+    blobs = {(st.st_dev, st.st_ino) for rel, st in found.items() if rel.startswith("image/blobs/sha256/")}
+    ahead: dict[Inode, Future[tuple[int, str] | None]] = {}
+    for rel, st in sorted(found.items(), key=lambda kv: (-kv[1].st_size, kv[0])):
+        inode = (st.st_dev, st.st_ino)
+        if inode not in blobs and inode not in ahead:
+            ahead[inode] = pool.submit(sha256_file_or_none, out / rel, stop)
+    return ahead
+
+
+def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
+                 ahead: dict[Inode, Future[tuple[int, str] | None]]) -> int:
+    total = 0
+    hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
+    for rel, want in sorted(listed.items()):
+        path = out / rel
+        if not path.is_file() or path.is_symlink():
+            raise VerifyError(f"{path}: listed in the manifest but missing")
+        st = path.stat()
+        if st.st_size != want["size"]:
+            raise VerifyError(f"{path}: size {st.st_size} differs from the manifest's {want['size']}")
+        size = st.st_size
+        inode = (st.st_dev, st.st_ino)
+        if rel.startswith("image/blobs/sha256/") and "sha256:" + want["sha256"] in checked_blobs:
+            hashed[inode] = want["sha256"]  # the image walk hashed this blob against its name
+        if inode not in hashed:
+            early = ahead[inode].result() if inode in ahead else None  # None: hash it here
+            hashed[inode] = (early or sha256_file(path))[1]
+        digest = hashed[inode]
+        if digest != want["sha256"]:
+            raise VerifyError(f"{path}: sha256 {digest[:16]}… differs from the manifest's {want['sha256'][:16]}…")
+        total += size
+    return total
+
+
+def _check_no_extras(out: Path, listed: set[str]) -> None:
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            continue
+        if rel not in listed and rel not in (MANIFEST_NAME, TIMINGS):
+            raise VerifyError(f"{path}: not listed in the manifest")
+
+
+def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
+    """Blame manifest.json itself when it disagrees with the redundancy the build left."""
+    path = out / MANIFEST_NAME
+    if raw != canonical_json(manifest):
+        raise VerifyError(f"{path}: not in canonical form (edited after the build?)")
+    image_files = manifest.get("image_files", {})
+    for rel, entry in image_files.items():  # blobs are named by their digest
+        if rel.startswith("image/blobs/sha256/") and entry["sha256"] != rel.rsplit("/", 1)[1]:
+            raise VerifyError(f"{path}: records sha256 {entry['sha256'][:16]}… for the blob {rel}")
+    section = manifest.get("image") or {}
+    index = image_files.get("image/index.json")
+    if section and (index is None or "sha256:" + index["sha256"] != section.get("index_digest")):
+        raise VerifyError(f"{path}: image.index_digest disagrees with image_files")
+    for digest in [section.get("manifest_digest"), section.get("config_digest"),
+                   *(layer.get("digest") for layer in section.get("layers", []))]:
+        if digest and f"image/blobs/sha256/{digest.removeprefix('sha256:')}" not in image_files:
+            raise VerifyError(f"{path}: image section names {digest}, which is not in image_files")
+
+
+def _name_every_link(out: Path, e: VerifyError) -> VerifyError:
+    """``e`` naming every hard link of the file it blames (layer tarballs are links of blobs)."""
+    where, sep, rest = str(e).partition(": ")
+    try:
+        st = os.lstat(where)
+    except (OSError, ValueError):
+        return e
+    if not sep or not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
+        return e
+    others = []
+    for path in sorted(out.rglob("*")):
+        with contextlib.suppress(OSError):
+            other = path.lstat()
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino) and path != Path(where):
+                others.append(str(path))
+    return VerifyError(f"{where} (the same file as {', '.join(others)}): {rest}") if others else e
+
+
+def verify(out: Path) -> dict[str, Any]:
+    """Check every file of a build output against its manifest, then each stage's own rules.
+
+    The image is checked first on its own (its blobs are content-addressed); it holds a copy
+    of the artifact manifest, so a manifest.json edited after the build is named as such
+    rather than blaming the file whose recorded digest was changed. A blamed file with other
+    names (a layer tarball under ``image/layers/`` is a hard link of its blob) is named by all.
+
+    Returns:
+        A summary: files checked and bytes hashed.
+
+    Raises:
+        VerifyError: naming the first mismatch.
+    """
+    try:
+        return _verify(out)
+    except VerifyError as e:
+        named = _name_every_link(out, e)
+        if named is e:
+            raise
+        raise named from e
+
+
+def _verify(out: Path) -> dict[str, Any]:
+    manifest = load_manifest(out)
+    _check_self(out, (out / MANIFEST_NAME).read_bytes(), manifest)
+    listed = {**manifest["files"], **manifest.get("image_files", {})}
+    _check_no_extras(out, set(listed))
+    checked: set[str] = set()
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="packer-verify-files")
+    try:
+        ahead = _hash_ahead(out, listed, pool, stop)  # while the image is walked
+        if manifest.get("image"):
+            try:
+                checked = verify_image(out, artifact_manifest=split_artifact(manifest))
+            except ImageArtifactMismatchError as e:
+                raise VerifyError(f"{out / MANIFEST_NAME}: differs from the copy built into the image ({e})") from e
+        nbytes = _check_files(out, listed, checked, ahead)
+    finally:
+        stop.set()  # a failure above need not wait for every file to be hashed
+        pool.shutdown(wait=True, cancel_futures=True)
+    if manifest.get("weights"):
+        for section in components_of(manifest["weights"]):  # each component on its own
+            verify_weights(out, section)
+    if manifest.get("bundle"):
+        verify_bundle(out, manifest["bundle"])
+    return {"files": len(listed) + 1, "bytes": nbytes}
