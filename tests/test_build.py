@@ -19,6 +19,7 @@ from packer.bundle import unbundle
 from packer.demo import write_demo
 from packer.errors import PackerError, VerifyError
 from packer.manifest import split_artifact
+from packer.oci.plan import image_rel
 from packer.recipe import demo_recipe, recipe_from_dict
 from packer.verify import verify
 from tests.bundle_validate import validate_bundle
@@ -105,7 +106,7 @@ def test_skopeo_and_umoci_read_the_image(demo_out: Path, tmp_path: Path) -> None
     run([umoci, "unpack", *flags, "--image", f"{copy / 'image'}:{image['tag']}", str(tmp_path / "bundle")])
     root = tmp_path / "bundle" / "rootfs" / image["prefix"].lstrip("/")
     for rel in manifest["files"]:
-        assert (root / rel).read_bytes() == (copy / rel).read_bytes(), rel
+        assert (root / image_rel(rel)).read_bytes() == (copy / rel).read_bytes(), rel
     assert (root / "manifest.json").read_bytes() == split_artifact(manifest)
 
 
