@@ -105,24 +105,19 @@ def checkpoint_of(folder: Path, stem: str) -> tuple[str, ...]:
     return (found[0],) if len(found) == 1 else ()
 
 
-def _diffusers(root: Path) -> list[Component]:
+def _diffusers_entries(root: Path) -> list[tuple[str, str]]:
+    """``(folder, library)`` of each component ``model_index.json`` names, weights or not."""
     marker = root / "model_index.json"
     index = _read_json(marker)
     if not isinstance(index, dict):
         raise WeightsError(f"{marker}: not an object")
-    out = []
-    for key, value in sorted(index.items()):
-        if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
-            continue
-        name = _checked_name(marker, key)
-        library = "diffusers" if value[0] == "diffusers" else "transformers"
-        files = checkpoint_of(root / name, STEMS[library])
-        if files:
-            out.append(Component(name, name, library, files))
-    return out
+    return [(_checked_name(marker, key), "diffusers" if value[0] == "diffusers" else "transformers")
+            for key, value in sorted(index.items())
+            if not key.startswith("_") and isinstance(value, list) and len(value) == 2]
 
 
-def _sentence_transformers(root: Path) -> list[Component]:
+def _module_paths(root: Path) -> list[str]:
+    """The folder of each module ``modules.json`` lists (``""`` for the root), weights or not."""
     marker = root / "modules.json"
     modules = _read_json(marker)
     if not isinstance(modules, list):
@@ -133,12 +128,39 @@ def _sentence_transformers(root: Path) -> list[Component]:
         if path is None or not isinstance(path, str):
             raise WeightsError(f"{marker}: a module without a path: {str(m)[:80]!r}")
         path = path.strip("/")
-        if path:
-            _checked_name(marker, path)
-        files = checkpoint_of(root / path, "model")
-        if files:
+        out.append(_checked_name(marker, path) if path else path)
+    return out
+
+
+def _diffusers(root: Path) -> list[Component]:
+    out = []
+    for name, library in _diffusers_entries(root):
+        if files := checkpoint_of(root / name, STEMS[library]):
+            out.append(Component(name, name, library, files))
+    return out
+
+
+def _sentence_transformers(root: Path) -> list[Component]:
+    out = []
+    for path in _module_paths(root):
+        if files := checkpoint_of(root / path, "model"):
             out.append(Component(path or ROOT_NAME, path, "transformers", files))
     return out
+
+
+def named_folders(root: Path) -> frozenset[str]:
+    """The sub-folders ``root``'s layout file names: each diffusers component and
+    sentence-transformers module, with or without weights (a scheduler, a tokenizer, 1_Pooling).
+
+    Raises:
+        WeightsError: a marker file that is unreadable or names a folder that is not a plain name.
+    """
+    folders: set[str] = set()
+    if (root / "model_index.json").is_file():
+        folders.update(name for name, _ in _diffusers_entries(root))
+    if (root / "modules.json").is_file():
+        folders.update(path for path in _module_paths(root) if path)
+    return frozenset(folders)
 
 
 def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) -> SourceLayout:

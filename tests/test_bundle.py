@@ -75,6 +75,27 @@ def test_default_selection(model: Path) -> None:
     assert "unknown/config.json" not in reasons  # not a known sub-folder: not even walked
 
 
+@pytest.mark.parametrize(("marker", "text"), [
+    ("model_index.json", '{"_class_name": "P", "my_scheduler": ["diffusers", "DDIMScheduler"],'
+                         ' "odd_unet": ["diffusers", "UNet2DModel"]}'),
+    ("modules.json", '[{"path": ""}, {"path": "my_scheduler"}, {"path": "odd_unet/"}]'),
+])
+def test_folders_the_layout_file_names_are_bundled(tmp_path: Path, marker: str, text: str) -> None:
+    """Not only the component folder names packer knows: whatever model_index.json or modules.json names."""
+    (tmp_path / marker).write_text(text)
+    for rel in ("my_scheduler/scheduler_config.json", "odd_unet/config.json", "unnamed/config.json"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("{}")
+    names = [m.name for m in plan_bundle(tmp_path, BundleConfig()).members]
+    assert names == [marker, "my_scheduler/scheduler_config.json", "odd_unet/config.json"]
+
+
+def test_a_layout_file_naming_a_path_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text('{"../up": ["diffusers", "UNet2DModel"]}')
+    with pytest.raises(BundleError, match="model_index.json: component '../up' is not a plain folder name"):
+        plan_bundle(tmp_path, BundleConfig())
+
+
 def test_include_exclude(model: Path) -> None:
     cfg = BundleConfig(include=["README.md", "unknown/*.json", "**/*.bin", "*.py"],
                        exclude=["merges.txt", "1_Pooling/**", "tokenizer.model.*"])

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from packer.bundle.plan import BundleMember, BundlePlan
 from packer.bundle.tar import tar_size
-from packer.errors import BundleError
+from packer.components import named_folders
+from packer.errors import BundleError, WeightsError
 from packer.formats import WEIGHT_SUFFIXES
 from packer.fsutil import file_kind
 from packer.idents import confined, link_roots
@@ -69,10 +70,10 @@ def _never(name: str) -> str | None:
     return next((kind for kind, suffixes in NEVER.items() if suffix in suffixes), None)
 
 
-def _default(rel: str) -> str | None:
+def _default(rel: str, folders: frozenset[str]) -> str | None:
     """None when the default rules take ``rel``, else the reason it is skipped."""
     parts = rel.split("/")
-    if len(parts) > 2 or (len(parts) == 2 and not (_MODULE_DIR.match(parts[0]) or parts[0] in KNOWN_DIRS)):
+    if len(parts) > 2 or (len(parts) == 2 and not _sub_folder(parts[0], folders)):
         return "not in the model root or a known sub-folder"
     if _WEIGHTS_INDEX.search(rel):
         return "weights index (the weights stage writes its own)"
@@ -81,7 +82,11 @@ def _default(rel: str) -> str | None:
     return "not a tokenizer/config file type"
 
 
-def _select(rel: str, include: _Globs, exclude: _Globs) -> str | None:
+def _sub_folder(name: str, folders: frozenset[str]) -> bool:
+    return bool(_MODULE_DIR.match(name)) or name in KNOWN_DIRS or name in folders
+
+
+def _select(rel: str, include: _Globs, exclude: _Globs, folders: frozenset[str]) -> str | None:
     if kind := _never(rel):
         return f"{kind} (never bundled)"
     if glob := next((g for g, rx in exclude if rx.match(rel)), None):
@@ -90,14 +95,14 @@ def _select(rel: str, include: _Globs, exclude: _Globs) -> str | None:
         return None
     if any(p.startswith(".") for p in rel.split("/")):
         return "hidden"
-    return _default(rel)
+    return _default(rel, folders)
 
 
 def _inside(path: Path, roots: tuple[Path, ...], rel: str) -> Path:
     return confined(path, roots, error=BundleError, what=f"symlink {rel!r}")
 
 
-def _walk(src: Path, roots: tuple[Path, ...], deep: bool) -> Iterator[tuple[str, Path]]:
+def _walk(src: Path, roots: tuple[Path, ...], deep: bool, folders: frozenset[str]) -> Iterator[tuple[str, Path]]:
     """Yield (relative name, path) of non-directories; descend into sub-folders as the rules need."""
     stack, seen = [("", src)], set()
     while stack:
@@ -112,7 +117,7 @@ def _walk(src: Path, roots: tuple[Path, ...], deep: bool) -> Iterator[tuple[str,
             rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
             if not e.is_dir():
                 yield rel, Path(e.path)
-            elif deep or (not rel_dir and (_MODULE_DIR.match(e.name) or e.name in KNOWN_DIRS)):
+            elif deep or (not rel_dir and _sub_folder(e.name, folders)):
                 if deep and e.name.startswith("."):
                     continue
                 stack.append((rel, Path(e.path)))
@@ -122,7 +127,8 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
     """Choose the bundle members of a model directory (pure: reads metadata only).
 
     Default: json, txt, model, jinja, tiktoken, vocab, spm, bpe and yaml files at the root and
-    in known sub-folders (sentence-transformers ``N_Name/``, diffusers components), minus
+    in known sub-folders (sentence-transformers ``N_Name/``, diffusers components, and every
+    folder ``model_index.json`` or ``modules.json`` names), minus
     weights indexes, hidden files, and never weights, code or pickles. ``cfg.exclude`` globs
     remove files; ``cfg.include`` globs add any other file except weights, code and pickles.
 
@@ -144,8 +150,12 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
     include = [(g, glob_regex(g)) for g in cfg.include]
     exclude = [(g, glob_regex(g)) for g in cfg.exclude]
     members, skipped = [], []
-    for rel, path in _walk(src, roots, deep=bool(include)):
-        if reason := _select(rel, include, exclude):
+    try:
+        folders = named_folders(src)  # the layout file's own list, beyond the folder names known here
+    except WeightsError as e:
+        raise BundleError(str(e)) from e
+    for rel, path in _walk(src, roots, deep=bool(include), folders=folders):
+        if reason := _select(rel, include, exclude, folders):
             skipped.append((rel, reason))
             continue
         real = _inside(path, roots, rel)
