@@ -40,6 +40,8 @@ class Loader:
         timeline: where stage timings go (the process-wide one by default).
         settings: the knobs (default: from the environment over ``manifest["runtime"]``);
             ``slots``, ``chunk`` and ``readers`` start from them and may be set per loader.
+        With ``settings.require_signature`` every load checks sha256 (the signature pins
+        digests; :func:`default_loader` checks the signature itself, for the whole build).
     """
 
     def __init__(self, manifest: dict[str, Any], root: str | Path, *,
@@ -138,6 +140,7 @@ class Loader:
         """
         torch = _torch(self.timeline)
         dev = self._device(torch, device)
+        verify = verify or bool(self.settings.require_signature)
         use_ring = dev.type != "cpu" if pipeline is None else pipeline
         shards = self.open_shards(verify=verify)
         try:
@@ -221,6 +224,7 @@ class Loader:
             ArtifactMismatchError: artifacts that do not match; RuntimeError: key or shape
             mismatch between the weights and the module, or a module spread over devices.
         """
+        verify = verify or bool(self.settings.require_signature)
         return load_module(self, module, device=device, strict=strict, verify=verify, pipeline=pipeline)
 
     def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],
