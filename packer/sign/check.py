@@ -92,7 +92,7 @@ def _model_signing_verify(sig: Path, public_key: Path) -> dict[str, str]:
         raise VerifyError(f"{sig}: the signature does not verify with {public_key} "
                           "(model_signing: invalid signature)") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise VerifyError(f"{sig}: model_signing refuses it with {public_key}: {e}") from None
+        raise VerifyError(f"{sig}: model_signing refuses it with {public_key}: {str(e).strip()}") from None
     return {rd.identifier: rd.digest.digest_hex for rd in verified.resource_descriptors()
             if rd.digest.algorithm == "sha256"}
 
