@@ -123,7 +123,8 @@ class Loader:
         Args:
             device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
             dtype: cast floating-point tensors to this torch dtype (on the device).
-            verify: also check every file's sha256 (a full read).
+            verify: also check every file's sha256 (a full read; always with
+                ``PACKER_REQUIRE_SIGNATURE``).
             pipeline: use the staging ring (default: only for CUDA); on CPU this runs the
                 CUDA scheduling against the CPU engine.
             copy: CPU only: private materialised tensors read with parallel preadv instead

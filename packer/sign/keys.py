@@ -13,7 +13,6 @@ library's signer draws a random nonce, which would make every signed build diffe
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +112,3 @@ def signed_bundle(key: SigningKey, statement: dict[str, Any]) -> bytes:
                          "signatures": [{"sig": base64.b64encode(signature).decode(), "keyid": ""}]},
     }
     return canonical_json(bundle)
-
-
-def sha256_hex(data: bytes) -> str:
-    """sha256 of ``data`` (hex)."""
-    return hashlib.sha256(data).hexdigest()
