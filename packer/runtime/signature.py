@@ -151,7 +151,7 @@ def open_signed(data: bytes, public_pem: bytes, where: str, *, key_name: str = "
     key = _public_key(public_pem, key_name)
     payload, sig, hint = read_bundle(data, where)
     if hint and hint != public_key_hint(key):
-        raise ArtifactMismatchError(f"{where}: signed by another key than {key_name} (key hint {hint[:16]}...)")
+        raise ArtifactMismatchError(f"{where}: signed by another key than {key_name} (key hint {hint[:16]!r}...)")
     try:
         key.verify(sig, dsse_pae(INTOTO_PAYLOAD, payload), ec.ECDSA(getattr(hashes, _CURVE_HASHES[key.curve.name])()))
     except InvalidSignature:
