@@ -48,8 +48,8 @@ def test_layout_names_weights_by_file_and_members_by_path(signed_out: tuple[Path
     assert layout["tok/vocab.txt"] == ("", manifest["bundle"]["members"][1]["sha256"])
     clash = {**manifest, "bundle": {**manifest["bundle"], "members": [
         *manifest["bundle"]["members"], {"name": "model.sig", "size": 1, "sha256": "0" * 64},
-        {"name": "model.safetensors.index.json/x", "size": 1, "sha256": "0" * 64}]}}
-    assert model_layout(clash) == layout  # no name twice, and model.sig is never signed
+        {"name": "model.safetensors.index.json", "size": 1, "sha256": "0" * 64}]}}
+    assert model_layout(clash) == layout  # a weight file wins over a member; model.sig is never signed
 
 
 def test_model_dir_of_nested_members_verifies_with_model_signing(signed_out: tuple[Path, dict[str, Any], Path, Path],
