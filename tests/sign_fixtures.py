@@ -36,21 +36,22 @@ def model_signing_verify(model: Path, public_key: Path, *, signature: Path | Non
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-def plain_model_dir(out: Path, dest: Path) -> Path:
-    """The build's model directory as plain files (what the image ships beside the loader):
-    the bundle's members, the weight files and index by name, and ``model.sig``."""
+def image_model_dir(out: Path, dest: Path) -> Path:
+    """The image's model directory (``/models``) as a node mounts it: ``umoci unpack`` of the
+    build's image layout, the directory moved to ``dest``."""
     import json
 
-    from packer.bundle import unbundle
-    from packer.runtime.signature import model_layout
+    from tests.oci_validate import require_tool, run
 
+    umoci = require_tool("umoci")
     manifest = json.loads((out / "manifest.json").read_bytes())
-    unbundle(out / "bundle.tar.zst", dest / ".bundle")
-    for name, (origin, _) in model_layout(manifest).items():
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(out / origin if origin else dest / ".bundle" / name, dest / name)
-    shutil.rmtree(dest / ".bundle")
-    shutil.copyfile(out / "model.sig", dest / "model.sig")
+    index = json.loads((out / "image" / "index.json").read_bytes())
+    ref = index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"]
+    bundle = dest.parent / f".{dest.name}.bundle"
+    run([umoci, "unpack", *([] if os.geteuid() == 0 else ["--rootless"]), "--image", f"{out / 'image'}:{ref}",
+         str(bundle)])
+    shutil.move(bundle / "rootfs" / manifest["image"]["prefix"].strip("/"), dest)
+    shutil.rmtree(bundle)
     return dest
 
 

@@ -20,10 +20,10 @@ import pytest
 from packer.build import build
 from packer.errors import RecipeError, SignError, VerifyError
 from packer.fsutil import canonical_json
-from packer.manifest import verify
 from packer.recipe import demo_recipe, recipe_from_dict, with_sign_key
-from packer.runtime.signature import open_signed
-from tests.sign_fixtures import loader_model_dir, make_keypair, model_signing_verify, plain_model_dir
+from packer.runtime.signature import model_layout, open_signed
+from packer.verify import verify
+from tests.sign_fixtures import image_model_dir, loader_model_dir, make_keypair, model_signing_verify
 from tests.test_build import tree
 
 
@@ -59,10 +59,11 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_model_signing_verifies_the_plain_model_directory_and_model_dir(signed: Path, keys: dict[str, Path],
+def test_model_signing_verifies_the_image_model_directory_and_model_dir(signed: Path, keys: dict[str, Path],
                                                                          tmp_path: Path) -> None:
-    plain = plain_model_dir(signed, tmp_path / "models")
-    r = model_signing_verify(plain, keys["pub"])
+    plain = image_model_dir(signed, tmp_path / "models")
+    assert {"bundle.tar.zst", "manifest.json", "packer_loader.py", "model.sig"} <= {p.name for p in plain.iterdir()}
+    r = model_signing_verify(plain, keys["pub"])  # packer's own files there are in the signature's ignore_paths
     assert (r.returncode, r.stdout.strip()) == (0, "Verification succeeded"), r.stderr
     made = loader_model_dir(signed, tmp_path / "cache")
     assert made.returncode == 0, made.stderr
@@ -72,12 +73,13 @@ def test_model_signing_verifies_the_plain_model_directory_and_model_dir(signed: 
     assert (r.returncode, r.stdout.strip()) == (0, "Verification succeeded"), r.stderr
     assert verify(signed, public_key=keys["pub"])["signature_verified"]
     manifest = json.loads((signed / "manifest.json").read_bytes())
-    assert manifest["signature"]["files"] == len([p for p in plain.rglob("*") if p.is_file()]) - 1
+    on_disk = {p.relative_to(plain).as_posix() for p in plain.rglob("*") if p.is_file()}
+    assert set(model_layout(manifest)) < on_disk and manifest["signature"]["files"] == len(model_layout(manifest))
     assert "sign" not in manifest["recipe"]  # the key's path is not what was built
 
 
 def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Path], tmp_path: Path) -> None:
-    plain = plain_model_dir(signed, tmp_path / "models")
+    plain = image_model_dir(signed, tmp_path / "models")
     _flip(plain / "model.safetensors", 20_000)
     r = model_signing_verify(plain, keys["pub"])
     print(r.stderr)
@@ -117,7 +119,7 @@ def _attacker_build(tmp_path: Path, signed: Path, attacker_key: Path, edit: str)
 
 
 def test_a_changed_config_file_fails_everywhere(signed: Path, keys: dict[str, Path], tmp_path: Path) -> None:
-    plain = plain_model_dir(signed, tmp_path / "models")
+    plain = image_model_dir(signed, tmp_path / "models")
     (plain / "config.json").write_text((plain / "config.json").read_text().replace("}", ', "x": 1}', 1))
     r = model_signing_verify(plain, keys["pub"])
     assert r.returncode == 1 and _hash_mismatch(r.stderr, "config.json")
@@ -143,7 +145,7 @@ def test_a_changed_config_file_fails_everywhere(signed: Path, keys: dict[str, Pa
 
 
 def test_an_added_file_fails_everywhere(signed: Path, keys: dict[str, Path], tmp_path: Path) -> None:
-    plain = plain_model_dir(signed, tmp_path / "models")
+    plain = image_model_dir(signed, tmp_path / "models")
     (plain / "extra.py").write_text("print('hi')\n")
     r = model_signing_verify(plain, keys["pub"])
     print(r.stderr)
@@ -155,7 +157,7 @@ def test_an_added_file_fails_everywhere(signed: Path, keys: dict[str, Path], tmp
 
 
 def test_a_wrong_key_fails_everywhere(signed: Path, keys: dict[str, Path], tmp_path: Path) -> None:
-    plain = plain_model_dir(signed, tmp_path / "models")
+    plain = image_model_dir(signed, tmp_path / "models")
     r = model_signing_verify(plain, keys["other"])
     print(r.stderr)
     assert r.returncode == 1 and "Key mismatch" in r.stderr
@@ -179,7 +181,7 @@ def _edit_payload(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 
 def test_a_statement_changed_after_signing_does_not_verify(signed: Path, keys: dict[str, Path],
                                                            tmp_path: Path) -> None:
-    plain = plain_model_dir(signed, tmp_path / "models")
+    plain = image_model_dir(signed, tmp_path / "models")
     _edit_payload(plain / "model.sig", lambda s: s["predicate"]["serialization"].update(ignore_paths=["x"]))
     r = model_signing_verify(plain, keys["pub"])
     assert r.returncode == 1 and "Verification failed with error" in r.stderr
