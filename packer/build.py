@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from packer.build_stages import STAGES, BuildStage, default_layer_digests
+from packer.build_stages import STAGES, BuildStage, default_layer_digests, final_manifest
 from packer.errors import PackerError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, sha256_file_or_none
-from packer.manifest import TIMINGS, files_map
+from packer.manifest import TIMINGS
 from packer.publish import make_scratch, make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
@@ -102,7 +102,7 @@ def _stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[
                     "weights": out["weights"].section, "bundle": bundle.section if bundle else None,
                     "image": image.section}
     else:
-        manifest = {**out["inputs"].section, "image": image.section, "image_files": files_map(image.files)}
+        manifest = final_manifest(ctx)
         atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
     return manifest, [note for o in out.values() for note in o.notes]
 
@@ -120,13 +120,21 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
     build runs in a staging directory beside ``out`` and is renamed into place only when every
     stage and the final verification passed; a failed or killed build leaves ``out`` as it was.
 
+    With a signing key (``recipe.sign_key()``) the build also writes ``model.sig`` and the
+    signed provenance (:mod:`packer.sign`); the key is read before any stage.
+
     Raises:
-        PackerError: any stage failed; ``out`` is untouched.
+        PackerError: any stage failed (SignError: the key cannot be used; DependencyError:
+            the ``sign`` extra is missing); ``out`` is untouched.
     """
     out = Path(out).absolute()
     timer = StageTimer()
     if not dry_run:
         _check_out(out)
+    if recipe.sign_key():  # a bad key fails now, not after the weights are converted
+        from packer.sign.keys import load_signing_key
+
+        load_signing_key(recipe.sign_key() or "")
     staging = make_staging(out)
     try:
         with contextlib.ExitStack() as stack:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from packer.formats import LOADER_NAME
+from packer.formats import LOADER_NAME, MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
 from packer.stage import Stage, StageContext, StageOutput
@@ -82,9 +82,42 @@ def inputs_stage(ctx: StageContext) -> StageOutput:
     inputs = _input_entries(ctx)
     sections = {name: out.section if (out := ctx.outputs.get(name)) else None
                 for name in ("weights", "bundle", "loader")}
+    if "sign" in ctx.outputs:
+        sections["signature"] = ctx.outputs["sign"].section
     manifest = artifact_manifest(recipe=ctx.recipe.normalised(), source=ctx.snap.identity(), inputs=inputs,
                                  files=ctx.artifacts(), sections=sections)
     return StageOutput(section=manifest, bytes_processed=sum(e.size for e in inputs))
+
+
+def sign_stage(ctx: StageContext) -> StageOutput:
+    """Write ``staging/model.sig`` over the model directory, from the embedded manifest's digests.
+
+    The image's model directory also holds packer's own files (the bundle archive, the
+    artifact manifest, the loader): the signature lists them as ignored paths, so
+    ``model_signing verify key`` on the mounted image checks the model files and nothing else.
+    """
+    from packer.oci.plan import image_rel
+    from packer.sign.keys import load_signing_key
+    from packer.sign.model_sig import write_model_signature
+
+    key = load_signing_key(ctx.recipe.sign_key() or "")
+    beside = sorted({image_rel(f.path) for f in ctx.artifacts() if not f.path.startswith("weights/")}
+                    | {MANIFEST_NAME})
+    return write_model_signature(ctx.staging, embedded_manifest(ctx), key, name=ctx.recipe.name, ignore=beside)
+
+
+def final_manifest(ctx: StageContext) -> dict[str, Any]:
+    """``OUT/manifest.json``: the artifact manifest (the inputs stage's) with the image's section and files."""
+    image = ctx.outputs["image"]
+    return {**ctx.outputs["inputs"].section, "image": image.section, "image_files": files_map(image.files)}
+
+
+def provenance_stage(ctx: StageContext) -> StageOutput:
+    """Write ``staging/provenance.sigstore.json`` for the final manifest."""
+    from packer.sign.keys import load_signing_key
+    from packer.sign.provenance import write_provenance
+
+    return write_provenance(ctx.staging, final_manifest(ctx), load_signing_key(ctx.recipe.sign_key() or ""))
 
 
 def _planned_files(ctx: StageContext) -> list[FileEntry]:
@@ -128,6 +161,10 @@ def _writes(ctx: StageContext) -> bool:
     return not ctx.dry_run  # nothing to emit or pin before the files exist
 
 
+def _signs(ctx: StageContext) -> bool:
+    return not ctx.dry_run and ctx.recipe.sign_key() is not None  # only with a key
+
+
 @dataclass(frozen=True)
 class BuildStage:
     """One entry of :data:`STAGES`: the timer's name, the stage, and when it runs."""
@@ -141,8 +178,10 @@ STAGES: tuple[BuildStage, ...] = (
     BuildStage("weights", weights_stage),
     BuildStage("bundle", bundle_stage, _has_bundle),
     BuildStage("loader", loader_stage, _writes),
+    BuildStage("sign", sign_stage, _signs),
     BuildStage("inputs", inputs_stage, _writes),
     BuildStage("image", image_stage),
+    BuildStage("provenance", provenance_stage, _signs),
 )
 """The stages in build order; each output is in ``ctx.outputs[name]`` for the ones after it."""
 

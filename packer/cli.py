@@ -171,9 +171,12 @@ _ALLOW_HELP = ("Read globals matching this 'module.Name' pattern (fnmatch) as in
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bundle members, layers); write nothing.")
 @click.option("--no-sandbox", is_flag=True, help="Read checkpoints in this process (no isolated subprocess).")
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
+@click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), metavar="KEY",
+              help="PEM EC private key: write model.sig and the signed provenance (overrides [sign] key; "
+                   "needs pip install 'model-packer[sign]').")
 @_common
 def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: bool,
-          allow_globals: tuple[str, ...]) -> None:
+          allow_globals: tuple[str, ...], sign_key: Path | None) -> None:
     """Build RECIPE (default: the embedded demo) into OUT.
 
     \b
@@ -181,13 +184,16 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
       packer build
       packer build recipes/demo.toml -o out --json
       packer build recipes/hf-model.toml --dry-run
+      packer build recipes/hf-model.toml -o out --sign-key signing-key.pem
     """
     from packer.build import build as run_build
-    from packer.recipe import demo_recipe, load_recipe, with_allowed_globals
+    from packer.recipe import demo_recipe, load_recipe, with_allowed_globals, with_sign_key
 
     rec = load_recipe(recipe) if recipe else demo_recipe()
     if allow_globals:
         rec = with_allowed_globals(rec, allow_globals)
+    if sign_key:
+        rec = with_sign_key(rec, sign_key)
     with ctx.progress("weights") as bar:
         result = run_build(rec, out, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     for note in result.notes:
@@ -334,18 +340,25 @@ def unbundle(ctx: Ctx, archive: Path, out: Path) -> None:
 
 @main.command()
 @click.argument("out", type=InputPath(file_okay=False))
+@click.option("--public-key", type=InputPath(dir_okay=False), metavar="PUB",
+              help="PEM public key: model.sig and the provenance must verify with it.")
 @_common
-def verify(ctx: Ctx, out: Path) -> None:
-    """Check every file and image blob in OUT against its manifest.
+def verify(ctx: Ctx, out: Path, public_key: Path | None) -> None:
+    """Check every file and image blob in OUT against its manifest (and its signatures).
 
     \b
-    Example:
+    Examples:
       packer verify dist
+      packer verify dist --public-key signing-key.pub
     """
     from packer.verify import verify as run_verify
 
-    summary = run_verify(out)
+    summary = run_verify(out, public_key=public_key)
     ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / MANIFEST_NAME}")
+    if public_key is not None:
+        ctx.log(f"ok: model.sig and the provenance verify with {public_key} and match the manifest")
+    elif summary["signed"]:
+        ctx.log("note: the build is signed; pass --public-key to check the signatures")
     ctx.emit({"ok": True, **summary})
 
 

@@ -111,3 +111,7 @@ class LoaderError(PackerError):
 
 class StubError(PackerError):
     """The loader template or the bundle reader cannot be embedded into ``packer_loader.py``."""
+
+
+class SignError(PackerError):
+    """Signing a build failed: the key cannot be read or used; the message names the key file."""

@@ -24,3 +24,6 @@ LAYOUTS = ("auto", "model", "diffusers", "sentence-transformers", "peft")
 # The dtypes floating tensors can be cast to (recipe ``weights.dtype``, ``convert --dtype``),
 # each with its safetensors code.
 CAST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+SIGNATURE_NAME = "model.sig"  # the OpenSSF model signature (packer/runtime/signature.py: SIGNATURE_FILE)
+PROVENANCE_NAME = "provenance.sigstore.json"  # the signed SLSA provenance; outside the manifest it describes

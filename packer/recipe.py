@@ -110,6 +110,17 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class SignConfig:
+    """The ``[sign]`` section: the build's signing key (``packer build --sign-key`` overrides it).
+
+    Not recorded in the manifest as written (a path to a secret is not part of what was
+    built): the manifest's ``signature`` section names the public key by its digest.
+    """
+
+    key: str | None = None  # PEM private key; relative paths are relative to the recipe
+
+
+@dataclass(frozen=True)
 class Recipe:
     """A whole recipe. ``base_dir`` resolves relative local sources."""
 
@@ -120,13 +131,19 @@ class Recipe:
     bundle: BundleConfig = field(default_factory=BundleConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sign: SignConfig = field(default_factory=SignConfig)
     base_dir: Path = field(default=Path("."), compare=False)
 
     def normalised(self) -> dict[str, Any]:
-        """The recipe as canonical, JSON-able data (recorded in the manifest)."""
+        """The recipe as canonical, JSON-able data (recorded in the manifest; ``sign`` is not)."""
         data = asdict(self)
         data.pop("base_dir")
+        data.pop("sign")
         return data
+
+    def sign_key(self) -> Path | None:
+        """The signing key's path (relative to the recipe's directory), or None: unsigned."""
+        return None if self.sign.key is None else self.base_dir / Path(self.sign.key).expanduser()
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,6 +336,7 @@ _IMAGE = {
     "env": _env,
 }
 _RUNTIME = {"device": _str, "warmup": _warmup}
+_SIGN = {"key": _str}
 
 
 def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> Recipe:
@@ -333,6 +351,7 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
         "bundle": lambda p, v: BundleConfig(**_fields(p, _table(p, v), _BUNDLE)),
         "image": lambda p, v: ImageConfig(**_fields(p, _table(p, v), _IMAGE)),
         "runtime": lambda p, v: RuntimeConfig(**_fields(p, _table(p, v), _RUNTIME)),
+        "sign": lambda p, v: SignConfig(**_fields(p, _table(p, v), _SIGN)),
     })
     for required in ("name", "version", "source"):
         if required not in top:
@@ -352,6 +371,11 @@ def with_allowed_globals(recipe: Recipe, patterns: Sequence[str]) -> Recipe:
     extra = _global_patterns("--allow-global", list(patterns))
     weights = replace(recipe.weights, allow_globals=recipe.weights.allow_globals + extra)
     return replace(recipe, weights=weights)
+
+
+def with_sign_key(recipe: Recipe, key: str | Path) -> Recipe:
+    """``recipe`` signed with ``key`` (``--sign-key``, relative to the working directory)."""
+    return replace(recipe, sign=SignConfig(key=str(Path(key).expanduser().absolute())))
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -78,8 +78,8 @@ class StageContext:
     outputs: dict[str, StageOutput] = field(default_factory=dict)
 
     def artifacts(self) -> list[FileEntry]:
-        """The artifact files written so far (weights, bundle, loader), in that order."""
-        return [f for name in ("weights", "bundle", "loader") if name in self.outputs
+        """The artifact files written so far (weights, bundle, loader, signature), in that order."""
+        return [f for name in ("weights", "bundle", "loader", "sign") if name in self.outputs
                 for f in self.outputs[name].files]
 
 

@@ -18,10 +18,11 @@ from typing import Any
 from packer.bundle import verify_bundle
 from packer.components import components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError
-from packer.formats import MANIFEST_NAME
+from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, sha256_file, sha256_file_or_none
 from packer.manifest import TIMINGS, load_manifest, split_artifact
 from packer.oci.verify import verify_image
+from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.weights.verify import verify_weights
 
 Inode = tuple[int, int]
@@ -77,12 +78,12 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
     return total
 
 
-def _check_no_extras(out: Path, listed: set[str]) -> None:
+def _check_no_extras(out: Path, listed: set[str], unlisted: tuple[str, ...]) -> None:
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out).as_posix()
         if path.is_dir() and not path.is_symlink():
             continue
-        if rel not in listed and rel not in (MANIFEST_NAME, TIMINGS):
+        if rel not in listed and rel not in (MANIFEST_NAME, TIMINGS, *unlisted):
             raise VerifyError(f"{path}: not listed in the manifest")
 
 
@@ -123,8 +124,12 @@ def _name_every_link(out: Path, e: VerifyError) -> VerifyError:
     return VerifyError(f"{where} (the same file as {', '.join(others)}): {rest}") if others else e
 
 
-def verify(out: Path) -> dict[str, Any]:
+def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
     """Check every file of a build output against its manifest, then each stage's own rules.
+
+    A signed build's ``model.sig`` and provenance must describe exactly what the manifest
+    pins; with ``public_key`` both signatures must also verify with it
+    (:mod:`packer.sign.check`).
 
     The image is checked first on its own (its blobs are content-addressed); it holds a copy
     of the artifact manifest, so a manifest.json edited after the build is named as such
@@ -138,7 +143,7 @@ def verify(out: Path) -> dict[str, Any]:
         VerifyError: naming the first mismatch.
     """
     try:
-        return _verify(out)
+        return _verify(out, public_key)
     except VerifyError as e:
         named = _name_every_link(out, e)
         if named is e:
@@ -146,11 +151,12 @@ def verify(out: Path) -> dict[str, Any]:
         raise named from e
 
 
-def _verify(out: Path) -> dict[str, Any]:
+def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
     manifest = load_manifest(out)
     _check_self(out, (out / MANIFEST_NAME).read_bytes(), manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
-    _check_no_extras(out, set(listed))
+    signed = bool(manifest.get("signature"))
+    _check_no_extras(out, set(listed), (PROVENANCE_NAME,) if signed else ())
     checked: set[str] = set()
     stop = threading.Event()
     pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="packer-verify-files")
@@ -170,4 +176,8 @@ def _verify(out: Path) -> dict[str, Any]:
             verify_weights(out, section)
     if manifest.get("bundle"):
         verify_bundle(out, manifest["bundle"])
-    return {"files": len(listed) + 1, "bytes": nbytes}
+    if public_key is not None:
+        verify_signatures(out, manifest, public_key)
+    if signed:
+        check_signed_outputs(out, manifest)
+    return {"files": len(listed) + 1, "bytes": nbytes, "signed": signed, "signature_verified": public_key is not None}

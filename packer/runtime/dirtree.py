@@ -6,7 +6,10 @@ file at its place in the build's model tree (:func:`packer.runtime.components.mo
 ``model.safetensors`` for a plain model, ``unet/diffusion_pytorch_model.safetensors`` and
 ``text_encoder/model.safetensors`` for a diffusers pipeline, ``2_Dense/model.safetensors``
 for a sentence-transformers module, ``adapter_model.safetensors`` for a PEFT adapter.
-Folders are real directories; every file is a symbolic link (nothing is copied).
+Folders are real directories; every file is a symbolic link (nothing is copied). A signed
+build's ``model.sig`` is linked in too (``packer.runtime.signature.model_layout`` is this
+layout's list of files and digests, what ``model.sig`` signs), so ``model_signing verify key
+DIR --signature DIR/model.sig --allow_symlinks`` checks the directory.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.runtime.components import model_tree
+from packer.runtime.signature import SIGNATURE_FILE
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -57,6 +61,8 @@ def lay_out(loader: Any, *, root: str | Path | None = None) -> Path:
     pairs = model_tree(loader.manifest["weights"])
     for _, rel in pairs:
         loader._check_plain(rel, verify=False)
+    if loader.path(SIGNATURE_FILE).is_file():  # a signed build: model_signing finds model.sig inside
+        pairs.append((SIGNATURE_FILE, SIGNATURE_FILE))
     key = hashlib.sha256("\n".join([str(bundle), *(f"{dst}={loader.path(rel).resolve()}" for dst, rel in pairs)])
                          .encode())
     base = Path(root) if root is not None else bundle.parent

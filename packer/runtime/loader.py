@@ -44,6 +44,7 @@ from packer.runtime.loading import Loader
 from packer.runtime.ring import Chunk, Latch, Readers, RingStats, Slot, plan_chunks, release_ring, run_pipeline
 from packer.runtime.settings import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, RuntimeSettings
 from packer.runtime.shards import Shard, _pread_exact, open_shard, sha256_fd, tensor_view
+from packer.runtime.signature import require_signature
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
 from packer.runtime.warm import prepare_loader, serve_warm, start_warm
 
@@ -67,6 +68,8 @@ def default_loader(root: str | Path | None = None) -> Loader:
     base = root or settings.artifacts or Path(__file__).resolve().parent
     key = (str(base), settings.weights_dir)
     if key not in _LOADERS:
+        if settings.require_signature:  # PACKER_REQUIRE_SIGNATURE: refuse before anything is loaded
+            require_signature(manifest(), Path(base), settings.require_signature)
         _LOADERS[key] = Loader(manifest(), base, weights_dir=settings.weights_dir or None, settings=settings)
     return _LOADERS[key]
 

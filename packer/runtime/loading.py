@@ -40,6 +40,8 @@ class Loader:
         timeline: where stage timings go (the process-wide one by default).
         settings: the knobs (default: from the environment over ``manifest["runtime"]``);
             ``slots``, ``chunk`` and ``readers`` start from them and may be set per loader.
+        With ``settings.require_signature`` every load checks sha256 (the signature pins
+        digests; :func:`default_loader` checks the signature itself, for the whole build).
     """
 
     def __init__(self, manifest: dict[str, Any], root: str | Path, *,
@@ -121,7 +123,8 @@ class Loader:
         Args:
             device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
             dtype: cast floating-point tensors to this torch dtype (on the device).
-            verify: also check every file's sha256 (a full read).
+            verify: also check every file's sha256 (a full read; always with
+                ``PACKER_REQUIRE_SIGNATURE``).
             pipeline: use the staging ring (default: only for CUDA); on CPU this runs the
                 CUDA scheduling against the CPU engine.
             copy: CPU only: private materialised tensors read with parallel preadv instead
@@ -138,6 +141,7 @@ class Loader:
         """
         torch = _torch(self.timeline)
         dev = self._device(torch, device)
+        verify = verify or bool(self.settings.require_signature)
         use_ring = dev.type != "cpu" if pipeline is None else pipeline
         shards = self.open_shards(verify=verify)
         try:
@@ -221,6 +225,7 @@ class Loader:
             ArtifactMismatchError: artifacts that do not match; RuntimeError: key or shape
             mismatch between the weights and the module, or a module spread over devices.
         """
+        verify = verify or bool(self.settings.require_signature)
         return load_module(self, module, device=device, strict=strict, verify=verify, pipeline=pipeline)
 
     def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],

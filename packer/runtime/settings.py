@@ -79,6 +79,8 @@ class RuntimeSettings(NamedTuple):
         readers: ``PACKER_READERS``: reader threads, at least 1 (default min(8, CPUs)).
         hugepages: ``PACKER_HUGEPAGES``: private CPU copies on transparent huge pages.
         expandable_segments: ``PACKER_EXPANDABLE_SEGMENTS=1``: ask for expandable segments.
+        require_signature: ``PACKER_REQUIRE_SIGNATURE``: path of a PEM public key; the build's
+            ``model.sig`` must verify with it, and every file's sha256 is checked ("" = not asked).
         device: the recipe's ``runtime.device``, the self-test's default device.
         warmup: the recipe's ``runtime.warmup`` entries (``{name, shape, dtype}``).
     """
@@ -92,6 +94,7 @@ class RuntimeSettings(NamedTuple):
     readers: int = min(DEFAULT_READERS, os.cpu_count() or 1)
     hugepages: bool = False
     expandable_segments: bool = False
+    require_signature: str = ""
     device: str = "cuda"
     warmup: tuple[dict[str, Any], ...] = ()
 
