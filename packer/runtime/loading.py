@@ -131,7 +131,8 @@ class Loader:
                 of views of a mapping.
 
         Returns:
-            ``{name: tensor}`` including the alias names. Through the ring (CUDA, or
+            ``{name: tensor}`` including the alias names, in file order (each shard's
+            tensors by offset), the aliases last. Through the ring (CUDA, or
             ``pipeline=True``) every non-empty tensor starts at a 256-byte aligned address,
             as safetensors' own loader gives them. The CPU views and copies guarantee element
             alignment only (a view where the file offset allows it, a private copy where not).
