@@ -128,7 +128,9 @@ def generate(tmp: Path, model_dir: Path, load_format: str, tp: int = 1,
     r = subprocess.run(args, capture_output=True, text=True, env=env(tmp), timeout=600, check=False)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])["ids"], log
+    lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]  # vLLM logs after it too
+    assert len(lines) == 1, log[-4000:]
+    return json.loads(lines[0])["ids"], log
 
 
 @pytest.mark.vllm

@@ -39,7 +39,8 @@ from packer.errors import EngineAdapterError
 LOAD_FORMAT = "packer"
 LOADER_FILE = "packer_loader.py"
 _OPTIONS = {"verify", "device", "artifacts"}
-_log = logging.getLogger("packer.adapters.vllm_format")
+# under vLLM's "vllm" logger, whose handler vLLM configures: these lines join its own log
+_log = logging.getLogger("vllm.model_executor.model_loader.packer")
 
 
 def register() -> None:
@@ -163,7 +164,7 @@ def no_readahead(tensors: dict[str, Any]) -> int:
 def _loader_class(base: type) -> type:
     """The loader class, defined only once vLLM is imported (it subclasses vLLM's base)."""
 
-    class PackerModelLoader(base):  # type: ignore[misc, valid-type]
+    class PackerModelLoader(base):
         """vLLM model loader that reads a packer build through its emitted ``packer_loader.py``."""
 
         def __init__(self, load_config: Any) -> None:
@@ -190,7 +191,6 @@ def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any]) -> set[s
         packer_loader.ArtifactMismatchError: files that do not match the build's manifest.
     """
     import torch
-
     from vllm.distributed import get_tensor_model_parallel_world_size
 
     start = time.perf_counter()
