@@ -15,10 +15,13 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from packer.adapters import vllm_format as vf
 from packer.errors import EngineAdapterError
@@ -109,6 +112,66 @@ def test_model_dir_links_the_emitted_loader_and_the_adapter_imports_it(tmp_path:
     assert "[startup] map:" in r.stderr
 
 
+class EngineModel:
+    """The part of a vLLM model the load format drives: parameters and ``load_weights(iterable)``."""
+
+    def __init__(self, shapes: dict[str, tuple[torch.Size, torch.dtype]], device: str) -> None:
+        self.params = {n: torch.zeros(shape, dtype=torch.float32, device=device) for n, (shape, _) in shapes.items()}
+        self.seen: list[tuple[str, str]] = []
+
+    def parameters(self) -> Any:
+        return iter(self.params.values())
+
+    def named_parameters(self) -> Any:
+        return iter(self.params.items())
+
+    def load_weights(self, weights: Any) -> set[str]:
+        done = set()
+        for name, w in weights:  # vLLM's weight loaders copy (and cast) into the parameter
+            self.seen.append((name, w.device.type))
+            self.params[name].copy_(w)
+            done.add(name)
+        return done
+
+
+@pytest.mark.parametrize(("device", "tp"), [
+    ("cpu", 1), ("cpu", 2), pytest.param("cuda", 1, marks=pytest.mark.cuda)])
+def test_load_into_vllm_hands_every_tensor_in_file_order(tmp_path: Path, device: str, tp: int) -> None:
+    """The CUDA row is the load format's CUDA half (through the ring), run by benchmarks/gpu_check.sh."""
+    from safetensors.torch import save_file
+
+    from packer.stub import emit_loader
+    from tests.loader_fixtures import describe
+
+    out = tmp_path / "out"
+    (out / "weights").mkdir(parents=True)
+    torch.manual_seed(0)
+    stored = {"b.weight": torch.randn(64, 48, dtype=torch.bfloat16), "a.bias": torch.randn(7),
+              "c.weight": torch.randn(3, 5, dtype=torch.float16)}
+    save_file(stored, str(out / "weights" / "model.safetensors"))
+    emit_loader(out, describe(out, ["weights/model.safetensors"], aliases={"d.weight": "c.weight"}))
+    model = EngineModel({**{n: (t.shape, t.dtype) for n, t in stored.items()}, "d.weight": (stored["c.weight"].shape,
+                                                                                          torch.float16)}, device)
+    sys.modules.pop("packer_loader", None)
+    try:
+        loaded = vf.load_into_vllm(model, types.SimpleNamespace(model=str(out)), {"verify": True}, tp_size=tp)
+        report = [s["stage"] for s in sys.modules["packer_loader"].report()]
+    finally:
+        sys.modules.pop("packer_loader", None)
+        sys.path.remove(str(out))
+    assert loaded == {*stored, "d.weight"}
+    order = [n for n, _ in sorted(describe(out, ["weights/model.safetensors"])["weights"]["tensors"].items(),
+                                  key=lambda kv: kv[1]["data_offsets"][0])]
+    want_dev = "cuda" if device == "cuda" and tp == 1 else "cpu"
+    assert model.seen == [(n, want_dev) for n in [*order, "d.weight"]]
+    for n, t in {**stored, "d.weight": stored["c.weight"]}.items():
+        assert torch.equal(model.params[n].cpu(), t.float()), n
+    if want_dev == "cuda":  # through the pinned ring, hashed on the way
+        assert "host->device" in report and "sha256 (hash thread)" in report, report
+    else:
+        assert "map" in report and "verify sha256" in report, report
+
+
 # --- with vLLM ----------------------------------------------------------------------------------
 
 def vllm_python() -> Path:
@@ -125,7 +188,9 @@ def generate(tmp: Path, model_dir: Path, load_format: str, tp: int = 1,
     """Greedy token ids from vLLM in a fresh process, and its whole output."""
     args = [str(vllm_python()), str(REPO / "tests" / "vllm_generate.py"), str(model_dir), load_format, str(tp),
             json.dumps(PROMPTS), json.dumps(extra or {})]
-    r = subprocess.run(args, capture_output=True, text=True, env=env(tmp), timeout=600, check=False)
+    # vLLM's CPU workers bind one core each; its automatic binding wants a NUMA node per rank
+    binds = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}
+    r = subprocess.run(args, capture_output=True, text=True, env={**env(tmp), **binds}, timeout=900, check=False)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]  # vLLM logs after it too
@@ -147,6 +212,17 @@ def test_token_ids_equal_vllm_default_loader(tmp_path: Path, tied: bool, shard: 
     assert "[startup] headers:" in log and "[startup] map:" in log
     assert ("[startup] verify sha256:" in log) == bool(shard)
     assert f"tensors (aliases included) of {out} loaded through packer_loader.py on cpu" in log
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM's CPU backend runs one core per rank")
+def test_tensor_parallel_two_ranks_equal_vllm_default_loader(tmp_path: Path) -> None:
+    out, d = build(tmp_path, tied=False)
+    want, _ = generate(tmp_path, d, "auto", tp=2)
+    got, log = generate(tmp_path, d, "packer", tp=2)
+    assert got == want
+    assert log.count(f"of {out} loaded through packer_loader.py on cpu (tensor parallel 2)") == 2  # each rank
+    assert log.count("[startup] map:") == 2
 
 
 @pytest.mark.vllm

@@ -180,8 +180,14 @@ def _loader_class(base: type) -> type:
     return PackerModelLoader
 
 
-def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any]) -> set[str]:
+def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any], *, tp_size: int | None = None) -> set[str]:
     """Load the build behind ``model_config.model`` into vLLM's ``model`` (its own ``load_weights``).
+
+    Args:
+        model: vLLM's model, parameters allocated on the target device.
+        model_config: vLLM's ``ModelConfig`` (``.model`` is the model directory).
+        opts: the checked :func:`options`.
+        tp_size: the tensor parallel size (default: vLLM's, asked from ``vllm.distributed``).
 
     Returns:
         the parameter names the model reports as loaded.
@@ -191,13 +197,16 @@ def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any]) -> set[s
         packer_loader.ArtifactMismatchError: files that do not match the build's manifest.
     """
     import torch
-    from vllm.distributed import get_tensor_model_parallel_world_size
 
+    if tp_size is None:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        tp_size = get_tensor_model_parallel_world_size()
     start = time.perf_counter()
     path = find_loader(model_config.model, opts.get("artifacts"))
     loader = import_loader(path)
     target = next((p.device for p in model.parameters()), torch.device("cpu"))
-    tp = get_tensor_model_parallel_world_size()
+    tp = tp_size
     device = weights_device(target, tp, opts.get("device"))
     tensors = loader.load_weights(device, verify=bool(opts.get("verify")))
     if tp > 1 and device == "cpu":
