@@ -11,7 +11,7 @@ its ``from_pretrained(tp_plan="auto")``) and fills every parameter with this ran
   row piece per row, often under a page, so reading them from the file reads other ranks'
   bytes too. Instead each rank reads a contiguous 1/N of the rows and one ``all_to_all`` gives
   every rank its columns: the disk sees each byte once, the process group carries
-  (N-1)/N of each such tensor per rank. No layout of its own on disk: any degree, the plain
+  (N-1)/N² of each such matrix per rank. No layout of its own on disk: any degree, the plain
   model directory unchanged;
 * replicated tensors (norms, a rowwise bias, anything outside the plan): read whole;
 * any other placement (strided or packed shards, 3-D expert weights): the whole tensor read and
