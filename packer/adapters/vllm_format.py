@@ -35,9 +35,10 @@ from types import ModuleType
 from typing import Any
 
 from packer.errors import EngineAdapterError
+from packer.formats import LOADER_NAME
 
 LOAD_FORMAT = "packer"
-LOADER_FILE = "packer_loader.py"
+LOADER_FILE = LOADER_NAME
 _OPTIONS = {"verify", "device", "artifacts"}
 # under vLLM's "vllm" logger, whose handler vLLM configures: these lines join its own log
 _log = logging.getLogger("vllm.model_executor.model_loader.packer")
@@ -215,7 +216,7 @@ def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any], *, tp_si
     # load_weights returns the tensors in file order (each shard by offset), tied aliases last
     loaded = model.load_weights(iter(tensors.items()))
     del tensors  # the mapping (or the device buffers) go with the last view
-    if loaded is not None:
+    if loaded is not None and getattr(model_config, "quantization", None) is None:  # as vLLM's own check
         left = sorted({name for name, _ in model.named_parameters()} - set(loaded))
         if left:
             raise EngineAdapterError(f"--load-format packer: {len(left)} parameter(s) of the model got no "
