@@ -7,7 +7,9 @@
 #
 # 1. prints the environment (env.txt), checks that every import resolves from this checkout;
 # 2. stops there, exit 0, with a "no CUDA" line when torch sees no GPU (how CI runs it);
-# 3. runs the CUDA-marked tests (pytest.txt), benchmarks/gpu_load.py (gpu_load.md,
+# 3. runs the CUDA-marked tests (pytest.txt; among them the CUDA half of the vLLM load format:
+#    vLLM cannot be installed here, so an engine stand-in takes the ring's device tensors through
+#    its load_weights as vLLM's model does; the vLLM side itself runs on CPU under `pytest -m vllm`), benchmarks/gpu_load.py (gpu_load.md,
 #    gpu_load.json, gpu_load_trace.json, each rewritten as a measurement finishes) and, when it
 #    exists, benchmarks/cold_start.py --device cuda (into cold_start/);
 # 4. appends a summary line to env.txt; exit 1 when a step failed.
@@ -72,7 +74,9 @@ fi
 say "CUDA-marked tests (and the ring/graph CPU tests on this torch)"
 timeout "$(( $(left) < 120 ? $(left) : 120 ))" "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/test_cuda.py tests/test_ring.py tests/test_graphs.py \
-    "tests/test_loader.py::test_cuda_graph_capture_on_gpu" 2>&1 | tee "$OUT/pytest.txt"
+    "tests/test_loader.py::test_cuda_graph_capture_on_gpu" \
+    "tests/test_vllm_format.py::test_load_into_vllm_hands_every_tensor_in_file_order" \
+    2>&1 | tee "$OUT/pytest.txt"
 TESTS=$?
 
 say "gpu_load.py ($(left) s left)"

@@ -115,3 +115,11 @@ class StubError(PackerError):
 
 class SignError(PackerError):
     """Signing a build failed: the key cannot be read or used; the message names the key file."""
+
+
+class EngineAdapterError(PackerError):
+    """A serving engine's packer adapter (the vLLM load format) cannot find or use the build.
+
+    Raised inside the engine's process: the message names the model directory or the option,
+    and how to point the adapter at the build.
+    """

@@ -20,11 +20,18 @@ settings.load_profile(os.environ.get("PACKER_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
-    """Skip ``@pytest.mark.cuda`` tests where there is no CUDA device (CI never has one)."""
+    """Skip ``@pytest.mark.cuda`` tests where there is no CUDA device (CI never has one), and
+    ``@pytest.mark.vllm`` tests unless asked for (``pytest -m vllm``: minutes of vLLM start-ups)."""
+    import pytest
+
+    if "vllm" not in (getattr(config, "option", None) and config.option.markexpr or ""):  # type: ignore[attr-defined]
+        skip_vllm = pytest.mark.skip(reason="a vLLM test: run with pytest -m vllm (.ci/run does)")
+        for item in items:
+            if item.get_closest_marker("vllm") is not None:
+                item.add_marker(skip_vllm)
     marked = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not marked:
         return
-    import pytest
     import torch
 
     if torch.cuda.is_available():

@@ -25,18 +25,27 @@ def word_tokenizer(out: Path, vocab: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(out)
 
 
-def llama(out: Path, *, shard: str | None = None, tied: bool = True) -> Any:
-    """A 2-layer Llama in bf16 (rotary buffers, tied embeddings) saved to ``out``."""
+def llama(out: Path, *, shard: str | None = None, tied: bool = True, hidden: int = 32, heads: int = 4,
+          kv_heads: int = 2, intermediate: int = 64, layers: int = 2, vocab: int = 96) -> Any:
+    """A Llama in bf16 (rotary buffers, tied embeddings by default) saved to ``out``.
+
+    The default is 2 layers of width 32; vLLM's CPU attention needs a head size of 32 or more
+    (``hidden // heads``), see :data:`VLLM_LLAMA`.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tied, dtype="bfloat16")
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=64, tie_word_embeddings=tied, dtype="bfloat16")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
-    word_tokenizer(out, 96)
+    word_tokenizer(out, vocab)
     return model
+
+
+# a Llama vLLM's CPU backend runs (head size 64), and splits two ways (two key/value heads)
+VLLM_LLAMA = {"hidden": 128, "heads": 2, "kv_heads": 2, "intermediate": 256, "layers": 2, "vocab": 256}
 
 
 def bert(out: Path) -> Any:

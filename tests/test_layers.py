@@ -30,6 +30,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("stage contract", ("packer.stage", "packer.manifest")),
     ("inputs", ("packer.recipe", "packer.source", "packer.components", "packer.demo", "packer.checkpoint",
                 "packer.checkpoint.*")),
+    # entered by a serving engine (vLLM's plugin entry point), beside the runtime; import the engine lazily
+    ("engine adapters", ("packer.adapters", "packer.adapters.*")),
     ("formats", ("packer", "packer.errors", "packer.fsutil", "packer.formats", "packer.tarfmt",
                  "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape",
                  "packer.show")),

@@ -74,18 +74,11 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
         RuntimeError: parameters missing from the weights (after the model's ignore
             patterns), a shape mismatch, or with ``strict`` unexpected keys.
     """
-    torch = _torch(loader.timeline)
-    bundle = loader.bundle_dir() / component_dir(loader.manifest["weights"])
     if hasattr(model_class, "load_config"):  # a diffusers model (ConfigMixin): its own config format
-        return _diffusers_model(loader, model_class, bundle, device=device, dtype=dtype, verify=verify,
+        return _diffusers_model(loader, model_class, loader.bundle_dir() / component_dir(loader.manifest["weights"]),
+                                device=device, dtype=dtype, verify=verify,
                                 strict=strict, output_loading_info=output_loading_info)
-    config = _config(loader, bundle, model_class)
-    dtype = dtype or weights_dtype(torch, loader.manifest, config)
-    with loader.timeline.stage("construct"), init_empty(dtype=dtype):
-        if hasattr(model_class, "from_config"):  # the Auto classes
-            model = model_class.from_config(config, dtype=dtype)
-        else:
-            model = model_class._from_config(config, dtype=dtype)
+    model, bundle = hf_construct(loader, model_class, dtype)
     w = loader.manifest["weights"]
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
@@ -95,12 +88,31 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
         result.notes.append(rule.describe())
     model.tie_weights()
     check_result(model, result, strict=strict)
+    hf_finish(model, bundle)
+    return (model, loading_info(result)) if output_loading_info else model
+
+
+def hf_construct(loader: Any, model_class: Any, dtype: Any) -> tuple[Any, Path]:
+    """``model_class`` built under :func:`init_empty` from the bundle's config; and that bundle folder."""
+    torch = _torch(loader.timeline)
+    bundle = loader.bundle_dir() / component_dir(loader.manifest["weights"])
+    config = _config(loader, bundle, model_class)
+    dtype = dtype or weights_dtype(torch, loader.manifest, config)
+    with loader.timeline.stage("construct"), init_empty(dtype=dtype):
+        if hasattr(model_class, "from_config"):  # the Auto classes
+            model = model_class.from_config(config, dtype=dtype)
+        else:
+            model = model_class._from_config(config, dtype=dtype)
+    return model, bundle
+
+
+def hf_finish(model: Any, bundle: Path) -> Any:
+    """The generation config from ``bundle`` (where the model generates), then ``eval()``."""
     if model.can_generate() and (bundle / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(bundle))
-    model.eval()
-    return (model, loading_info(result)) if output_loading_info else model
+    return model.eval()
 
 
 def _diffusers_model(loader: Any, model_class: Any, folder: Path, *, device: str, dtype: Any, verify: bool,

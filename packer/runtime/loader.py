@@ -46,6 +46,7 @@ from packer.runtime.settings import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, RuntimeSe
 from packer.runtime.shards import Shard, _pread_exact, open_shard, sha256_fd, tensor_view
 from packer.runtime.signature import require_signature
 from packer.runtime.timeline import TIMELINE, Timeline, _torch
+from packer.runtime.tp import tp_from_pretrained
 from packer.runtime.warm import prepare_loader, serve_warm, start_warm
 
 # the public names, as they were when all of this was one module
@@ -115,7 +116,7 @@ def load_into(module: Any, *, device: str | None = None, strict: bool = True,
 
 def from_pretrained(model_class: Any, *, device: str = "cuda", dtype: Any = None, verify: bool = False,
                     strict: bool = False, output_loading_info: bool = False,
-                    root: str | Path | None = None, component: str | None = None) -> Any:
+                    root: str | Path | None = None, component: str | None = None, tp_plan: Any = None) -> Any:
     """A Hugging Face model of this build, ready: config from the bundle, weights assigned.
 
     transformers' loading rules: the base-model prefix added or stripped, unexpected keys
@@ -124,9 +125,14 @@ def from_pretrained(model_class: Any, *, device: str = "cuda", dtype: Any = None
     ``AutoTokenizer.from_pretrained(bundle_dir())``. See
     ``packer.runtime.hf.hf_from_pretrained`` for the arguments and errors. ``component``
     names a part of a multi-component build (``"text_encoder"``, ``"unet"`` with a diffusers
-    model class); its config is the bundle's ``<component>/config.json``.
+    model class); its config is the bundle's ``<component>/config.json``. With ``tp_plan``
+    (``"auto"`` or a dict of rules, as transformers takes it) in a ``torch.distributed``
+    process group, the model is sharded by that plan and each rank reads its slices only
+    (``packer.runtime.tp``); ``device`` is then this rank's device.
     """
     loader = component_loader(default_loader(root), component)
+    if tp_plan is not None:
+        return tp_from_pretrained(loader, model_class, device=device, dtype=dtype, verify=verify, tp_plan=tp_plan)
     return hf_from_pretrained(loader, model_class, device=device, dtype=dtype, verify=verify, strict=strict,
                               output_loading_info=output_loading_info)
 

