@@ -221,7 +221,7 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     assert result.dry_run and "weights" in result.manifest
     assert list(tmp_path.iterdir()) == []
     top = result.manifest["image"]["plan"]["layers"][-1]
-    assert top["name"] == "loader" and top["files"] == sorted(f"/opt/model/{p}" for p in planned_files())
+    assert top["name"] == "loader" and top["files"] == sorted(f"/models/{p}" for p in planned_files())
 
 
 def test_the_image_holds_the_loader_and_its_runtime_and_it_runs(demo_out: Path, tmp_path: Path) -> None:
@@ -238,7 +238,7 @@ def test_the_image_holds_the_loader_and_its_runtime_and_it_runs(demo_out: Path, 
     assert {f"packer_runtime/{k}": v for k, v in pinned.items()} == {p: manifest["files"][p]["sha256"] for p in runtime}
     run([umoci, "unpack", *([] if os.geteuid() == 0 else ["--rootless"]), "--image",
          f"{demo_out / 'image'}:{manifest['image']['tag']}", str(tmp_path / "bundle")])
-    model = tmp_path / "bundle" / "rootfs" / "opt" / "model"
+    model = tmp_path / "bundle" / "rootfs" / "models"
     assert stat.S_IMODE((model / "packer_loader.py").stat().st_mode) == 0o755
     for rel in runtime:
         assert stat.S_IMODE((model / rel).stat().st_mode) == 0o644
