@@ -172,10 +172,10 @@ def warm_worker(work: str, device: str, asked: float, conn: Any, words: int) -> 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    before = len(P.TIMELINE.stages)  # the server's stages come with the fork
+    before = len(P.report())  # the server's stages come with the fork
     model = P.from_pretrained(AutoModelForCausalLM, device=device)
     t["weights"] = time.perf_counter() - clock
-    split(t, P.TIMELINE.stages[before:])
+    split(t, P.report()[before:])
     clock = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(P.bundle_dir())
     t["tokenizer"] = time.perf_counter() - clock

@@ -198,11 +198,11 @@ def transfer_probe(reps: int) -> list[float]:
 
 def read_probe(path: Path, readers: int, slots: int, reps: int) -> list[float]:
     """GB/s of the loader's reader threads filling pinned slots from ``path`` (no copy)."""
-    from packer.runtime.engines import _host_view
+    from packer.runtime.engines import host_view
     from packer.runtime.ring import Latch, Readers
 
     bufs = [pinned(CHUNK) for _ in range(slots)]
-    views = [_host_view(b) for b, _, _ in bufs]
+    views = [host_view(b) for b, _, _ in bufs]
     fd, size, out = os.open(path, os.O_RDONLY), path.stat().st_size, []
     pool = Readers(readers, piece=CHUNK // 4)
     try:

@@ -94,7 +94,7 @@ def manifest(st: Path, *, aliases: dict[str, str] | None = None, device: str = "
 
 def module_like(m: dict[str, Any]) -> torch.nn.Module:
     """A module whose state dict has the weights' names, shapes and dtypes (memory touched)."""
-    from packer.runtime.env import _DTYPES
+    from packer.runtime.env import DTYPES
 
     root = torch.nn.Module()
     for name, rec in m["weights"]["tensors"].items():
@@ -104,7 +104,7 @@ def module_like(m: dict[str, Any]) -> torch.nn.Module:
             if not hasattr(parent, p):
                 parent.add_module(p, torch.nn.Module())
             parent = getattr(parent, p)
-        parent.register_buffer(leaf, torch.zeros(rec["shape"], dtype=getattr(torch, _DTYPES[rec["dtype"]][0])))
+        parent.register_buffer(leaf, torch.zeros(rec["shape"], dtype=getattr(torch, DTYPES[rec["dtype"]][0])))
     return root
 
 

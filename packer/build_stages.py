@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from packer.formats import LOADER_NAME, MANIFEST_NAME
+from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
 from packer.stage import Stage, StageContext, StageOutput
@@ -52,7 +52,7 @@ def embedded_manifest(ctx: StageContext) -> dict[str, Any]:
 
 
 def loader_stage(ctx: StageContext) -> StageOutput:
-    """Write ``staging/packer_loader.py`` with the embedded manifest."""
+    """Write ``staging/packer_loader.py`` with the embedded manifest, and its runtime beside it."""
     from packer.stub import emit_loader
 
     return emit_loader(ctx.staging, embedded_manifest(ctx), rel_root=ctx.staging)
@@ -124,9 +124,10 @@ def _planned_files(ctx: StageContext) -> list[FileEntry]:
     """The artifact file names a dry run would write (sizes are not known yet)."""
     from packer.bundle import ARCHIVE_NAME
     from packer.components import artifact_files
+    from packer.stub import planned_files
 
     names = [*artifact_files(ctx.outputs["weights"].section),
-             *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), LOADER_NAME]
+             *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), *planned_files()]
     return [FileEntry(p, 0, "") for p in names]
 
 
@@ -141,8 +142,10 @@ def image_stage(ctx: StageContext) -> StageOutput:
     common: dict[str, Any] = {"cfg": ctx.recipe.image, "name": ctx.recipe.name, "version": ctx.recipe.version,
                               "source": ctx.snap.identity()}
     if ctx.dry_run:
+        from packer.stub import planned_files
+
         return build_image(ctx.staging, **common, artifact_files=_planned_files(ctx), artifact_manifest=b"",
-                           dry_run=True)
+                           loader_paths=planned_files(), dry_run=True)
     return build_image(ctx.staging, **common, artifact_files=ctx.artifacts(),
                        artifact_manifest=canonical_json(ctx.outputs["inputs"].section), verify=False,
                        known_digests=ctx.outputs["weights"].digests,

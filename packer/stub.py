@@ -1,10 +1,11 @@
-"""Emit ``packer_loader.py``: the runtime loader with the build's manifest embedded.
+"""Emit ``packer_loader.py`` and the runtime it imports: this build's loader, readable where it runs.
 
-The runtime loader is a handful of small modules under ``packer/runtime/``;
-:func:`packer.runtime_join.amalgamate` joins them into one self-contained module (and refuses
-what would change meaning there). :func:`render` replaces the marked block in that text with
-the canonical JSON of the embedded manifest and the source of the bundle reader (run at first
-use of ``bundle_dir()``). Same inputs, same bytes.
+The runtime is the ``packer/runtime/`` package, shipped byte for byte into
+``OUT/packer_runtime/`` (names, docstrings and line numbers kept, so a traceback in a serving
+container names real files and lines). Beside it, :func:`render` writes a short stub from
+``stub_template.py``: the marked block becomes the canonical JSON of the embedded manifest and
+the sha256 of every runtime file, which the stub checks before it imports any of them,
+relative to its own location. Same inputs, same bytes.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import Any
 from packer.errors import StubError
 from packer.formats import LOADER_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, file_entry
-from packer.runtime_join import RUNTIME, amalgamate
 from packer.stage import StageOutput
 
+RUNTIME = Path(__file__).parent / "runtime"  # the package shipped as the loader's runtime
+RUNTIME_DIR = "packer_runtime"  # its directory in OUT and the image: not `packer`, never shadowed
+TEMPLATE = Path(__file__).parent / "stub_template.py"
 BEGIN = "# >>> packer:embedded (replaced by packer.stub when the loader is emitted)\n"
 END = "# <<< packer:embedded\n"
-LINE = 88  # longest string literal line we write (ruff's limit is 100)
+LINE = 112  # longest string literal line we write (ruff's limit is 120)
 
 
 def _escape(ch: str) -> str:
@@ -49,74 +52,83 @@ def _literal_lines(text: str, indent: str = "    ") -> list[str]:
     return out
 
 
-def _source_literal(source: str) -> str:
-    """A raw triple-quoted literal when the source allows one (readable), else literals."""
-    lines = source.splitlines()
-    if ("'''" not in source and not source.endswith("\\") and "\r" not in source
-            and all(len(x) <= 100 and x == x.rstrip() for x in lines)):
-        return "r'''\\\n" + source + ("" if source.endswith("\n") else "\n") + "'''"
-    return "(\n" + "\n".join(_literal_lines(source)) + "\n)"
+def runtime_files(runtime: Path = RUNTIME) -> dict[str, bytes]:
+    """The runtime's files by their path under ``RUNTIME_DIR``: every ``*.py`` of the package.
+
+    Raises:
+        StubError: the package is missing or has no ``__init__.py``.
+    """
+    if not (runtime / "__init__.py").is_file():
+        raise StubError(f"{runtime}: the loader's runtime package is missing (no __init__.py)")
+    paths = sorted(p for p in runtime.rglob("*.py") if "__pycache__" not in p.parts)
+    return {p.relative_to(runtime).as_posix(): p.read_bytes() for p in paths}
 
 
-def render(embedded: dict[str, Any], *, loader_source: str | None = None,
-           reader_source: str | None = None) -> tuple[bytes, str]:
-    """Render the loader for ``embedded``.
+def render(embedded: dict[str, Any], runtime: dict[str, bytes], *,
+           template: str | None = None) -> tuple[bytes, str]:
+    """Render the stub for ``embedded`` and the ``runtime`` files it is to import.
 
     Args:
         embedded: the manifest the loader pins (JSON-able).
-        loader_source: template text (default: the runtime modules, :func:`amalgamate`).
-        reader_source: bundle reader text (default: ``packer/runtime/bundle_reader.py``).
+        runtime: the runtime files by their path under ``RUNTIME_DIR`` (see :func:`runtime_files`).
+        template: the stub's source (default: ``stub_template.py``).
 
     Returns:
         ``(file bytes, sha256 of the canonical embedded JSON)``.
 
     Raises:
-        StubError: the runtime modules cannot be joined, the template lacks its marked block,
-            or the bundle reader is missing.
+        StubError: the template lacks its marked block or has it twice.
     """
-    template = loader_source if loader_source is not None else amalgamate()
-    if reader_source is None:
-        path = RUNTIME / "bundle_reader.py"
-        if not path.is_file():
-            raise StubError(f"{path}: missing; the emitted loader inlines the bundle reader")
-        reader_source = path.read_text()
-    if template.count(BEGIN) != 1 or template.count(END) != 1:
-        raise StubError("packer/runtime: the '# >>> packer:embedded' block is missing or repeated")
+    text = template if template is not None else TEMPLATE.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise StubError(f"{TEMPLATE}: the '# >>> packer:embedded' block is missing or repeated")
     data = canonical_json(embedded)
-    text = data.decode().rstrip("\n")
-    block = (BEGIN + "_EMBEDDED_JSON: str | None = (\n" + "\n".join(_literal_lines(text))
-             + "\n)\n_BUNDLE_READER_SOURCE: str | None = " + _source_literal(reader_source)
-             + "\n" + END)
-    head, rest = template.split(BEGIN)
+    digests = "".join(f"    {ascii(rel)}: '{hashlib.sha256(body).hexdigest()}',\n"
+                      for rel, body in sorted(runtime.items()))
+    block = (BEGIN + "_MANIFEST_JSON = (\n" + "\n".join(_literal_lines(data.decode().rstrip("\n")))
+             + f"\n)\n_RUNTIME_DIR = {RUNTIME_DIR!r}\n_RUNTIME_SHA256: dict[str, str] = {{\n{digests}}}\n" + END)
+    head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
     name, version = str(embedded.get("name", "")), str(embedded.get("version", ""))
     banner = "#!/usr/bin/env python3\n" + f"# Emitted by packer for {ascii(name)} {ascii(version)}; do not edit.\n"
     return (banner + head + block + tail).encode(), hashlib.sha256(data).hexdigest()
 
 
+def planned_files() -> list[str]:
+    """The paths :func:`emit_loader` writes, relative to OUT: the stub first, then its runtime."""
+    return [LOADER_NAME, *(f"{RUNTIME_DIR}/{rel}" for rel in runtime_files())]
+
+
 def emit_loader(out_dir: Path, embedded: dict[str, Any], *,
                 rel_root: Path | None = None) -> StageOutput:
-    """Write ``out_dir/packer_loader.py`` atomically.
+    """Write ``out_dir/packer_loader.py`` and ``out_dir/packer_runtime/`` atomically, file by file.
 
     Args:
         out_dir: the build's output (staging) directory.
         embedded: the manifest to embed (files, weights, bundle, runtime).
-        rel_root: directory the returned file entry is relative to (default ``out_dir``).
+        rel_root: directory the returned file entries are relative to (default ``out_dir``).
 
     Returns:
-        the stage output: one file, section ``{"file", "embedded_sha256"}``.
+        the stage output: the stub, then every runtime file; section ``{"file", "runtime",
+        "embedded_sha256"}``.
 
     Raises:
-        StubError: the template or the bundle reader cannot be embedded.
+        StubError: the runtime package or the template is missing or broken.
     """
     out_dir = Path(out_dir)
-    body, digest = render(embedded)
+    runtime = runtime_files()
+    body, digest = render(embedded, runtime)
     try:
         compile(body, LOADER_NAME, "exec")
     except SyntaxError as e:
         raise StubError(f"{LOADER_NAME}: the rendered loader does not compile: {e}") from e
-    target = out_dir / LOADER_NAME
-    atomic_write_bytes(target, body, mode=0o777)
-    entry = file_entry(Path(rel_root) if rel_root else out_dir, target)
-    return StageOutput(files=(entry,), section={"file": LOADER_NAME, "embedded_sha256": digest},
-                       bytes_processed=len(body))
+    targets = [out_dir / LOADER_NAME]
+    for rel, data in runtime.items():
+        targets.append(out_dir / RUNTIME_DIR / rel)
+        targets[-1].parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(targets[-1], data)
+    atomic_write_bytes(targets[0], body, mode=0o777)  # last: a stub never names files not yet there
+    root = Path(rel_root) if rel_root else out_dir
+    return StageOutput(files=tuple(file_entry(root, t) for t in targets),
+                       section={"file": LOADER_NAME, "runtime": RUNTIME_DIR, "embedded_sha256": digest},
+                       bytes_processed=len(body) + sum(map(len, runtime.values())))

@@ -10,7 +10,8 @@ import torch
 
 from packer.build import BuildResult, build
 from packer.recipe import recipe_from_dict
-from packer.runtime import loader as L
+from packer.runtime.loading import Loader
+from packer.runtime.timeline import Timeline
 
 
 def build_dir(src: Path, out: Path, *, dry_run: bool = False, **recipe: Any) -> BuildResult:
@@ -22,9 +23,9 @@ def build_dir(src: Path, out: Path, *, dry_run: bool = False, **recipe: Any) -> 
                  sandbox=False, dry_run=dry_run)
 
 
-def open_build(out: Path) -> L.Loader:
+def open_build(out: Path) -> Loader:
     """The runtime :class:`Loader` of a build output, with a private timeline."""
-    return L.Loader(json.loads((out / "manifest.json").read_bytes()), out, timeline=L.Timeline())
+    return Loader(json.loads((out / "manifest.json").read_bytes()), out, timeline=Timeline())
 
 
 def save_pickle(state: dict[str, Any], out: Path, name: str = "pytorch_model.bin") -> None:

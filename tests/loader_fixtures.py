@@ -58,7 +58,8 @@ def describe(root: Path, rels: list[str], *, aliases: dict[str, str] | None = No
 
 def make_loader(root: Path, m: dict[str, Any], **opts: Any) -> Any:
     """A ``Loader`` over ``root`` with a private timeline; ``opts`` set attributes (slots, chunk…)."""
-    from packer.runtime.loader import Loader, Timeline
+    from packer.runtime.loading import Loader
+    from packer.runtime.timeline import Timeline
 
     ld = Loader(m, root, timeline=Timeline())
     for k, v in opts.items():

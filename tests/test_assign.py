@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer.runtime import loader as L
+from packer.runtime.assign import LoadResult
+from packer.runtime.empty import init_empty
+from packer.runtime.loading import Loader
+from packer.runtime.timeline import Timeline
 from tests.loader_fixtures import make_artifacts
 
 
@@ -43,11 +46,11 @@ def weights(seed: int = 3) -> dict[str, torch.Tensor]:
     return sd
 
 
-def artifacts(root: Path, sd: dict[str, torch.Tensor], shards: int = 1) -> L.Loader:
+def artifacts(root: Path, sd: dict[str, torch.Tensor], shards: int = 1) -> Loader:
     names = sorted(sd)
     parts = [{k: sd[k] for k in names[i::shards]} for i in range(shards)]
     m = make_artifacts(root, parts, aliases={"head.weight": "embed.weight"})
-    return L.Loader(m, root, timeline=L.Timeline())
+    return Loader(m, root, timeline=Timeline())
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +72,7 @@ def storage_inside(t: torch.Tensor, views: list[torch.Tensor]) -> bool:
 def test_assigned_parameters_are_views_of_the_mapping_and_forward_matches(tmp_path: Path, shards: int) -> None:
     sd = weights()
     ld = artifacts(tmp_path, sd, shards)
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
     assert all(p.is_meta for p in model.parameters()) and not model.inv_freq.is_meta
     result = ld.load_into(model, device="cpu")
@@ -92,7 +95,7 @@ def test_assignment_through_the_ring_uses_one_allocation_per_shard(tmp_path: Pat
     sd = weights()
     ld = artifacts(tmp_path, sd, shards)
     ld.chunk, ld.slots = 256, 2
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
     ld.load_into(model, pipeline=True)
     own = list(model.parameters())
@@ -104,7 +107,7 @@ def test_assignment_through_the_ring_uses_one_allocation_per_shard(tmp_path: Pat
 
 
 def test_init_empty_restores_the_hook_and_dtype_on_error() -> None:
-    with pytest.raises(ValueError), L.init_empty(dtype=torch.float64):
+    with pytest.raises(ValueError), init_empty(dtype=torch.float64):
         raise ValueError("boom")
     assert torch.get_default_dtype() == torch.float32 and not torch.nn.Linear(2, 2).weight.is_meta
 
@@ -114,7 +117,7 @@ def test_non_persistent_buffer_keys_load_when_they_fit_and_are_noted(tmp_path: P
     sd["position_ids"] = torch.arange(12).expand(1, -1).flip(-1).contiguous()  # same shape, dtype
     sd["inv_freq"] = torch.ones(3)  # another shape: skipped
     ld = artifacts(tmp_path, sd)
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
     result = ld.load_into(model)  # strict: neither key is unexpected
     assert (result.missing, result.unexpected) == ([], [])
@@ -130,14 +133,14 @@ def test_ignore_patterns_hide_missing_and_unexpected_keys(tmp_path: Path) -> Non
     sd["old.rotary.weight"] = torch.ones(2)
     sd["layers.0.rotary.cache"] = torch.ones(2)
     ld = artifacts(tmp_path, sd)
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
     result = ld.load_into(model)
     assert (result.missing, result.unexpected) == ([], [])
     assert model.aux.weight.is_meta and any("aux.weight: nothing to load" in n for n in result.notes)
     Rotary._keys_to_ignore_on_load_missing = []
     try:
-        with L.init_empty():
+        with init_empty():
             model = Rotary()
         with pytest.raises(RuntimeError, match=r"missing keys \['aux.bias', 'aux.weight'\], unexpected keys \[\]"):
             ld.load_into(model)
@@ -149,17 +152,17 @@ def test_tied_module_loads_from_either_stored_name(tmp_path: Path) -> None:
     sd = weights()
     sd["head.weight"] = sd.pop("embed.weight")  # stored under the other name, no alias
     m = make_artifacts(tmp_path, [sd])
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
-    result = L.Loader(m, tmp_path, timeline=L.Timeline()).load_into(model)
+    result = Loader(m, tmp_path, timeline=Timeline()).load_into(model)
     assert (result.missing, result.unexpected) == ([], [])
     assert model.embed.weight is model.head.weight and torch.equal(model.embed.weight, sd["head.weight"])
     assert any("embed.weight: tied to head.weight" in n for n in result.notes)
     sd["embed.weight"] = torch.zeros_like(sd["head.weight"])  # both stored: the first name wins
     m = make_artifacts(tmp_path / "both", [sd])
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
-    result = L.Loader(m, tmp_path / "both", timeline=L.Timeline()).load_into(model)
+    result = Loader(m, tmp_path / "both", timeline=Timeline()).load_into(model)
     assert model.embed.weight is model.head.weight and not torch.equal(model.head.weight, sd["head.weight"])
     assert any("head.weight: also stored, but the module ties it to embed.weight" in n for n in result.notes)
 
@@ -167,12 +170,12 @@ def test_tied_module_loads_from_either_stored_name(tmp_path: Path) -> None:
 def test_dtype_of_the_module_wins_with_a_note(tmp_path: Path) -> None:
     sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in weights().items()}
     ld = artifacts(tmp_path, sd)
-    with L.init_empty(dtype=torch.bfloat16):
+    with init_empty(dtype=torch.bfloat16):
         model = Rotary()
     assert model.proj.weight.dtype == torch.bfloat16 and torch.get_default_dtype() == torch.float32
     result = ld.load_into(model)
     assert not any("cast" in n for n in result.notes)
-    with L.init_empty():
+    with init_empty():
         model32 = Rotary()
     result = ld.load_into(model32)
     assert model32.proj.weight.dtype == torch.float32 and any("cast from torch.bfloat16" in n for n in result.notes)
@@ -182,14 +185,14 @@ def test_dtype_of_the_module_wins_with_a_note(tmp_path: Path) -> None:
 def test_mixed_module_is_assigned_and_filled(tmp_path: Path) -> None:
     sd = weights()
     ld = artifacts(tmp_path, sd)
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
     model.proj = torch.nn.Linear(8, 8)  # already allocated: filled by copy
     ptr = model.proj.weight.data_ptr()
     ld.load_into(model)
     assert model.proj.weight.data_ptr() == ptr and torch.equal(model.proj.weight, sd["proj.weight"])
     assert torch.equal(model.embed.weight, sd["embed.weight"])
-    with L.init_empty():
+    with init_empty():
         model = Rotary()
     model.proj = torch.nn.Linear(8, 8, dtype=torch.float64).to("meta").to_empty(device="cpu")
     with pytest.raises(RuntimeError, match="already on"):
@@ -199,7 +202,7 @@ def test_mixed_module_is_assigned_and_filled(tmp_path: Path) -> None:
 def test_load_result_unpacks_and_pickles() -> None:
     import pickle
 
-    r = L.LoadResult(["a"], ["b"], ["note"])
+    r = LoadResult(["a"], ["b"], ["note"])
     missing, unexpected = r
     back = pickle.loads(pickle.dumps(r))
     assert (missing, unexpected) == (["a"], ["b"]) and back == r and back.notes == ["note"]

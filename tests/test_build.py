@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -26,7 +28,8 @@ from tests.bundle_validate import validate_bundle
 from tests.oci_validate import require_tool, run, validate_layout
 from tests.weights_validate import aliases_of, validate_output
 
-EXPECTED = {"manifest.json", "weights/model.safetensors", "bundle.tar.zst", "packer_loader.py", "Dockerfile"}
+EXPECTED = {"manifest.json", "weights/model.safetensors", "bundle.tar.zst", "packer_loader.py",
+            "packer_runtime/loader.py", "Dockerfile"}
 
 
 def tree(out: Path) -> dict[str, str]:
@@ -212,9 +215,39 @@ def test_refuses_to_replace_a_directory_that_is_not_a_build(tmp_path: Path) -> N
 
 
 def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    from packer.stub import planned_files
+
     result = build(demo_recipe(), tmp_path / "out", dry_run=True)
     assert result.dry_run and "weights" in result.manifest
     assert list(tmp_path.iterdir()) == []
+    top = result.manifest["image"]["plan"]["layers"][-1]
+    assert top["name"] == "loader" and top["files"] == sorted(f"/models/{p}" for p in planned_files())
+
+
+def test_the_image_holds_the_loader_and_its_runtime_and_it_runs(demo_out: Path, tmp_path: Path) -> None:
+    from tests.oci_validate import require_tool, run
+
+    umoci = require_tool("umoci")
+    manifest = json.loads((demo_out / "manifest.json").read_bytes())
+    runtime = sorted(p for p in manifest["files"] if p.startswith("packer_runtime/"))
+    assert "packer_runtime/loader.py" in runtime
+    assert manifest["image"]["layers"][-1]["files"] == sorted(["packer_loader.py", *runtime])
+    stub = ast.parse((demo_out / "packer_loader.py").read_text())
+    pinned = next(ast.literal_eval(n.value) for n in stub.body  # what the stub checks at import
+                  if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "_RUNTIME_SHA256" and n.value)
+    assert {f"packer_runtime/{k}": v for k, v in pinned.items()} == {p: manifest["files"][p]["sha256"] for p in runtime}
+    run([umoci, "unpack", *([] if os.geteuid() == 0 else ["--rootless"]), "--image",
+         f"{demo_out / 'image'}:{manifest['image']['tag']}", str(tmp_path / "bundle")])
+    model = tmp_path / "bundle" / "rootfs" / "models"
+    assert stat.S_IMODE((model / "packer_loader.py").stat().st_mode) == 0o755
+    for rel in runtime:
+        assert stat.S_IMODE((model / rel).stat().st_mode) == 0o644
+        assert (model / rel).read_bytes() == (demo_out / rel).read_bytes()
+    env = {**os.environ, "PACKER_STARTUP_LOG": "off", "PACKER_BUNDLE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(model / "packer_loader.py"), "--selftest", "--device", "cpu",
+                           "--verify"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("packer_loader: self-test passed")
 
 
 # --- crash safety ------------------------------------------------------------------------

@@ -20,9 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from packer.runtime import loader as L
 from packer.runtime import ring
 from packer.runtime.engines import ALIGN, CudaEngine
+from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.graphs import warmup
+from packer.runtime.loading import Loader
+from packer.runtime.timeline import Timeline
 from tests.loader_fixtures import make_artifacts, sample_tensors
 
 pytestmark = pytest.mark.cuda
@@ -64,8 +67,8 @@ def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
         assert t.numel() == 0 or t.data_ptr() % ALIGN == 0, f"{k} at {t.data_ptr() % ALIGN} past {ALIGN}"
 
 
-def _loader(root: Path, m: dict[str, Any], **opts: Any) -> L.Loader:
-    ld = L.Loader(m, root, timeline=L.Timeline())
+def _loader(root: Path, m: dict[str, Any], **opts: Any) -> Loader:
+    ld = Loader(m, root, timeline=Timeline())
     for k, v in opts.items():
         setattr(ld, k, v)
     return ld
@@ -116,7 +119,7 @@ def test_the_loader_leaves_the_pinned_cache_alone(tmp_path: Path) -> None:
     _loader(tmp_path, m).load_weights("cuda")
     ring.release_ring()
     model = torch.nn.Linear(16, 16).cuda()  # torch.cuda.graph() would empty that cache: not used
-    assert len(L.warmup(model, [torch.randn(4, 16, device="cuda")], cuda_graphs=True).graphs) == 1
+    assert len(warmup(model, [torch.randn(4, 16, device="cuda")], cuda_graphs=True).graphs) == 1
     again = torch.empty(8 * 2**20, dtype=torch.uint8, pin_memory=True)
     assert again.data_ptr() == ptr  # still cached: nobody emptied the process-wide cache
 
@@ -128,7 +131,7 @@ def test_verified_cuda_load_catches_a_flipped_byte(tmp_path: Path) -> None:
     data = bytearray((tmp_path / rel).read_bytes())
     data[len(data) // 2] ^= 1
     (tmp_path / rel).write_bytes(bytes(data))
-    with pytest.raises(L.ArtifactMismatchError, match="sha256"):
+    with pytest.raises(ArtifactMismatchError, match="sha256"):
         _loader(tmp_path, m).load_weights("cuda", verify=True)
 
 
@@ -186,7 +189,7 @@ class TinyLM(torch.nn.Module):
 
 def test_replayed_model_output_keeps_logits() -> None:
     model = TinyLM().cuda()
-    fn = L.warmup(model, [torch.randn(8, 64, device="cuda")], cuda_graphs=True)
+    fn = warmup(model, [torch.randn(8, 64, device="cuda")], cuda_graphs=True)
     x = torch.randn(8, 64, device="cuda")
     with torch.inference_mode():
         want = model(x).logits
@@ -222,7 +225,7 @@ def test_uncapturable_models_stay_eager_and_the_stream_comes_back(cls: type[torc
     before = torch.cuda.current_stream()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fn = L.warmup(model, [torch.randn(4, 16, device="cuda"), torch.randn(2, 16, device="cuda")],
+        fn = warmup(model, [torch.randn(4, 16, device="cuda"), torch.randn(2, 16, device="cuda")],
                       cuda_graphs=True)
     assert any("capture failed" in str(w.message) for w in caught)
     assert not fn.graphs and not fn.capturing
@@ -256,7 +259,7 @@ def test_capture_is_not_disturbed_by_a_load_on_another_thread(tmp_path: Path) ->
     try:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
         shapes = [torch.randn(n, 64, device="cuda") for n in (16, 8, 4, 2)]
-        fn = L.warmup(model, shapes, cuda_graphs=True)
+        fn = warmup(model, shapes, cuda_graphs=True)
     finally:
         stop.set()
         t.join(120)

@@ -116,16 +116,17 @@ def test_complex128_is_still_refused_with_the_reason(tmp_path: Path) -> None:
 
 def test_the_runtime_loader_gives_packed_and_complex_tensors_back(tmp_path: Path) -> None:
 
-    from packer.runtime import loader as L
+    from packer.runtime.loading import Loader
+    from packer.runtime.timeline import Timeline
 
     saved = {"f4": sample(torch.float4_e2m1fn_x2, (3, 2)), "f4_0d": sample(torch.float4_e2m1fn_x2, ()),
              "c64": torch.randn(2, 3, dtype=torch.complex64), "f8": sample(torch.float8_e8m0fnu, (4,))}
     manifest, root = saved_and_converted(saved, tmp_path)
-    got = L.Loader(manifest, root, timeline=L.Timeline()).load_weights("cpu")
+    got = Loader(manifest, root, timeline=Timeline()).load_weights("cpu")
     for name, t in saved.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
         assert got[name].reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist(), name
-    cast = L.Loader(manifest, root, timeline=L.Timeline()).load_weights("cpu", dtype=torch.bfloat16)
+    cast = Loader(manifest, root, timeline=Timeline()).load_weights("cpu", dtype=torch.bfloat16)
     assert cast["f4"].dtype == torch.float4_e2m1fn_x2 and cast["c64"].dtype == torch.complex64
     assert cast["f8"].dtype == torch.bfloat16
 
@@ -133,7 +134,8 @@ def test_the_runtime_loader_gives_packed_and_complex_tensors_back(tmp_path: Path
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_the_runtime_loader_fills_a_module_with_packed_and_complex_buffers(tmp_path: Path, pipeline: bool) -> None:
 
-    from packer.runtime import loader as L
+    from packer.runtime.loading import Loader
+    from packer.runtime.timeline import Timeline
 
     class M(torch.nn.Module):
         def __init__(self) -> None:
@@ -144,6 +146,6 @@ def test_the_runtime_loader_fills_a_module_with_packed_and_complex_buffers(tmp_p
     saved = {"f4": sample(torch.float4_e2m1fn_x2, (3, 2)), "z": torch.randn(2, dtype=torch.complex64)}
     manifest, root = saved_and_converted(saved, tmp_path)
     model = M()
-    L.Loader(manifest, root, timeline=L.Timeline()).load_into(model, pipeline=pipeline)
+    Loader(manifest, root, timeline=Timeline()).load_into(model, pipeline=pipeline)
     assert torch.equal(model.f4.view(torch.uint8), saved["f4"].view(torch.uint8))
     assert torch.equal(model.z, saved["z"])

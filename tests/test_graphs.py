@@ -11,8 +11,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from packer.runtime import loader as L
-from packer.runtime.graphs import _clone_out
+from packer.runtime.graphs import Captured, GraphPool, _clone_out
 
 
 class Pair(collections.namedtuple("Pair", ["logits", "extra"])):
@@ -49,14 +48,14 @@ def test_clone_keeps_model_output_named_tuples_and_leaves() -> None:
     assert _fresh(mixed[0], logits)
 
 
-def _fake_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any) -> L.Captured:
+def _fake_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any) -> Captured:
     static = [a.clone() for a in args]
 
     def replay() -> None:
         fresh = model(*static)
         captured.output.logits.copy_(fresh.logits)
 
-    captured = L.Captured(replay, static, model(*static))
+    captured = Captured(replay, static, model(*static))
     return captured
 
 
@@ -71,7 +70,7 @@ class TinyLM(torch.nn.Module):
 
 def test_replayed_model_output_keeps_its_attributes() -> None:
     model = TinyLM()
-    pool = L.GraphPool(model, capture=_fake_capture)
+    pool = GraphPool(model, capture=_fake_capture)
     x = torch.randn(2, 4)
     assert pool.capture((x,), {})
     with torch.inference_mode():
@@ -86,12 +85,12 @@ def test_replayed_model_output_keeps_its_attributes() -> None:
 def test_failed_capture_stops_capturing_and_warns() -> None:
     calls: list[tuple[int, ...]] = []
 
-    def fails_once(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any) -> L.Captured:
+    def fails_once(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any) -> Captured:
         calls.append(tuple(args[0].shape))
         raise RuntimeError("operation not permitted when stream is capturing")
 
     model = torch.nn.Linear(4, 3)
-    pool = L.GraphPool(model, capture=fails_once)
+    pool = GraphPool(model, capture=fails_once)
     with pytest.warns(RuntimeWarning, match="capture failed .*runs eagerly"):
         assert not pool.capture((torch.randn(2, 4),), {})
     with warnings.catch_warnings():

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from packer.runtime import loader as L
+from packer.runtime.empty import init_empty
 from packer.runtime.hf import hf_from_pretrained, hf_model_dir
+from packer.runtime.loading import Loader
+from packer.runtime.timeline import Timeline
 from tests.hf_fixtures import bert, llama, packer_artifacts
 
 pytest.importorskip("transformers")
@@ -21,8 +23,8 @@ def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
 
 
-def loader_for(src: Path, root: Path) -> L.Loader:
-    return L.Loader(packer_artifacts(src, root), root, timeline=L.Timeline())
+def loader_for(src: Path, root: Path) -> Loader:
+    return Loader(packer_artifacts(src, root), root, timeline=Timeline())
 
 
 def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -57,7 +59,7 @@ def test_init_empty_and_load_into_match_transformers(tmp_path: Path) -> None:
     llama(tmp_path / "hf", tied=False)
     ld = loader_for(tmp_path / "hf", tmp_path / "out")
     config = AutoConfig.from_pretrained(ld.bundle_dir())
-    with L.init_empty(dtype=torch.bfloat16):
+    with init_empty(dtype=torch.bfloat16):
         model = LlamaForCausalLM(config)
     result = ld.load_into(model)
     assert (result.missing, result.unexpected) == ([], [])
@@ -71,7 +73,7 @@ def test_bert_checkpoint_with_position_ids_key(tmp_path: Path) -> None:
     bert(tmp_path / "hf")
     ld = loader_for(tmp_path / "hf", tmp_path / "out")
     assert "embeddings.position_ids" in ld.manifest["weights"]["tensors"]
-    with L.init_empty():
+    with init_empty():
         model = BertModel(BertModel.config_class.from_pretrained(ld.bundle_dir()))
     result = ld.load_into(model)  # strict: the key names a non-persistent buffer
     assert (result.missing, result.unexpected) == ([], [])

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry points", ("packer.__main__", "packer.cli")),
     ("orchestration", ("packer.build", "packer.build_stages", "packer.publish", "packer.verify",
                        "packer.profile")),
-    ("stages", ("packer.sandbox", "packer.stub", "packer.runtime_join", "packer.component_weights", "packer.weights",
+    ("stages", ("packer.sandbox", "packer.stub", "packer.stub_template", "packer.component_weights", "packer.weights",
                 "packer.weights.*", "packer.bundle", "packer.bundle.*", "packer.oci", "packer.oci.*",
                 "packer.sign", "packer.sign.*")),
     ("stage contract", ("packer.stage", "packer.manifest")),

@@ -1,4 +1,4 @@
-"""packer.runtime.loader against the safetensors library's own load, on CPU.
+"""The runtime's Loader against the safetensors library's own load, on CPU.
 
 The CUDA pipeline's scheduling (ring, reader threads, copy engine) runs here against the CPU
 engine: same code, a copy thread in place of the CUDA stream.
@@ -22,8 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from packer.runtime import loader as L
-from packer.runtime.env import _ENV
+from packer.runtime.empty import init_empty
+from packer.runtime.engines import CpuEngine
+from packer.runtime.env import STARTUP_ENV, ArtifactMismatchError
+from packer.runtime.graphs import Captured, GraphPool, warmup
+from packer.runtime.loader import check_loaded, selftest
+from packer.runtime.loading import Loader
+from packer.runtime.ring import RingStats, plan_chunks, run_pipeline
+from packer.runtime.timeline import Timeline
 from tests.loader_fixtures import make_artifacts, make_bundle, sample_tensors, write_raw_safetensors
 from tests.loader_fixtures import make_loader as loader
 
@@ -145,11 +151,11 @@ def test_ring_stays_within_budget_under_a_slow_stream(two_shards: tuple[Path, di
     ld = loader(root, m)
     shards = ld.open_shards()
     try:
-        engine = L.CpuEngine(copy_delay=0.002)  # copies lag behind reads: slots must wait
+        engine = CpuEngine(copy_delay=0.002)  # copies lag behind reads: slots must wait
         bufs = [engine.device_buffer(s.size - s.data_start) for s in shards]
         segs = [(i, s.data_start, s.size - s.data_start, b) for i, (s, b) in enumerate(zip(shards, bufs, strict=True))]
-        stats = L.RingStats()
-        L.run_pipeline(shards, L.plan_chunks(segs, 8192), engine, slots=3, chunk=8192, readers=4,
+        stats = RingStats()
+        run_pipeline(shards, plan_chunks(segs, 8192), engine, slots=3, chunk=8192, readers=4,
                        stats=stats)
     finally:
         for s in shards:
@@ -168,8 +174,8 @@ def test_reader_errors_reach_the_caller(two_shards: tuple[Path, dict[str, Any]])
         os.truncate(root / shards[1].rel, shards[1].size - 100)  # shrinks after the header check
         segs = [(i, s.data_start, s.size - s.data_start, torch.empty(s.size - s.data_start, dtype=torch.uint8))
                 for i, s in enumerate(shards)]
-        with pytest.raises(L.ArtifactMismatchError, match="short read"):
-            L.run_pipeline(shards, L.plan_chunks(segs, 4096), L.CpuEngine(), slots=2, chunk=4096, readers=2)
+        with pytest.raises(ArtifactMismatchError, match="short read"):
+            run_pipeline(shards, plan_chunks(segs, 4096), CpuEngine(), slots=2, chunk=4096, readers=2)
     finally:
         for s in shards:
             s.close()
@@ -177,7 +183,7 @@ def test_reader_errors_reach_the_caller(two_shards: tuple[Path, dict[str, Any]])
 
 def test_ring_refuses_over_budget() -> None:
     with pytest.raises(ValueError, match="512 MiB"):
-        L.run_pipeline([], [], L.CpuEngine(), slots=9, chunk=64 * 2**20, readers=1)
+        run_pipeline([], [], CpuEngine(), slots=9, chunk=64 * 2**20, readers=1)
 
 
 @settings(max_examples=25, deadline=None)
@@ -190,7 +196,7 @@ def test_plan_chunks_covers_every_byte_once(sizes: list[int], gaps: list[bool], 
         off += 7 if gaps[i] else 0
         segs.append((i % 2, off, n, torch.zeros(n, dtype=torch.uint8)))
         off += n
-    chunks = L.plan_chunks(segs, chunk)
+    chunks = plan_chunks(segs, chunk)
     assert all(0 < c.nbytes <= chunk for c in chunks)
     for c in chunks:  # copies tile the chunk exactly, in order
         assert [a for a, _ in c.copies] == [sum(d.numel() for _, d in c.copies[:i]) for i in range(len(c.copies))]
@@ -209,7 +215,7 @@ def test_verify_catches_a_flipped_byte(two_shards: tuple[Path, dict[str, Any]]) 
     path.write_bytes(data)
     loader(root, m).load_weights("cpu")  # sizes and headers still match
     for kw in ({}, {"pipeline": True}):
-        with pytest.raises(L.ArtifactMismatchError, match=r"model-00002-of-00002.safetensors: sha256"):
+        with pytest.raises(ArtifactMismatchError, match=r"model-00002-of-00002.safetensors: sha256"):
             loader(root, m).load_weights("cpu", verify=True, **kw)
 
 
@@ -218,22 +224,22 @@ def test_refuses_wrong_size_header_and_missing_file(two_shards: tuple[Path, dict
     rel = m["weights"]["files"][0]
     good = (root / rel).read_bytes()
     (root / rel).write_bytes(good + b"\0")
-    with pytest.raises(L.ArtifactMismatchError, match=rf"^{rel}: {len(good) + 1} bytes, the manifest says {len(good)}"):
+    with pytest.raises(ArtifactMismatchError, match=rf"^{rel}: {len(good) + 1} bytes, the manifest says {len(good)}"):
         loader(root, m).load_weights("cpu")
     (root / rel).write_bytes(good.replace(b'"embed.weight"', b'"embed.weighX"', 1))
-    with pytest.raises(L.ArtifactMismatchError, match=r"header tensors differ.*embed.weighX"):
+    with pytest.raises(ArtifactMismatchError, match=r"header tensors differ.*embed.weighX"):
         loader(root, m).load_weights("cpu")
     (root / rel).write_bytes(good)
     bad = json.loads(json.dumps(m))
     bad["weights"]["tensors"]["embed.weight"]["shape"] = [32, 64]
-    with pytest.raises(L.ArtifactMismatchError, match=r"'embed.weight' shape is \[64, 32\]"):
+    with pytest.raises(ArtifactMismatchError, match=r"'embed.weight' shape is \[64, 32\]"):
         loader(root, bad).load_weights("cpu")
     (root / rel).unlink()
-    with pytest.raises(L.ArtifactMismatchError, match=rf"^{rel}: missing .*PACKER_WEIGHTS_DIR"):
+    with pytest.raises(ArtifactMismatchError, match=rf"^{rel}: missing .*PACKER_WEIGHTS_DIR"):
         loader(root, m).load_weights("cpu", pipeline=True)
     (root / rel).write_bytes(good)
     (root / m["weights"]["index"]).write_text("{}")
-    with pytest.raises(L.ArtifactMismatchError, match="index.json: 2 bytes"):
+    with pytest.raises(ArtifactMismatchError, match="index.json: 2 bytes"):
         loader(root, m).load_weights("cpu")
 
 
@@ -243,7 +249,7 @@ def test_weights_dir_override(two_shards: tuple[Path, dict[str, Any]],
     other = tmp_path_factory.mktemp("mounted")
     for rel in [*m["weights"]["files"], m["weights"]["index"]]:
         (root / rel).rename(other / Path(rel).name)
-    ld = L.Loader(m, root, weights_dir=other, timeline=L.Timeline())
+    ld = Loader(m, root, weights_dir=other, timeline=Timeline())
     assert ld.load_weights("cpu")["lm_head.weight"].shape == (64, 32)
 
 
@@ -254,12 +260,12 @@ def test_mapping_outlives_the_loader(two_shards: tuple[Path, dict[str, Any]]) ->
     script = textwrap.dedent(f"""
         import gc, json, os, sys
         from pathlib import Path
-        from packer.runtime import loader as L
+        from packer.runtime.loading import Loader
         root = Path({str(root)!r})
         m = json.loads((root / "m.json").read_text())
-        ld = L.Loader(m, root)
+        ld = Loader(m, root)
         sd = ld.load_weights("cpu")
-        del ld, L
+        del ld, Loader
         for name in [k for k in sys.modules if k.startswith("packer")]:
             del sys.modules[name]
         gc.collect()
@@ -323,7 +329,7 @@ def test_load_into_copies_into_the_parameters(tmp_path: Path, pipeline: bool, dt
 
 def test_load_into_assigns_meta_parameters_and_checks_shapes(tmp_path: Path) -> None:
     m, sd = tiny_artifacts(tmp_path)
-    with L.init_empty():
+    with init_empty():
         meta = Tiny()
     assert meta.embed.weight.is_meta and not meta.steps.is_meta  # buffers are real
     result = loader(tmp_path, m).load_into(meta, strict=False)
@@ -347,7 +353,7 @@ def test_load_into_assigns_meta_parameters_and_checks_shapes(tmp_path: Path) -> 
 def fake_capture(calls: list[tuple[int, ...]]) -> Any:
     """A CPU stand-in for CUDA graph capture: static inputs, a replay that reruns the model."""
 
-    def capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any) -> L.Captured:
+    def capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any) -> Captured:
         calls.append(tuple(args[0].shape))
         if args[0].shape[0] == 3:
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -358,7 +364,7 @@ def fake_capture(calls: list[tuple[int, ...]]) -> Any:
         def replay() -> None:
             holder["out"].copy_(model(static[0]))
 
-        return L.Captured(replay, static, out)
+        return Captured(replay, static, out)
 
     return capture
 
@@ -366,7 +372,7 @@ def fake_capture(calls: list[tuple[int, ...]]) -> Any:
 def test_graph_pool_replays_known_shapes_and_falls_back_otherwise() -> None:
     model = torch.nn.Linear(4, 2)
     calls: list[tuple[int, ...]] = []
-    pool = L.GraphPool(model, capture=fake_capture(calls))
+    pool = GraphPool(model, capture=fake_capture(calls))
     assert pool.capture((torch.zeros(2, 4),), {})
     with pytest.warns(RuntimeWarning, match="capture failed"):
         assert not pool.capture((torch.zeros(3, 4),), {})
@@ -388,22 +394,22 @@ def test_warmup_on_cpu_runs_examples_and_returns_a_fallback_pool() -> None:
             seen.append(tuple(x.shape))
             return x * 2
 
-    tl = L.Timeline()
-    fn = L.warmup(Probe(), [torch.ones(1, 3), (torch.ones(2, 3),), {"x": torch.ones(4, 3)}],
+    tl = Timeline()
+    fn = warmup(Probe(), [torch.ones(1, 3), (torch.ones(2, 3),), {"x": torch.ones(4, 3)}],
                   cuda_graphs=True, iters=2, timeline=tl)
     assert seen == [(1, 3), (1, 3), (2, 3), (2, 3), (4, 3), (4, 3)]
     assert fn.graphs == {} and torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
     assert [s["stage"] for s in tl.stages] == ["warm-up"]
     seen.clear()
-    L.warmup(Probe(), {"x": torch.ones(5, 3)}, iters=1, timeline=tl)  # one kwargs example, not a list
-    L.warmup(Probe(), torch.ones(6, 3), iters=1, timeline=tl)  # one tensor
+    warmup(Probe(), {"x": torch.ones(5, 3)}, iters=1, timeline=tl)  # one kwargs example, not a list
+    warmup(Probe(), torch.ones(6, 3), iters=1, timeline=tl)  # one tensor
     assert seen == [(5, 3), (6, 3)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 def test_cuda_graph_capture_on_gpu() -> None:
     model = torch.nn.Linear(16, 4).cuda()
-    fn = L.warmup(model, [torch.randn(8, 16, device="cuda")], cuda_graphs=True)
+    fn = warmup(model, [torch.randn(8, 16, device="cuda")], cuda_graphs=True)
     x = torch.randn(8, 16, device="cuda")
     assert torch.allclose(fn(x), model(x)) and fn.replays == 1
     assert fn(torch.randn(3, 16, device="cuda")).shape == (3, 4) and fn.fallbacks == 1
@@ -449,7 +455,7 @@ def test_chrome_trace(two_shards: tuple[Path, dict[str, Any]], tmp_path: Path) -
 
 
 def run_py(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in _ENV}
+    base = {k: v for k, v in os.environ.items() if k not in STARTUP_ENV}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, cwd=ROOT, env={**base, **(env or {})})
 
@@ -503,12 +509,12 @@ def test_bundle_dir_extracts_once(two_shards: tuple[Path, dict[str, Any]], tmp_p
     ld = loader(root, m)
     d = ld.bundle_dir()
     assert (d / "config.json").read_bytes() == b'{"a":1}' and ld.bundle_dir() == d
-    assert L.selftest(ld, "cpu", verify=True) == []
+    assert selftest(ld, "cpu", verify=True) == []
     m["bundle"]["sha256"] = "0" * 64
-    with pytest.raises(L.ArtifactMismatchError, match="bundle.tar.zst: .*sha256"):
+    with pytest.raises(ArtifactMismatchError, match="bundle.tar.zst: .*sha256"):
         loader(root, m).bundle_dir()
     m["bundle"] = None
-    with pytest.raises(L.ArtifactMismatchError, match="no bundle"):
+    with pytest.raises(ArtifactMismatchError, match="no bundle"):
         loader(root, m).bundle_dir()
 
 
@@ -516,19 +522,14 @@ def test_selftest_reports_bytes_that_differ(two_shards: tuple[Path, dict[str, An
     root, m = two_shards
     ld = loader(root, m)
     sd = ld.load_weights("cpu", copy=True)
-    assert L.check_loaded(ld, sd) == []
+    assert check_loaded(ld, sd) == []
     sd["big.weight"][0, 0] += 1
     sd["lm_head.weight"] = sd["embed.weight"].clone()
-    problems = L.check_loaded(ld, sd)
+    problems = check_loaded(ld, sd)
     assert problems == [
         "alias 'lm_head.weight' is not the same tensor as 'embed.weight'",
         "weights/model-00002-of-00002.safetensors: tensor 'big.weight' bytes differ from the file",
     ]
-
-
-def test_package_copy_has_no_manifest() -> None:
-    with pytest.raises(RuntimeError, match="no embedded manifest"):
-        L.load_weights("cpu")
 
 
 def test_gc_keeps_pipeline_buffers(two_shards: tuple[Path, dict[str, Any]]) -> None:

@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from packer.runtime import loader as L
 from packer.runtime import ring
 from packer.runtime.engines import ALIGN, CopyEngine, CpuEngine
+from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.layout import plan_layout
+from packer.runtime.loading import Loader
+from packer.runtime.ring import RingStats, plan_chunks, release_ring, run_pipeline
 from tests.loader_fixtures import describe, make_artifacts, sample_tensors, write_raw_safetensors
 from tests.loader_fixtures import make_loader as loader
 
@@ -116,7 +118,7 @@ def test_ring_is_kept_across_loads_and_freed_only_on_request(model: tuple[Path, 
     pins = [s for s in ld.report() if s["stage"].startswith("pin ring")]
     assert len(pins) == 1 and pins[0]["bytes"] == 3 * 4096
     assert ld.last_stats is not None and ld.last_stats.pin_seconds == 0.0  # the third load pinned nothing
-    assert L.release_ring() == 3 * 4096
+    assert release_ring() == 3 * 4096
     assert sorted(RecordingEngine.freed) == sorted(RecordingEngine.made)
     assert ring.release_ring() == 0
     ld.load_weights("cpu", pipeline=True)
@@ -186,8 +188,8 @@ def test_hash_thread_sees_every_byte_in_file_order_before_a_refill(model: tuple[
         bufs = [engine.device_buffer(s.size - s.data_start) for s in shards]
         segs = [(i, s.data_start, s.size - s.data_start, b) for i, (s, b) in enumerate(zip(shards, bufs, strict=True))]
         hashers = {i: SlowSha(s.head) for i, s in enumerate(shards)}
-        stats = L.RingStats()
-        L.run_pipeline(shards, L.plan_chunks(segs, 1024), engine, slots=2, chunk=1024, readers=3,
+        stats = RingStats()
+        run_pipeline(shards, plan_chunks(segs, 1024), engine, slots=2, chunk=1024, readers=3,
                        hashers=hashers, stats=stats)
     finally:
         for s in shards:
@@ -207,7 +209,7 @@ def test_verified_pipeline_load_checks_and_refuses(model: tuple[Path, dict[str, 
     data = bytearray((root / rel).read_bytes())
     data[-5] ^= 1
     (root / rel).write_bytes(bytes(data))
-    with pytest.raises(L.ArtifactMismatchError, match=f"{rel}: sha256"):
+    with pytest.raises(ArtifactMismatchError, match=f"{rel}: sha256"):
         loader(root, m, slots=2, chunk=4096).load_weights("cpu", pipeline=True, verify=True)
 
 
@@ -231,14 +233,14 @@ def test_zero_readers_still_reads(model: tuple[Path, dict[str, Any]], monkeypatc
 def test_chunk_sizes_are_powers_of_two(model: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     assert [ring.ring_chunk(n) for n in (1, 3000, 4096, 48 * 2**20, 2**40)] == [1, 2048, 4096, 32 * 2**20, 64 * 2**20]
     with pytest.raises(ValueError, match="powers of two"):
-        L.run_pipeline([], [], CpuEngine(), slots=2, chunk=3000, readers=1)
+        run_pipeline([], [], CpuEngine(), slots=2, chunk=3000, readers=1)
     root, m = model
     ld = loader(root, m, slots=3, chunk=3000)
     assert_same(ld.load_weights("cpu", pipeline=True), reference(root, m))
     assert ld.last_stats is not None
     assert ld.last_stats.max_chunk <= 2048 and ld.last_stats.host_bytes <= 3 * 2048
     monkeypatch.setenv("PACKER_CHUNK_MB", "48")
-    assert ring.ring_chunk(L.Loader(m, root).chunk) == 32 * 2**20
+    assert ring.ring_chunk(Loader(m, root).chunk) == 32 * 2**20
 
 
 # --- 256-byte aligned device offsets --------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from packer.runtime import loader as L
+from packer.runtime.loading import Loader
 from packer.runtime.settings import RuntimeSettings, setting
 
 
@@ -62,10 +62,10 @@ def test_loader_takes_one_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PACKER_READERS", "5")
     monkeypatch.setenv("PACKER_RING_SLOTS", "")
     monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
-    ld = L.Loader(m, tmp_path)
+    ld = Loader(m, tmp_path)
     assert (ld.slots, ld.chunk, ld.readers) == (3, 2 * 2**20, 5)
     assert ld.settings.bundle_cache == str(tmp_path / "cache") and ld.settings.device == "cpu"
     monkeypatch.setenv("PACKER_RING_SLOTS", "6")
-    assert ld.slots == 3 and L.Loader(m, tmp_path).slots == 6  # the environment wins, per loader
+    assert ld.slots == 3 and Loader(m, tmp_path).slots == 6  # the environment wins, per loader
     given = RuntimeSettings(ring_slots=2)
-    assert L.Loader(m, tmp_path, settings=given).settings is given
+    assert Loader(m, tmp_path, settings=given).settings is given

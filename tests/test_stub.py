@@ -1,4 +1,4 @@
-"""packer.stub: the emitted loader is deterministic, lint-clean and self-contained."""
+"""packer.stub: the emitted stub and runtime are deterministic, lint-clean, checked and debuggable."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import py_compile
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch
 from packer.errors import StubError
 from packer.formats import LOADER_NAME
 from packer.fsutil import canonical_json
-from packer.stub import emit_loader, render
+from packer.stub import RUNTIME, RUNTIME_DIR, emit_loader, planned_files, render, runtime_files
 from tests.loader_fixtures import make_out
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,30 +43,42 @@ def run_loader(path: Path, *args: str, env: dict[str, str] | None = None,
                           cwd=path.parent.parent, env={**os.environ, **(env or {})})
 
 
+def emitted_files(d: Path) -> dict[str, bytes]:
+    """Every file the loader stage wrote under ``d``: the stub and its runtime."""
+    files = [d / LOADER_NAME, *sorted((d / RUNTIME_DIR).rglob("*"))]
+    return {f.relative_to(d).as_posix(): f.read_bytes() for f in files if f.is_file()}
+
+
 def test_emit_is_deterministic_and_pins_the_manifest(out: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     d, m = out
     stage = emit_loader(tmp_path, m)
+    first = emitted_files(tmp_path)
     again = emit_loader(tmp_path, json.loads(json.dumps(m)))
-    body = (tmp_path / LOADER_NAME).read_bytes()
-    assert body == (d / LOADER_NAME).read_bytes() and stage == again
-    assert stage.section == {"file": LOADER_NAME,
+    assert emitted_files(tmp_path) == first == emitted_files(d) and stage == again  # byte for byte
+    assert stage.section == {"file": LOADER_NAME, "runtime": RUNTIME_DIR,
                              "embedded_sha256": hashlib.sha256(canonical_json(m)).hexdigest()}
-    (entry,) = stage.files
-    assert (entry.path, entry.size, entry.sha256) == (LOADER_NAME, len(body), hashlib.sha256(body).hexdigest())
-    assert list(tmp_path.iterdir()) == [tmp_path / LOADER_NAME]  # no temp file left behind
+    assert [e.path for e in stage.files] == list(first) == planned_files()
+    for e in stage.files:
+        assert (e.size, e.sha256) == (len(first[e.path]), hashlib.sha256(first[e.path]).hexdigest())
+    shipped = {rel.removeprefix(f"{RUNTIME_DIR}/"): data for rel, data in first.items() if rel != LOADER_NAME}
+    source = {p.relative_to(RUNTIME).as_posix(): p.read_bytes() for p in RUNTIME.glob("*.py")}
+    assert shipped == source  # verbatim: names, docstrings and line numbers as in packer/runtime
+    assert {p.name for p in tmp_path.rglob("*")} == {LOADER_NAME, RUNTIME_DIR, *source}  # no temp file left
+    body = first[LOADER_NAME]
     assert body.startswith(b"#!/usr/bin/env python3\n# Emitted by packer for \"tiny-\\xe9t\\xe9 'model'\" '1'")
-    assert body.isascii()
+    assert body.isascii() and body.count(b"\n") < 200  # a stub: the code is in the runtime files
+    assert os.stat(tmp_path / LOADER_NAME).st_mode & 0o111  # runnable as a script
 
 
-def test_emitted_file_compiles_and_passes_ruff(out: tuple[Path, dict[str, Any]]) -> None:
+def test_emitted_files_compile_and_pass_ruff(out: tuple[Path, dict[str, Any]]) -> None:
     d, _ = out
     py_compile.compile(str(d / LOADER_NAME), doraise=True, cfile=str(d / "x.pyc"))
     (d / "x.pyc").unlink()
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed")
-    r = subprocess.run([ruff, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(d / LOADER_NAME)],
-                       capture_output=True, text=True)
+    r = subprocess.run([ruff, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(d / LOADER_NAME),
+                        str(d / RUNTIME_DIR)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -74,6 +87,16 @@ def test_emitted_module_round_trips_the_manifest(out: tuple[Path, dict[str, Any]
     mod = import_emitted(d / LOADER_NAME)
     assert mod.manifest() == m
     assert canonical_json(mod.manifest()) == canonical_json(m)
+
+
+def test_the_public_surface_is_the_one_the_readme_documents(out: tuple[Path, dict[str, Any]]) -> None:
+    d, _ = out
+    mod = import_emitted(d / LOADER_NAME)
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- loader API -->")[1].split("<!-- /loader API -->")[0]
+    documented = set(re.findall(r"^\| `([A-Za-z_]+)", table, flags=re.M))
+    assert sorted(mod.__all__) == sorted(documented) == mod.__all__
+    assert all(hasattr(mod, name) for name in mod.__all__)
 
 
 def test_selftest_without_the_packer_package(out: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
@@ -146,9 +169,8 @@ def test_selftest_says_when_it_checks_a_cuda_build_on_cpu(tmp_path: Path) -> Non
 
 
 def test_warmup_inputs_from_the_recipe(tmp_path: Path) -> None:
-    body, _ = render({"runtime": {"device": "cpu", "warmup": [{"name": "input_ids", "shape": [2, 7], "dtype": "int64"},
-                                                             {"name": "x", "shape": [3], "dtype": "float16"}]}})
-    (tmp_path / LOADER_NAME).write_bytes(body)
+    emit_loader(tmp_path, {"runtime": {"device": "cpu", "warmup": [
+        {"name": "input_ids", "shape": [2, 7], "dtype": "int64"}, {"name": "x", "shape": [3], "dtype": "float16"}]}})
     inputs = import_emitted(tmp_path / LOADER_NAME).warmup_inputs("cpu")
     assert [(k, tuple(v.shape), v.dtype) for d in inputs for k, v in d.items()] == [
         ("input_ids", (2, 7), torch.int64), ("x", (3,), torch.float16)]
@@ -156,25 +178,19 @@ def test_warmup_inputs_from_the_recipe(tmp_path: Path) -> None:
 
 def test_render_refuses_a_template_without_the_block() -> None:
     with pytest.raises(StubError, match="packer:embedded"):
-        render({}, loader_source="x = 1\n", reader_source="")
-
-
-def test_reader_with_triple_quotes_falls_back_to_literals() -> None:
-    reader = "X = '''a\\\\b'''\nY = 'é'\n"
-    body, _ = render({"name": "n"}, reader_source=reader)
-    ns: dict[str, Any] = {}
-    exec(compile(body, "emitted", "exec"), ns)
-    assert ns["_BUNDLE_READER_SOURCE"] == reader
-    assert max(len(x) for x in body.decode().splitlines()) <= 120  # ruff: E501 at 120
+        render({}, {}, template="x = 1\n")
 
 
 @pytest.mark.parametrize("text", ["plain", "quote ' and \\\\ backslash", "line\nbreak", "\u00e9\u4e2d\U0001f600"])
 def test_embedded_strings_survive(text: str) -> None:
-    body, digest = render({"name": text, "version": "1"}, reader_source="")
+    body, digest = render({"name": text, "version": "1"}, {"x.py": b"y = 1\n"})
+    head = body.decode().split("\n__all__ = [")[0]  # the constants, without importing a runtime
     ns: dict[str, Any] = {}
-    exec(compile(body, "emitted", "exec"), ns)
-    assert json.loads(ns["_EMBEDDED_JSON"]) == {"name": text, "version": "1"}
+    exec(compile(head, "emitted", "exec"), ns)
+    assert json.loads(ns["_MANIFEST_JSON"]) == {"name": text, "version": "1"}
+    assert ns["_RUNTIME_SHA256"] == {"x.py": hashlib.sha256(b"y = 1\n").hexdigest()}
     assert digest == hashlib.sha256(canonical_json({"name": text, "version": "1"})).hexdigest()
+    assert max(len(x) for x in body.decode().splitlines()) <= 120  # ruff: E501 at 120
 
 
 def test_import_beyond_torch_loads_only_the_standard_library(out: tuple[Path, dict[str, Any]]) -> None:
@@ -192,4 +208,84 @@ def test_import_beyond_torch_loads_only_the_standard_library(out: tuple[Path, di
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     new = {name.split(".")[0] for name in json.loads(r.stdout)} - {"pl"}
+    assert len({n for n in new if n.startswith("_packer_runtime_")}) == 1  # this build's runtime, by path
+    new = {n for n in new if not n.startswith("_packer_runtime_")}
     assert new <= set(sys.stdlib_module_names), sorted(new - set(sys.stdlib_module_names))
+
+
+def fresh_copy(d: Path, dst: Path) -> Path:
+    shutil.copytree(d, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+@pytest.mark.parametrize("fault", ["changed", "missing"])
+def test_a_runtime_that_does_not_match_is_refused_in_one_line(out: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                                              fault: str) -> None:
+    d = fresh_copy(out[0], tmp_path / "out")
+    ring = d / RUNTIME_DIR / "ring.py"
+    if fault == "changed":
+        ring.write_text(ring.read_text().replace("MIB", "MIB * 2", 1))
+    else:
+        ring.unlink()
+    r = run_loader(d / LOADER_NAME, "--selftest", "--device", "cpu")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"packer_loader: {RUNTIME_DIR}/ring.py: "), r.stderr
+    assert ("sha256" if fault == "changed" else "No such file") in r.stderr
+    assert "ship the packer_runtime/ directory this build wrote beside packer_loader.py" in r.stderr
+    with pytest.raises(ImportError, match=f"^packer_loader: {RUNTIME_DIR}/ring.py: "):
+        import_emitted(d / LOADER_NAME)
+
+
+def test_a_traceback_names_the_runtime_file_line_and_source(out: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    d = fresh_copy(out[0], tmp_path / "out")
+    rel = out[1]["weights"]["files"][0]
+    data = bytearray((d / rel).read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    data[8: 8 + n] = b"[]".ljust(n)  # valid JSON of the same length, but not an object
+    (d / rel).write_bytes(data)
+    code = f"import sys; sys.path.insert(0, {str(d)!r}); import packer_loader; packer_loader.load_weights('cpu')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PACKER_STARTUP_LOG": "off"})
+    assert r.returncode == 1 and "ArtifactMismatchError" in r.stderr.splitlines()[-1], r.stderr
+    frames = re.findall(r'^  File "([^"]+)", line (\d+), in (\w+)\n    (.+)$', r.stderr, flags=re.M)
+    runtime = [(Path(f), int(n), fn, src) for f, n, fn, src in frames if Path(f).parent == d / RUNTIME_DIR]
+    assert [(p.name, fn) for p, _, fn, _ in runtime][-3:] == [
+        ("loading.py", "open_shards"), ("shards.py", "open_shard"), ("shards.py", "_check_header")], r.stderr
+    for path, line, _, src in runtime:  # each frame's line is the shipped file's line, as in packer/runtime
+        assert path.read_text().splitlines()[line - 1].strip() == src.strip()
+        assert (RUNTIME / path.name).read_text().splitlines()[line - 1].strip() == src.strip()
+    assert runtime[-1][3].strip().startswith("raise ArtifactMismatchError(")
+    assert r.stderr.splitlines()[-1].endswith(f"{rel}: safetensors header is not a JSON object")
+
+
+def test_the_runtime_is_imported_beside_the_stub_and_leaves_no_bytecode(out: tuple[Path, dict[str, Any]],
+                                                                        tmp_path: Path) -> None:
+    d = fresh_copy(out[0], tmp_path / "out")
+    decoy = tmp_path / "decoy"  # a package of the same name first on sys.path is never imported
+    (decoy / RUNTIME_DIR).mkdir(parents=True)
+    (decoy / RUNTIME_DIR / "__init__.py").write_text("raise SystemExit('the decoy was imported')\n")
+    (decoy / "packer").mkdir()
+    (decoy / "packer" / "__init__.py").write_text("raise SystemExit('an installed packer was imported')\n")
+    env = {"PACKER_STARTUP_LOG": "off", "PACKER_BUNDLE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(decoy)}
+    r = run_loader(d / LOADER_NAME, "--selftest", "--device", "cpu", env=env, block_packer=False)
+    assert r.returncode == 0, r.stderr
+    code = (f"import sys; sys.path[:0] = [{str(decoy)!r}, {str(d)!r}]; import packer_loader as P; "
+            "print(sorted({m.__file__ for n, m in sys.modules.items() if n.startswith('_packer_runtime_')}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    assert {Path(f).parent for f in eval(r.stdout)} == {d / RUNTIME_DIR}
+    assert not list((d / RUNTIME_DIR).rglob("__pycache__"))  # nothing beside the artifacts but what was built
+
+
+def test_two_builds_in_one_process_each_use_their_own_runtime(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    emit_loader(a, {"name": "a", "runtime": {"device": "cpu", "warmup": []}})
+    emit_loader(b, {"name": "b", "runtime": {"device": "cpu", "warmup": []}})
+    ma, mb = import_emitted(a / LOADER_NAME), import_emitted(b / LOADER_NAME)
+    assert (ma.manifest()["name"], mb.manifest()["name"]) == ("a", "b")
+    assert Path(sys.modules[ma.LoadResult.__module__].__file__ or "").parent == a / RUNTIME_DIR
+    assert Path(sys.modules[mb.LoadResult.__module__].__file__ or "").parent == b / RUNTIME_DIR
+    again = import_emitted(a / LOADER_NAME)  # the same stub again: the same runtime, its own build
+    assert again.LoadResult is ma.LoadResult and again.manifest() == ma.manifest()
+    assert runtime_files().keys() == {p.relative_to(a / RUNTIME_DIR).as_posix() for p in (a / RUNTIME_DIR).glob("*.py")}

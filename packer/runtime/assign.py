@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packer.runtime.env import _DTYPES
-from packer.runtime.into import into_cpu, target_device
-from packer.runtime.timeline import _torch
+from .env import DTYPES
+from .timeline import Timeline, import_torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
 
 
 class LoadResult(tuple):  # noqa: SLOT001
@@ -39,15 +43,15 @@ class LoadResult(tuple):  # noqa: SLOT001
 class TensorSlot:
     """One tensor of the module under all the names (and owners) that reach it."""
 
-    def __init__(self, tensor: Any, kind: str) -> None:
+    def __init__(self, tensor: torch.Tensor, kind: str) -> None:
         self.tensor = tensor
         self.kind = kind  # "param" | "buffer" | "transient" (a non-persistent buffer)
         self.names: list[str] = []
-        self.owners: list[tuple[Any, str]] = []  # (submodule, attribute)
+        self.owners: list[tuple[torch.nn.Module, str]] = []  # (submodule, attribute)
         self.key = ""  # the stored tensor that fills it ("" when none)
 
 
-def module_slots(module: Any) -> list[TensorSlot]:
+def module_slots(module: torch.nn.Module) -> list[TensorSlot]:
     """The module's parameters and buffers, one :class:`TensorSlot` per distinct tensor."""
     slots: dict[int, TensorSlot] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
@@ -65,12 +69,12 @@ def module_slots(module: Any) -> list[TensorSlot]:
     return list(slots.values())
 
 
-def _patterns(module: Any, attr: str) -> re.Pattern[str] | None:
+def _patterns(module: torch.nn.Module, attr: str) -> re.Pattern[str] | None:
     pats = [p for p in (getattr(module, attr, None) or ()) if p]
     return re.compile("|".join(f"(?:{p})" for p in sorted(pats))) if pats else None
 
 
-def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
+def match_slots(module: torch.nn.Module, slots: list[TensorSlot], table: dict[str, Any],
                 aliases: dict[str, str], key: Callable[[str], str] | None = None,
                 ) -> tuple[list[str], list[str], list[str]]:
     """Set each slot's ``key``; return ``(missing, unexpected, notes)``.
@@ -119,64 +123,42 @@ def match_slots(module: Any, slots: list[TensorSlot], table: dict[str, Any],
 
 
 # torch dtype name -> safetensors code: the loader's own table, read backwards
-_CODES = {name: code for code, (name, _) in _DTYPES.items()}
+_CODES = {name: code for code, (name, _) in DTYPES.items()}
 
 
-def _code(t: Any) -> str:
+def _code(t: torch.Tensor) -> str:
     name = str(t.dtype).removeprefix("torch.")
     return _CODES.get(name, name)
 
 
-def _set(slot: TensorSlot, value: Any) -> None:
+def _set(slot: TensorSlot, value: torch.Tensor) -> None:
     """Make every owner of ``slot`` hold ``value`` (a Parameter when the slot is one)."""
-    torch = _torch()
+    torch = import_torch()
     if slot.kind == "param" and not isinstance(value, torch.nn.Parameter):
         value = torch.nn.Parameter(value, requires_grad=slot.tensor.requires_grad)
     for mod, name in slot.owners:
-        (mod._parameters if slot.kind == "param" else mod._buffers)[name] = value
+        if isinstance(value, torch.nn.Parameter):
+            mod._parameters[name] = value
+        else:
+            mod._buffers[name] = value
     slot.tensor = value
 
 
-def load_module(loader: Any, module: Any, *, device: str | None = None, strict: bool = True,
-                verify: bool = False, pipeline: bool | None = None,
-                key: Callable[[str], str] | None = None) -> LoadResult:
-    """The body of :meth:`Loader.load_into` (see there): assign to meta slots, copy into real ones.
+def copy_targets(slots: list[TensorSlot]) -> dict[str, list[torch.Tensor]]:
+    """The module's tensors to fill by copy, by the stored name that fills them."""
+    targets: dict[str, list[torch.Tensor]] = {}
+    for s in slots:
+        if s.key:
+            targets.setdefault(s.key, []).append(s.tensor)
+    return targets
 
-    ``key``: module name -> stored name (see :func:`match_slots`).
+
+def assign_device(torch: ModuleType, slots: list[TensorSlot], device: str | None) -> torch.device:
+    """Where the weights go for an assignment: ``device``, else where the real parameters are.
+
+    Raises:
+        RuntimeError: real parameters spread over devices, or on another one than ``device``.
     """
-    torch = _torch(loader.timeline)
-    w = loader.manifest["weights"]
-    slots = module_slots(module)
-    missing, unexpected, notes = match_slots(module, slots, w["tensors"], w.get("aliases", {}), key)
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"load_into: missing keys {missing[:8]}, unexpected keys "
-                           f"{unexpected[:8]} (pass strict=False to load the rest)")
-    if not any(s.key and s.tensor.device.type == "meta" for s in slots):
-        targets: dict[str, list[Any]] = {}
-        for s in slots:
-            if s.key:
-                targets.setdefault(s.key, []).append(s.tensor)
-        dev = target_device(torch, targets, device)
-        shards = loader.open_shards(verify=verify)
-        try:
-            if verify:
-                loader._verify_shards(shards)
-            with torch.no_grad():
-                if dev.type == "cpu" and not pipeline:
-                    into_cpu(torch, shards, targets, loader.readers, loader.timeline)
-                else:
-                    loader._into_ring(torch, dev, shards, targets)
-        finally:
-            for s in shards:
-                s.close()
-        if loader.auto_flush:
-            loader.timeline.flush()
-        return LoadResult(missing, unexpected, notes)
-    return _assign(loader, torch, slots, device, verify, pipeline, LoadResult(missing, unexpected, notes))
-
-
-def _assign(loader: Any, torch: Any, slots: list[TensorSlot], device: str | None, verify: bool,
-            pipeline: bool | None, result: LoadResult) -> LoadResult:
     real = sorted({str(s.tensor.device) for s in slots if s.kind == "param" and s.tensor.device.type != "meta"})
     dev = torch.device(device or (real[0] if real else "cpu"))
     if dev.type == "cuda" and dev.index is None and real and real[0].startswith("cuda"):
@@ -184,29 +166,31 @@ def _assign(loader: Any, torch: Any, slots: list[TensorSlot], device: str | None
     if len(real) > 1 or (real and torch.device(real[0]) != dev):
         raise RuntimeError(f"load_into: some parameters are already on {real}, the weights go to "
                            f"{dev}; build the whole module under init_empty() or move it first")
-    auto, loader.auto_flush = loader.auto_flush, False
-    try:
-        tensors = loader.load_weights(str(dev), verify=verify, pipeline=pipeline)
-    finally:
-        loader.auto_flush = auto
-    with loader.timeline.stage("assign") as box, torch.no_grad():
+    return dev
+
+
+def assign_tensors(torch: ModuleType, slots: list[TensorSlot], tensors: dict[str, torch.Tensor],
+                   dev: torch.device, timeline: Timeline, notes: list[str]) -> None:
+    """Make the loaded ``tensors`` the module's meta tensors; copy into its real ones.
+
+    Real buffers follow the weights to ``dev``; a dtype the module asks for other than the
+    stored one costs a cast (a copy). What happened is appended to ``notes``.
+    """
+    with timeline.stage("assign") as box, torch.no_grad():
         for s in slots:  # real buffers follow the weights to the device
             if s.kind != "param" and s.tensor.device.type != "meta" and s.tensor.device != dev:
                 _set(s, s.tensor.to(dev))
         for s in slots:
             if not s.key:
                 if s.tensor.device.type == "meta":
-                    result.notes.append(f"{s.names[0]}: nothing to load; left on meta")
+                    notes.append(f"{s.names[0]}: nothing to load; left on meta")
                 continue
             src = tensors[s.key]
             if s.tensor.device.type != "meta":
                 s.tensor.copy_(src)
                 continue
             if src.dtype != s.tensor.dtype:
-                result.notes.append(f"{s.names[0]}: cast from {src.dtype} to {s.tensor.dtype} (a copy)")
+                notes.append(f"{s.names[0]}: cast from {src.dtype} to {s.tensor.dtype} (a copy)")
                 src = src.to(s.tensor.dtype)
             _set(s, src)
             box["bytes"] += src.numel() * src.element_size()
-    if loader.auto_flush:
-        loader.timeline.flush()
-    return result

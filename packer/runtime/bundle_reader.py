@@ -1,7 +1,8 @@
 """Safe reader of packer's tokenizer/config bundle (``bundle.tar.zst``).
 
-Self-contained on purpose (standard library + zstandard, no packer imports): the build
-inlines this module into the emitted loader. The archive is opened once and read once;
+Self-contained on purpose (standard library + zstandard, no other module): the build's
+bundle writer and ``packer verify`` use it as the loader does, which imports it (and so
+zstandard) only when a bundle is first read. The archive is opened once and read once;
 its zstd frames are walked by hand (window, declared size, trailing data; skippable frames
 skipped) and then decompressed in sequence as a stream under one output cap; the tar headers are parsed here, not by
 ``tarfile``, whose filters have a long history of bypasses. Anything unexpected rejects

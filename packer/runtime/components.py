@@ -10,7 +10,10 @@ component (when there is one) is the section's top level too, so ``component=Non
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .loading import Loader
 
 
 def component_names(manifest: dict[str, Any]) -> list[str]:
@@ -18,7 +21,7 @@ def component_names(manifest: dict[str, Any]) -> list[str]:
     return sorted(manifest["weights"].get("components") or {})
 
 
-def component_loader(loader: Any, name: str | None) -> Any:
+def component_loader(loader: Loader, name: str | None) -> Loader:
     """The loader of component ``name`` of ``loader``'s build (None: the root or only model).
 
     Raises:
@@ -33,7 +36,7 @@ def component_loader(loader: Any, name: str | None) -> Any:
     if name not in comps:
         have = ", ".join(sorted(comps)) or "none (a single model: leave component out)"
         raise ValueError(f"packer_loader: no component {name!r} in this build; its components: {have}")
-    cache = loader.__dict__.setdefault("_components", {})
+    cache = loader.component_loaders
     if name not in cache:
         cache[name] = type(loader)({**loader.manifest, "weights": comps[name]}, loader.root,
                                    weights_dir=loader.weights_dir, timeline=loader.timeline,
@@ -41,7 +44,7 @@ def component_loader(loader: Any, name: str | None) -> Any:
     return cache[name]
 
 
-def all_loaders(loader: Any) -> list[tuple[str, Any]]:
+def all_loaders(loader: Loader) -> list[tuple[str, Loader]]:
     """``(label, loader)`` for every component (the build itself when it has none)."""
     names = component_names(loader.manifest)
     return [(f"{n}: ", component_loader(loader, n)) for n in names] if names else [("", loader)]

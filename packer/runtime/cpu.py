@@ -13,16 +13,21 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from packer.runtime.engines import _host_view
-from packer.runtime.ring import Latch, Read, Readers
-from packer.runtime.settings import MIB
-from packer.runtime.shards import Shard
-from packer.runtime.timeline import Timeline
+from .engines import host_view
+from .ring import Latch, Read, Readers
+from .settings import MIB
+from .shards import Shard
+from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
 
 
-def _anonymous(torch: Any, nbytes: int, hugepages: bool) -> Any:
+def _anonymous(torch: ModuleType, nbytes: int, hugepages: bool) -> torch.Tensor:
     """A private CPU buffer; on transparent huge pages only when ``hugepages``
     (``PACKER_HUGEPAGES=1``).
 
@@ -39,7 +44,7 @@ def _anonymous(torch: Any, nbytes: int, hugepages: bool) -> Any:
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def map_shards(torch: Any, shards: list[Shard], timeline: Timeline) -> list[tuple[Any, int]]:
+def map_shards(torch: ModuleType, shards: list[Shard], timeline: Timeline) -> list[tuple[torch.Tensor, int]]:
     """Views of a private copy-on-write mapping per shard; the tensors keep it alive."""
     out = []
     with timeline.stage("map"):
@@ -49,12 +54,12 @@ def map_shards(torch: Any, shards: list[Shard], timeline: Timeline) -> list[tupl
     return out
 
 
-def read_shards(torch: Any, shards: list[Shard], readers: int, timeline: Timeline, *,
-                hugepages: bool = False) -> list[tuple[Any, int]]:
+def read_shards(torch: ModuleType, shards: list[Shard], readers: int, timeline: Timeline, *,
+                hugepages: bool = False) -> list[tuple[torch.Tensor, int]]:
     """Private CPU buffers filled by the reader threads straight from the files."""
     with timeline.stage("read") as box:
         out = [(_anonymous(torch, s.size - s.data_start, hugepages), 0) for s in shards]
-        read_into([Read(s.fd, s.data_start, _host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
+        read_into([Read(s.fd, s.data_start, host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
         box["bytes"] = sum(s.size - s.data_start for s in shards)
     return out
 

@@ -19,10 +19,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from packer.runtime.components import model_tree
-from packer.runtime.signature import SIGNATURE_FILE
+from .components import model_tree
+from .signature import SIGNATURE_FILE
+
+if TYPE_CHECKING:
+    from .loading import Loader
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -30,7 +33,7 @@ def _link(src: Path, dst: Path) -> None:
     os.symlink(os.path.abspath(src), dst)
 
 
-def _fill(tmp: Path, bundle: Path, pairs: list[tuple[str, str]], loader: Any) -> None:
+def _fill(tmp: Path, bundle: Path, pairs: list[tuple[str, str]], loader: Loader) -> None:
     """Link the bundle's files (real folders for its folders), then the weights over the tree."""
     taken = {dst for dst, _ in pairs}
     for top, dirs, files in os.walk(bundle):
@@ -44,7 +47,7 @@ def _fill(tmp: Path, bundle: Path, pairs: list[tuple[str, str]], loader: Any) ->
         _link(loader.path(rel), tmp / dst)
 
 
-def lay_out(loader: Any, *, root: str | Path | None = None) -> Path:
+def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
     """Make (once per node and content) the model directory of ``loader``'s build; return it.
 
     Args:
@@ -60,7 +63,7 @@ def lay_out(loader: Any, *, root: str | Path | None = None) -> Path:
     bundle = loader.bundle_dir()
     pairs = model_tree(loader.manifest["weights"])
     for _, rel in pairs:
-        loader._check_plain(rel, verify=False)
+        loader.check_file(rel, verify=False)
     if loader.path(SIGNATURE_FILE).is_file():  # a signed build: model_signing finds model.sig inside
         pairs.append((SIGNATURE_FILE, SIGNATURE_FILE))
     key = hashlib.sha256("\n".join([str(bundle), *(f"{dst}={loader.path(rel).resolve()}" for dst, rel in pairs)])

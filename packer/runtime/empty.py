@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
-from packer.runtime.timeline import _torch
+from .timeline import import_torch
+
+if TYPE_CHECKING:
+
+    import torch
+    from torch.nn import Module, Parameter
 
 
 @contextlib.contextmanager
-def init_empty(*, dtype: Any = None) -> Iterator[None]:
+def init_empty(*, dtype: torch.dtype | None = None) -> Iterator[None]:
     """Inside this block, every parameter a module registers is moved to ``meta``.
 
     Buffers are created by the constructors as usual (on the CPU unless they say otherwise),
@@ -32,12 +37,12 @@ def init_empty(*, dtype: Any = None) -> Iterator[None]:
     Raises:
         RuntimeError: the hook cannot be registered (torch older than 2.0).
     """
-    torch = _torch()
+    torch = import_torch()
     hook_api = getattr(torch.nn.modules.module, "register_module_parameter_registration_hook", None)
     if hook_api is None:
         raise RuntimeError("init_empty needs torch>=2.0 (register_module_parameter_registration_hook)")
 
-    def to_meta(module: Any, name: str, param: Any) -> Any:
+    def to_meta(module: Module, name: str, param: Parameter | None) -> Parameter | None:
         if param is None or param.device.type == "meta":
             return None
         return type(param)(param.to("meta"), requires_grad=param.requires_grad)

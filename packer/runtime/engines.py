@@ -19,9 +19,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from packer.runtime.timeline import _torch
+from .timeline import import_torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
 
 
 @runtime_checkable
@@ -35,15 +40,15 @@ class CopyEngine(Protocol):
 
     name: str  # the staging ring's key ("cuda", "cpu"); "cuda" names the host->device stage
 
-    def host_buffer(self, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+    def host_buffer(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None], str]:
         """``nbytes`` of staging memory (uint8 CPU tensor), its ``free`` callable, how it was had."""
         ...
 
-    def device_buffer(self, nbytes: int) -> Any:
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
         """An ``ALIGN``-aligned uint8 tensor of ``nbytes`` on the target device."""
         ...
 
-    def copy(self, pairs: list[tuple[Any, Any]]) -> Any:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Queue ``dst.copy_(src)`` for each ``(dst, src)``; the event of the last one."""
         ...
 
@@ -64,7 +69,7 @@ class CopyEngine(Protocol):
         ...
 
 
-def _host_view(t: Any) -> memoryview:
+def host_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes (pinned or not)."""
     import ctypes
 
@@ -80,14 +85,14 @@ def _nothing() -> None:
     pass
 
 
-def _aligned_empty(torch: Any, nbytes: int, device: Any = "cpu") -> Any:
+def _aligned_empty(torch: ModuleType, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``nbytes`` uint8 starting at an ``ALIGN``-byte address (CPU allocations give 64)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip: skip + nbytes]
 
 
-def pinned_buffer(torch: Any, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+def pinned_buffer(torch: ModuleType, nbytes: int) -> tuple[torch.Tensor, Callable[[], None], str]:
     """``nbytes`` of page-locked host memory, its ``free`` callable and how it was pinned.
 
     An anonymous mapping registered with ``cudaHostRegister`` (``"registered"``); where that
@@ -128,20 +133,21 @@ class CpuEngine:
     name = "cpu"
 
     def __init__(self, copy_delay: float = 0.0) -> None:
-        self.torch = _torch()  # imported here when the caller has not (it is lazy everywhere)
+        self.torch = import_torch()  # imported here when the caller has not (it is lazy everywhere)
         self.copy_delay = copy_delay  # tests slow the "stream" down to exercise waiting
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[list[tuple[torch.Tensor, torch.Tensor]], threading.Event] | None] = (
+            queue.SimpleQueue())
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="packer-copy", daemon=True)
         self._thread.start()
 
-    def host_buffer(self, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+    def host_buffer(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None], str]:
         return self.torch.empty(nbytes, dtype=self.torch.uint8), _nothing, "cpu"
 
-    def device_buffer(self, nbytes: int) -> Any:
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
         return _aligned_empty(self.torch, nbytes)
 
-    def copy(self, pairs: list[tuple[Any, Any]]) -> threading.Event:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> threading.Event:
         done = threading.Event()
         self._q.put((pairs, done))
         return done
@@ -187,23 +193,23 @@ class CudaEngine:
 
     name = "cuda"
 
-    def __init__(self, device: Any, *, stall_cycles: int = 0) -> None:
-        self.torch = _torch()
+    def __init__(self, device: torch.device, *, stall_cycles: int = 0) -> None:
+        self.torch = import_torch()
         self.device = device
         self.stall_cycles = stall_cycles
         self.stream = self.torch.cuda.Stream(device=device)
         self._joined = False
 
-    def host_buffer(self, nbytes: int) -> tuple[Any, Callable[[], None], str]:
+    def host_buffer(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None], str]:
         return pinned_buffer(self.torch, nbytes)
 
-    def device_buffer(self, nbytes: int) -> Any:
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
         buf = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
         if buf.data_ptr() % ALIGN:  # the caching allocator gives 512: never seen, kept honest
             buf = _aligned_empty(self.torch, nbytes, self.device)
         return buf
 
-    def copy(self, pairs: list[tuple[Any, Any]]) -> Any:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         if not self._joined:  # destinations may still be in use by kernels queued before us
             self.stream.wait_stream(self.torch.cuda.current_stream(self.device))
             self._joined = True
@@ -216,10 +222,10 @@ class CudaEngine:
             event.record(self.stream)
         return event
 
-    def query(self, event: Any) -> bool:
+    def query(self, event: torch.cuda.Event) -> bool:
         return bool(event.query())
 
-    def wait(self, event: Any) -> None:
+    def wait(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
     def finish(self) -> None:
@@ -234,6 +240,6 @@ class CudaEngine:
         pass  # the pinned ring belongs to the process (ring.release_ring frees it)
 
 
-def make_engine(dev: Any) -> CopyEngine:
+def make_engine(dev: torch.device) -> CopyEngine:
     """The engine for the torch device ``dev``: CUDA for ``cuda``, the CPU stand-in otherwise."""
     return CudaEngine(dev) if dev.type == "cuda" else CpuEngine()

@@ -1,31 +1,28 @@
-"""The loader's surroundings: the embedded build, the CUDA start-up variables, shared basics.
+"""The loader's surroundings: the CUDA start-up variables and the basics every module shares.
 
-Holds what every other runtime module needs: the build's manifest and bundle reader source
-(embedded here by ``packer.stub``), the environment the loader applies before CUDA starts,
-the safetensors dtype codes and :class:`ArtifactMismatchError`. The ``PACKER_*`` knobs are
-parsed in ``settings``.
+Holds what the other runtime modules need: the environment the loader applies before CUDA
+starts (at import, so importing the loader first is what makes it take effect), the
+safetensors dtype codes and :class:`ArtifactMismatchError`. The ``PACKER_*`` knobs are parsed
+in ``settings``; the build's manifest is pinned by the emitted ``packer_loader.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
-from packer.runtime.settings import MIB, setting
+from .settings import MIB, setting
 
-# >>> packer:embedded (replaced by packer.stub when the loader is emitted)
-_EMBEDDED_JSON: str | None = None
-_BUNDLE_READER_SOURCE: str | None = None
-# <<< packer:embedded
+if TYPE_CHECKING:
+    import torch
 
 MAX_RING_BYTES = 512 * MIB
 MAX_HEADER = 100 * MIB
-_ENV = {"CUDA_MODULE_LOADING": "LAZY"}
+STARTUP_ENV = {"CUDA_MODULE_LOADING": "LAZY"}
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's allocator settings
-_DTYPES = {
+DTYPES = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
@@ -41,10 +38,10 @@ class ArtifactMismatchError(RuntimeError):
 
 
 def _wanted_env() -> dict[str, str]:
-    """The start-up variables to set: ``_ENV`` minus the user's, plus expandable segments
+    """The start-up variables to set: ``STARTUP_ENV`` minus the user's, plus expandable segments
     when ``PACKER_EXPANDABLE_SEGMENTS=1`` asks and no allocator setting was made (they break
     CUDA tensor sharing between processes in unprivileged containers, so never by default)."""
-    out = {k: v for k, v in _ENV.items() if k not in os.environ}
+    out = {k: v for k, v in STARTUP_ENV.items() if k not in os.environ}
     if setting("expandable_segments"):
         user = [k for k in _ALLOC_VARS if k in os.environ]
         if user:
@@ -72,41 +69,18 @@ def _apply_env() -> None:
 _apply_env()
 
 
-def _dtype(code: str, where: str) -> tuple[Any, int]:
-    if code not in _DTYPES:
+def torch_dtype(code: str, where: str) -> tuple[torch.dtype, int]:
+    """The torch dtype of the safetensors code ``code`` and its item size in bytes.
+
+    Raises:
+        ArtifactMismatchError: a code this loader does not know, or one this torch lacks
+            (``where`` names the tensor).
+    """
+    if code not in DTYPES:
         raise ArtifactMismatchError(f"{where}: dtype {code!r} is not supported by this loader")
-    name, size = _DTYPES[code]
+    name, size = DTYPES[code]
     dt = getattr(sys.modules["torch"], name, None)
     if dt is None:
         raise ArtifactMismatchError(f"{where}: dtype {code} needs a newer torch ({name})")
     return dt, size
 
-
-def manifest() -> dict[str, Any]:
-    """The manifest embedded in this loader.
-
-    Raises:
-        RuntimeError: this is the package copy, which has none.
-    """
-    if _EMBEDDED_JSON is None:
-        raise RuntimeError("packer.runtime.loader has no embedded manifest: use the "
-                           "packer_loader.py a build emitted, or Loader(manifest, root)")
-    data: dict[str, Any] = json.loads(_EMBEDDED_JSON)
-    return data
-
-
-def bundle_reader() -> Any:
-    """The bundle reader module: the copy inlined at emit time, else the package's."""
-    if _BUNDLE_READER_SOURCE is None:
-        import importlib
-
-        return importlib.import_module("packer.runtime.bundle_reader")
-    name = "packer_loader_bundle_reader"
-    if name not in sys.modules:
-        import types
-
-        mod = types.ModuleType(name)
-        mod.__file__ = __file__
-        sys.modules[name] = mod  # dataclasses look their module up while the class is built
-        exec(compile(_BUNDLE_READER_SOURCE, f"{__file__}:bundle_reader", "exec"), mod.__dict__)
-    return sys.modules[name]

@@ -20,22 +20,30 @@ import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packer.runtime.timeline import TIMELINE, Timeline, _torch
+from .timeline import TIMELINE, Timeline, import_torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+    from torch import Tensor
+
+Signature = tuple[tuple[Any, ...], ...]  # a call's shapes, dtypes, devices and constants
 
 
 class Captured:
     """One captured shape: static inputs to fill, ``replay`` to run, static outputs to read."""
 
-    def __init__(self, replay: Callable[[], Any], inputs: list[Any], output: Any) -> None:
+    def __init__(self, replay: Callable[[], None], inputs: list[torch.Tensor], output: object) -> None:
         self.replay, self.inputs, self.output = replay, inputs, output
 
 
-def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+def _split(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[list[torch.Tensor], Signature]:
     """Tensors in call order and a hashable signature (shapes, dtypes, devices, constants)."""
     torch = sys.modules["torch"]
-    tensors: list[Any] = []
+    tensors: list[Tensor] = []
     sig: list[tuple[Any, ...]] = []
     for key, v in [*enumerate(args), *sorted(kwargs.items())]:
         if isinstance(v, torch.Tensor):
@@ -46,8 +54,8 @@ def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], tu
     return tensors, tuple(sig)
 
 
-def _rebuild(args: tuple[Any, ...], kwargs: dict[str, Any],
-             tensors: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _rebuild(args: tuple[object, ...], kwargs: dict[str, object],
+             tensors: list[torch.Tensor]) -> tuple[tuple[object, ...], dict[str, object]]:
     torch = sys.modules["torch"]
     it = iter(tensors)
     new_args = tuple(next(it) if isinstance(v, torch.Tensor) else v for v in args)
@@ -92,7 +100,7 @@ def _same_type(out: Any, items: list[Any]) -> Any:
         return items if isinstance(out, list) else tuple(items)
 
 
-def _syncs_with_host(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _syncs_with_host(model: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
     """Whether one run of the model synchronises with the host (then it cannot be captured).
 
     The sync-debug mode is process-wide for that one run: the loader itself waits on events
@@ -112,7 +120,8 @@ def _syncs_with_host(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return False
 
 
-def _end_failed_capture(torch: Any, dev: Any, stream: Any, graph: Any, pool: Any) -> None:
+def _end_failed_capture(torch: ModuleType, dev: torch.device, stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph,
+                        pool: object) -> None:
     """After a failed capture: the caller's stream back, the allocator out of capture mode."""
     torch.cuda.set_stream(stream)
     with contextlib.suppress(Exception):
@@ -131,7 +140,7 @@ class UncapturableError(RuntimeError):
     """The model synchronises with the host during a run, so it cannot be captured."""
 
 
-def cuda_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def cuda_capture(model: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object],
                  pool: Any) -> Captured:
     """Capture ``model(*args, **kwargs)`` into a CUDA graph sharing the memory ``pool``.
 
@@ -166,7 +175,8 @@ def cuda_capture(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return Captured(graph.replay, static, out)
 
 
-def _capture_on(torch: Any, graph: Any, side: Any, pool: Any, run: Callable[[], Any]) -> Any:
+def _capture_on(torch: ModuleType, graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool: Any,
+                run: Callable[[], object]) -> object:
     """``run()`` captured into ``graph`` on ``side``; the stream context restores the caller's.
 
     Not ``torch.cuda.graph``: that context manager empties PyTorch's process-wide pinned
@@ -194,17 +204,17 @@ class GraphPool:
     Outputs of a replay are cloned, so a later call never overwrites what a caller holds.
     """
 
-    def __init__(self, model: Any, capture: Callable[..., Captured] | None = None) -> None:
+    def __init__(self, model: Callable[..., Any], capture: Callable[..., Captured] | None = None) -> None:
         self.model = model
         self.capture_fn = capture or cuda_capture
-        self.graphs: dict[tuple[Any, ...], Captured] = {}
+        self.graphs: dict[Signature, Captured] = {}
         self.replays = 0
         self.fallbacks = 0
         self.mempool: Any = None
         self.capturing = True  # False after a failed capture or an uncapturable model
         self.eager_reason = ""
 
-    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def capture(self, args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
         """Capture one shape; on failure run eagerly from then on (warn, no raise)."""
         if not self.capturing:
             return False
@@ -234,7 +244,7 @@ class GraphPool:
             return _clone_out(entry.output)
 
 
-def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _as_call(example: object) -> tuple[tuple[object, ...], dict[str, object]]:
     if isinstance(example, dict):
         return (), dict(example)
     if isinstance(example, (tuple, list)):
@@ -242,7 +252,7 @@ def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (example,), {}
 
 
-def warmup(model: Any, example_inputs: Any, *, cudnn_benchmark: bool = True,
+def warmup(model: Callable[..., Any], example_inputs: Any, *, cudnn_benchmark: bool = True,
            cuda_graphs: bool = False, iters: int = 3,
            timeline: Timeline | None = None) -> GraphPool:
     """Run each example a few times (cuDNN autotune); optionally capture one graph per shape.
@@ -260,7 +270,7 @@ def warmup(model: Any, example_inputs: Any, *, cudnn_benchmark: bool = True,
         normally for any other (under ``torch.inference_mode``).
     """
     timeline = timeline or TIMELINE
-    torch = _torch(timeline)
+    torch = import_torch(timeline)
     pool = GraphPool(model)
     if isinstance(example_inputs, dict) or hasattr(example_inputs, "shape"):
         example_inputs = [example_inputs]  # one example, not a sequence of them

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packer.runtime.assign import load_module
-from packer.runtime.components import component_dir
-from packer.runtime.dirtree import lay_out
-from packer.runtime.empty import init_empty
-from packer.runtime.env import _dtype
-from packer.runtime.hf_keys import check_result, loading_info, prefix_map
-from packer.runtime.timeline import _torch
+from .components import component_dir
+from .dirtree import lay_out
+from .empty import init_empty
+from .env import torch_dtype
+from .hf_keys import check_result, loading_info, prefix_map
+from .timeline import import_torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+
+    from .loading import Loader
 
 _CONFIGS: dict[str, Any] = {}  # bundle directory -> parsed config (prepare() fills it)
 
@@ -30,7 +36,7 @@ def hf_config(bundle: Path) -> Any:
     return _CONFIGS[key]
 
 
-def weights_dtype(torch: Any, manifest: dict[str, Any], config: Any) -> Any:
+def weights_dtype(torch: ModuleType, manifest: dict[str, Any], config: Any) -> torch.dtype | None:
     """The dtype transformers' ``dtype="auto"`` picks: the config's, else the weights' floats."""
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dt, str):
@@ -38,13 +44,13 @@ def weights_dtype(torch: Any, manifest: dict[str, Any], config: Any) -> Any:
     if dt is not None:
         return dt
     for name, rec in manifest["weights"]["tensors"].items():
-        t = _dtype(rec["dtype"], name)[0]
+        t = torch_dtype(rec["dtype"], name)[0]
         if t.is_floating_point:
             return t
     return None
 
 
-def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", dtype: Any = None,
+def hf_from_pretrained(loader: Loader, model_class: Any, *, device: str = "cuda", dtype: torch.dtype | None = None,
                        verify: bool = False, strict: bool = False, output_loading_info: bool = False) -> Any:
     """Construct ``model_class`` under :func:`init_empty` and load the build into it.
 
@@ -83,7 +89,7 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     rule = prefix_map(model, names, [*w["tensors"], *w.get("aliases", {})])
-    result = load_module(loader, model, device=device, strict=False, verify=verify, key=rule)
+    result = loader.load_into(model, device=device, strict=False, verify=verify, key=rule)
     if rule is not None:
         result.notes.append(rule.describe())
     model.tie_weights()
@@ -92,9 +98,9 @@ def hf_from_pretrained(loader: Any, model_class: Any, *, device: str = "cuda", d
     return (model, loading_info(result)) if output_loading_info else model
 
 
-def hf_construct(loader: Any, model_class: Any, dtype: Any) -> tuple[Any, Path]:
+def hf_construct(loader: Loader, model_class: Any, dtype: torch.dtype | None) -> tuple[Any, Path]:
     """``model_class`` built under :func:`init_empty` from the bundle's config; and that bundle folder."""
-    torch = _torch(loader.timeline)
+    torch = import_torch(loader.timeline)
     bundle = loader.bundle_dir() / component_dir(loader.manifest["weights"])
     config = _config(loader, bundle, model_class)
     dtype = dtype or weights_dtype(torch, loader.manifest, config)
@@ -115,22 +121,23 @@ def hf_finish(model: Any, bundle: Path) -> Any:
     return model.eval()
 
 
-def _diffusers_model(loader: Any, model_class: Any, folder: Path, *, device: str, dtype: Any, verify: bool,
+def _diffusers_model(loader: Loader, model_class: Any, folder: Path, *, device: str, dtype: torch.dtype | None,
+                     verify: bool,
                      strict: bool, output_loading_info: bool) -> Any:
     """A diffusers model (``UNet2DConditionModel``...) of a component: its config, then the weights."""
-    torch = _torch(loader.timeline)
+    torch = import_torch(loader.timeline)
     with loader.timeline.stage("config"):
         config = model_class.load_config(str(folder))
     dtype = dtype or weights_dtype(torch, loader.manifest, None)
     with loader.timeline.stage("construct"), init_empty(dtype=dtype):
         model = model_class.from_config(config)
-    result = load_module(loader, model, device=device, strict=False, verify=verify)
+    result = loader.load_into(model, device=device, strict=False, verify=verify)
     check_result(model, result, strict=strict)
     model.eval()
     return (model, loading_info(result)) if output_loading_info else model
 
 
-def _config(loader: Any, bundle: Path, model_class: Any) -> Any:
+def _config(loader: Loader, bundle: Path, model_class: Any) -> Any:
     """A private copy of the bundle's parsed config (construction may change it)."""
     if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
         return copy.deepcopy(_CONFIGS[str(bundle)])
@@ -138,7 +145,7 @@ def _config(loader: Any, bundle: Path, model_class: Any) -> Any:
         return copy.deepcopy(hf_config(bundle))
 
 
-def hf_model_dir(loader: Any, *, root: str | Path | None = None) -> Path:
+def hf_model_dir(loader: Loader, *, root: str | Path | None = None) -> Path:
     """A Hugging Face model directory for this build: bundle files and weights, linked.
 
     Laid out as transformers, vLLM, TGI and SGLang expect (``config.json``, tokenizer

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .assign import LoadResult
 
 LOG = logging.getLogger("packer_loader")
 
@@ -41,7 +46,7 @@ class PrefixMap:
         return f"base-model prefix {self.prefix[:-1]!r} {where} to match the stored keys (as transformers does)"
 
 
-def prefix_map(module: Any, module_names: Collection[str], stored: Collection[str]) -> PrefixMap | None:
+def prefix_map(module: torch.nn.Module, module_names: Collection[str], stored: Collection[str]) -> PrefixMap | None:
     """The prefix rule of ``module`` for these stored names, or None when names already agree.
 
     Args:
@@ -65,13 +70,13 @@ def prefix_map(module: Any, module_names: Collection[str], stored: Collection[st
     return None
 
 
-def loading_info(result: Any) -> dict[str, list[str]]:
+def loading_info(result: LoadResult) -> dict[str, list[str]]:
     """transformers' ``output_loading_info`` dictionary for a :class:`LoadResult`."""
     return {"missing_keys": list(result.missing), "unexpected_keys": list(result.unexpected),
             "mismatched_keys": [], "error_msgs": []}
 
 
-def check_result(model: Any, result: Any, *, strict: bool) -> None:
+def check_result(model: torch.nn.Module, result: LoadResult, *, strict: bool) -> None:
     """Log what transformers would warn about; raise where the model cannot run.
 
     Raises:

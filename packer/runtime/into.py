@@ -7,27 +7,33 @@ staging tensor on the device where they do not. Nothing crosses to the host twic
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from packer.runtime.cpu import map_shards, read_into
-from packer.runtime.engines import CopyEngine, _host_view
-from packer.runtime.env import _dtype
-from packer.runtime.ring import Read, Segment
-from packer.runtime.shards import Shard, shard_tensors, tensor_view
-from packer.runtime.timeline import Timeline
+from .cpu import map_shards, read_into
+from .engines import CopyEngine, host_view
+from .env import torch_dtype
+from .ring import Read, Segment
+from .shards import Shard, shard_tensors, tensor_view
+from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+    from torch import Tensor
 
 
 class Later(NamedTuple):
     """A copy :func:`finish_into` makes once the ring is done: a tie, or a staged cast."""
 
-    targets: list[Any]  # the module's tensors to fill
-    source: Any  # the loaded tensor (a tie), or the raw staging bytes (a cast)
+    targets: list[torch.Tensor]  # the module's tensors to fill
+    source: torch.Tensor  # the loaded tensor (a tie), or the raw staging bytes (a cast)
     code: str  # "" for a tie; else the stored dtype code of the staged bytes
     shape: list[int]  # the stored shape (casts only)
     name: str  # the stored tensor's name
 
 
-def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None) -> Any:
+def target_device(torch: ModuleType, targets: dict[str, list[torch.Tensor]], device: str | None) -> torch.device:
     """The one device the module's tensors live on (``device`` or cpu when it has none).
 
     Raises:
@@ -45,17 +51,17 @@ def target_device(torch: Any, targets: dict[str, list[Any]], device: str | None)
     return dev
 
 
-def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], readers: int,
+def into_cpu(torch: ModuleType, shards: list[Shard], targets: dict[str, list[torch.Tensor]], readers: int,
              timeline: Timeline) -> None:
     """preadv straight into the parameters; a mapped view only where dtypes differ."""
     reads: list[Read] = []
-    rest: list[tuple[Any, Any]] = []
+    rest: list[tuple[Tensor, Tensor | str]] = []
     with timeline.stage("read into module") as box:
         for s in shards:
             for name, code, _, begin, end in s.tensors:
                 ts = targets.get(name, [])
-                if ts and ts[0].dtype == _dtype(code, name)[0] and ts[0].is_contiguous():
-                    reads.append(Read(s.fd, s.data_start + begin, _host_view(ts[0].detach())))
+                if ts and ts[0].dtype == torch_dtype(code, name)[0] and ts[0].is_contiguous():
+                    reads.append(Read(s.fd, s.data_start + begin, host_view(ts[0].detach())))
                     box["bytes"] += end - begin
                     rest += [(t, ts[0]) for t in ts[1:] if t.data_ptr() != ts[0].data_ptr()]
                 elif ts:
@@ -66,8 +72,8 @@ def into_cpu(torch: Any, shards: list[Shard], targets: dict[str, list[Any]], rea
             t.copy_(views[src] if isinstance(src, str) else src)
 
 
-def plan_into(torch: Any, engine: CopyEngine, shards: list[Shard],
-              targets: dict[str, list[Any]]) -> tuple[list[Segment], list[Later]]:
+def plan_into(torch: ModuleType, engine: CopyEngine, shards: list[Shard],
+              targets: dict[str, list[torch.Tensor]]) -> tuple[list[Segment], list[Later]]:
     """Ring segments straight into the parameters (a staging tensor where dtypes differ).
 
     Returns:
@@ -81,7 +87,7 @@ def plan_into(torch: Any, engine: CopyEngine, shards: list[Shard],
             if not ts or end == begin:
                 continue
             first = ts[0].detach()
-            if first.dtype == _dtype(code, name)[0] and first.is_contiguous():
+            if first.dtype == torch_dtype(code, name)[0] and first.is_contiguous():
                 segs.append(Segment(i, s.data_start + begin, end - begin, first.view(-1).view(torch.uint8)))
                 rest = [t for t in ts[1:] if t.data_ptr() != first.data_ptr()]
                 if rest:
@@ -93,7 +99,7 @@ def plan_into(torch: Any, engine: CopyEngine, shards: list[Shard],
     return segs, later
 
 
-def finish_into(torch: Any, later: list[Later]) -> None:
+def finish_into(torch: ModuleType, later: list[Later]) -> None:
     """The ties and dtype casts :func:`plan_into` left, copied on the device."""
     for ts, src, code, shape, name in later:
         if code:

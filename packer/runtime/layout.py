@@ -9,8 +9,8 @@ load still hashes every byte of the file in order.
 
 from __future__ import annotations
 
-from packer.runtime.engines import ALIGN
-from packer.runtime.shards import TensorEntry
+from .engines import ALIGN
+from .shards import TensorEntry
 
 
 class Layout:

@@ -1,11 +1,13 @@
 """packer's runtime loader: gets a build's weights onto the device at the speed of the hardware.
 
-This file is emitted into every build as ``packer_loader.py`` with the build's manifest
-embedded (``packer.stub`` joins the ``packer.runtime`` modules into that one file); inside
-the package it is importable as ``packer.runtime.loader`` and driven through :class:`Loader`
-with an explicit manifest. It needs the standard library and torch (imported lazily), plus
-zstandard for the bundle. In the package, ``loader.py`` is this entry (the public functions,
-``__all__`` and the command line); the :class:`Loader` class they drive is ``loading.py``.
+These modules ship into every build as the ``packer_runtime/`` package beside the emitted
+``packer_loader.py``, byte for byte as they are here (names, docstrings, line numbers), so a
+traceback in a serving container points at real files. The emitted file is a short stub: it
+pins the build's manifest, checks these files against their sha256 and makes one
+:class:`Build` of this module, whose methods are its public functions. Inside packer the same
+package is ``packer.runtime``, driven through :class:`~packer.runtime.loading.Loader` with an
+explicit manifest. It needs the standard library and torch (imported lazily), plus zstandard
+for the bundle.
 
 * CPU: tensors are views of a private copy-on-write mapping of each shard (no read at load).
 * CUDA: headers by ``pread``; one device buffer per shard (or the module's own parameters);
@@ -14,167 +16,186 @@ zstandard for the bundle. In the package, ``loader.py`` is this entry (the publi
   only after its copy completed. The copy engine is pluggable: tests run the very same
   scheduling against a CPU engine (a copy thread in place of the stream).
 
-* Models: :func:`init_empty` builds a module with parameters on ``meta`` and real buffers;
-  :func:`load_into` then assigns the loaded tensors to them (no second allocation, no copy).
-  :func:`from_pretrained` does both for Hugging Face models, :func:`model_dir` lays out a plain
-  model directory (links) for serving engines, :func:`warm_context` forks workers from a
-  prepared fork server.
+* Models: ``init_empty`` (``empty``) builds a module with parameters on ``meta`` and real
+  buffers; :meth:`Build.load_into` then assigns the loaded tensors to them (no second
+  allocation, no copy). :meth:`Build.from_pretrained` does both for Hugging Face models,
+  :meth:`Build.model_dir` lays out a plain model directory (links) for serving engines,
+  :meth:`Build.warm_context` forks workers from a prepared fork server.
 
 Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to check a build.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import json
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packer.runtime.assign import LoadResult
-from packer.runtime.components import all_loaders, component_loader
-from packer.runtime.empty import init_empty
-from packer.runtime.engines import CopyEngine, CpuEngine, CudaEngine
-from packer.runtime.env import MAX_HEADER, MAX_RING_BYTES, ArtifactMismatchError, _dtype, bundle_reader, manifest
-from packer.runtime.graphs import Captured, GraphPool, cuda_capture, warmup
-from packer.runtime.hf import hf_from_pretrained, hf_model_dir
-from packer.runtime.loading import Loader
-from packer.runtime.ring import Chunk, Latch, Readers, RingStats, Slot, plan_chunks, release_ring, run_pipeline
-from packer.runtime.settings import DEFAULT_CHUNK, DEFAULT_SLOTS, MIB, RuntimeSettings
-from packer.runtime.shards import Shard, _pread_exact, open_shard, sha256_fd, tensor_view
-from packer.runtime.signature import require_signature
-from packer.runtime.timeline import TIMELINE, Timeline, _torch
-from packer.runtime.tp import tp_from_pretrained
-from packer.runtime.warm import prepare_loader, serve_warm, start_warm
+from .assign import LoadResult
+from .components import all_loaders, component_loader
+from .empty import init_empty
+from .env import ArtifactMismatchError, torch_dtype
+from .graphs import warmup
+from .loading import Loader
+from .ring import release_ring
+from .settings import RuntimeSettings
+from .shards import pread_exact
+from .timeline import TIMELINE, Timeline, import_torch
+from .warm import prepare_loader, serve_warm, start_warm
 
-# the public names, as they were when all of this was one module
-__all__ = [
-    "DEFAULT_CHUNK", "DEFAULT_SLOTS", "MAX_HEADER", "MAX_RING_BYTES", "MIB", "TIMELINE",
-    "ArtifactMismatchError", "Captured", "Chunk", "CopyEngine", "CpuEngine", "CudaEngine", "GraphPool", "Latch",
-    "LoadResult", "Loader", "Readers", "RingStats", "RuntimeSettings", "Shard", "Slot", "Timeline", "bundle_dir",
-    "bundle_reader", "check_loaded", "cuda_capture", "default_loader", "from_pretrained", "init_empty",
-    "load_into", "load_weights", "main", "manifest", "model_dir", "open_shard", "plan_chunks",
-    "prefetch", "prepare", "release_ring", "report", "run_pipeline", "selftest", "sha256_fd", "tensor_view",
-    "warm_context", "warmup", "warmup_inputs",
-]
+if TYPE_CHECKING:
+    import multiprocessing.context
 
-_LOADERS: dict[tuple[str, str], Loader] = {}
+    import torch
+
+# what the emitted stub takes from here: the Build whose methods are its functions, and the
+# process-wide functions and types it shows beside them
+__all__ = ["ArtifactMismatchError", "Build", "LoadResult", "init_empty", "release_ring", "report", "warmup"]
 
 
-def default_loader(root: str | Path | None = None) -> Loader:
-    """The loader for ``root`` (else ``$PACKER_ARTIFACTS``, else this file's directory)."""
-    settings = _settings()
-    base = root or settings.artifacts or Path(__file__).resolve().parent
-    key = (str(base), settings.weights_dir)
-    if key not in _LOADERS:
-        if settings.require_signature:  # PACKER_REQUIRE_SIGNATURE: refuse before anything is loaded
-            require_signature(manifest(), Path(base), settings.require_signature)
-        _LOADERS[key] = Loader(manifest(), base, weights_dir=settings.weights_dir or None, settings=settings)
-    return _LOADERS[key]
+class Build:
+    """One emitted build: the manifest its stub pins and the directory the stub lives in.
 
+    The stub's public functions are this object's methods; each one works on a
+    :class:`Loader` of this build's artifacts (``root``, else ``$PACKER_ARTIFACTS``, else
+    ``home``), made once per root.
 
-def _settings() -> RuntimeSettings:
-    """This build's settings: the environment over the embedded recipe's ``[runtime]``."""
-    return RuntimeSettings.from_sources(os.environ, _embedded_runtime())
-
-
-@functools.lru_cache(maxsize=1)
-def _embedded_runtime() -> dict[str, Any]:
-    """The embedded ``runtime`` section, parsed once (the whole manifest may be large)."""
-    return dict(manifest().get("runtime") or {})
-
-
-def warmup_inputs(device: str = "cuda") -> list[dict[str, Any]]:
-    """Zero-filled example inputs from the recipe's ``[runtime] warmup`` shapes, one per entry."""
-    torch = _torch()
-    return [{w["name"]: torch.zeros(tuple(w["shape"]), dtype=getattr(torch, w.get("dtype", "int64")),
-                                    device=device)}
-            for w in _settings().warmup]
-
-
-def load_weights(device: str = "cuda", *, dtype: Any = None, verify: bool = False,
-                 root: str | Path | None = None, pipeline: bool | None = None,
-                 copy: bool = False, component: str | None = None) -> dict[str, Any]:
-    """Load this build's weights (of ``component``, e.g. ``"unet"``); see :meth:`Loader.load_weights`."""
-    return component_loader(default_loader(root), component).load_weights(device, dtype=dtype, verify=verify,
-                                                                          pipeline=pipeline, copy=copy)
-
-
-def load_into(module: Any, *, device: str | None = None, strict: bool = True,
-              verify: bool = False, root: str | Path | None = None, component: str | None = None) -> LoadResult:
-    """Load this build's weights (of ``component``) into ``module`` (built under :func:`init_empty`: by assignment).
-
-    See :meth:`Loader.load_into`; returns ``(missing, unexpected)`` with ``.notes``. A
-    multi-component build (a diffusers pipeline, a sentence-transformers stack, an adapter)
-    names the part with ``component`` (``"unet"``, ``"2_Dense"``); None is the root model.
+    Args:
+        manifest_json: the embedded manifest, canonical JSON (files, weights, bundle, runtime).
+        home: the directory of the emitted ``packer_loader.py``.
+        module: the stub's module name (the warm pool's fork server imports it by that name).
     """
-    return component_loader(default_loader(root), component).load_into(module, device=device, strict=strict,
-                                                                       verify=verify)
 
+    def __init__(self, manifest_json: str, home: Path, module: str) -> None:
+        self._json = manifest_json
+        self.home = home
+        self.module = module
+        self._loaders: dict[tuple[str, str], Loader] = {}
+        self._runtime: dict[str, Any] | None = None
 
-def from_pretrained(model_class: Any, *, device: str = "cuda", dtype: Any = None, verify: bool = False,
-                    strict: bool = False, output_loading_info: bool = False,
-                    root: str | Path | None = None, component: str | None = None, tp_plan: Any = None) -> Any:
-    """A Hugging Face model of this build, ready: config from the bundle, weights assigned.
+    def manifest(self) -> dict[str, Any]:
+        """The manifest this build's loader pins (a fresh copy at each call)."""
+        data: dict[str, Any] = json.loads(self._json)
+        return data
 
-    transformers' loading rules: the base-model prefix added or stripped, unexpected keys
-    logged (raised with ``strict=True``; returned with ``output_loading_info=True`` as
-    ``(model, info)``), missing parameters raised. The tokenizer stays
-    ``AutoTokenizer.from_pretrained(bundle_dir())``. See
-    ``packer.runtime.hf.hf_from_pretrained`` for the arguments and errors. ``component``
-    names a part of a multi-component build (``"text_encoder"``, ``"unet"`` with a diffusers
-    model class); its config is the bundle's ``<component>/config.json``. With ``tp_plan``
-    (``"auto"`` or a dict of rules, as transformers takes it) in a ``torch.distributed``
-    process group, the model is sharded by that plan and each rank reads its slices only
-    (``packer.runtime.tp``); ``device`` is then this rank's device.
-    """
-    loader = component_loader(default_loader(root), component)
-    if tp_plan is not None:
-        return tp_from_pretrained(loader, model_class, device=device, dtype=dtype, verify=verify, tp_plan=tp_plan)
-    return hf_from_pretrained(loader, model_class, device=device, dtype=dtype, verify=verify, strict=strict,
-                              output_loading_info=output_loading_info)
+    def settings(self) -> RuntimeSettings:
+        """This build's settings: the environment over the embedded recipe's ``[runtime]``."""
+        if self._runtime is None:  # parsed once: the whole manifest may be large
+            self._runtime = dict(self.manifest().get("runtime") or {})
+        return RuntimeSettings.from_sources(os.environ, self._runtime)
 
+    def loader(self, root: str | Path | None = None) -> Loader:
+        """The loader for ``root`` (else ``$PACKER_ARTIFACTS``, else the stub's directory)."""
+        settings = self.settings()
+        base = root or settings.artifacts or self.home
+        key = (str(base), settings.weights_dir)
+        if key not in self._loaders:
+            if settings.require_signature:  # PACKER_REQUIRE_SIGNATURE: refuse before anything is loaded
+                from .signature import require_signature
 
-def model_dir(*, root: str | Path | None = None, out: str | Path | None = None) -> Path:
-    """A Hugging Face model directory of this build (links, no copies) for serving engines.
+                require_signature(self.manifest(), Path(base), settings.require_signature)
+            self._loaders[key] = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None,
+                                        settings=settings)
+        return self._loaders[key]
 
-    ``transformers``, ``vllm serve``, TGI's ``--model-id`` and SGLang's ``--model-path`` read
-    it as is. ``out``: where to make it (default beside the extracted bundle).
-    """
-    return hf_model_dir(default_loader(root), root=out)
+    def warmup_inputs(self, device: str = "cuda") -> list[dict[str, torch.Tensor]]:
+        """Zero-filled example inputs from the recipe's ``[runtime] warmup`` shapes, one per entry."""
+        torch = import_torch()
+        return [{w["name"]: torch.zeros(tuple(w["shape"]), dtype=getattr(torch, w.get("dtype", "int64")),
+                                        device=device)}
+                for w in self.settings().warmup]
 
+    def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
+                     root: str | Path | None = None, pipeline: bool | None = None,
+                     copy: bool = False, component: str | None = None) -> dict[str, torch.Tensor]:
+        """Load this build's weights (of ``component``, e.g. ``"unet"``); see :meth:`Loader.load_weights`."""
+        return component_loader(self.loader(root), component).load_weights(device, dtype=dtype, verify=verify,
+                                                                           pipeline=pipeline, copy=copy)
 
-def prepare(*, prefetch: bool = False, root: str | Path | None = None) -> dict[str, Any]:
-    """Everything before CUDA (headers, bundle, config; optionally the page cache), done once."""
-    return prepare_loader(default_loader(root), prefetch=prefetch)
+    def load_into(self, module: torch.nn.Module, *, device: str | None = None, strict: bool = True,
+                  verify: bool = False, root: str | Path | None = None, component: str | None = None) -> LoadResult:
+        """Load this build's weights (of ``component``) into ``module`` (built under ``init_empty``: by assignment).
 
+        See :meth:`Loader.load_into`; returns ``(missing, unexpected)`` with ``.notes``. A
+        multi-component build (a diffusers pipeline, a sentence-transformers stack, an adapter)
+        names the part with ``component`` (``"unet"``, ``"2_Dense"``); None is the root model.
+        """
+        return component_loader(self.loader(root), component).load_into(module, device=device, strict=strict,
+                                                                        verify=verify)
 
-def warm_context(preload: list[str] | tuple[str, ...] = (), *, prefetch: bool = False,
-                 root: str | Path | None = None) -> Any:
-    """A ``multiprocessing`` forkserver context whose server has imported and prepared everything.
+    def from_pretrained(self, model_class: Any, *, device: str = "cuda", dtype: torch.dtype | None = None,
+                        verify: bool = False, strict: bool = False, output_loading_info: bool = False,
+                        root: str | Path | None = None, component: str | None = None, tp_plan: Any = None) -> Any:
+        """A Hugging Face model of this build, ready: config from the bundle, weights assigned.
 
-    The server imports ``preload`` (e.g. ``["transformers", "myapp.model"]``), then this
-    loader, which runs :func:`prepare` there. Start workers with the context's ``Process`` or
-    ``Pool``; each initialises CUDA itself and loads (``from_pretrained``/``load_into``).
-    Call it under ``if __name__ == "__main__":``.
+        transformers' loading rules: the base-model prefix added or stripped, unexpected keys
+        logged (raised with ``strict=True``; returned with ``output_loading_info=True`` as
+        ``(model, info)``), missing parameters raised. The tokenizer stays
+        ``AutoTokenizer.from_pretrained(bundle_dir())``. See ``hf.hf_from_pretrained`` for the
+        arguments and errors. ``component`` names a part of a multi-component build
+        (``"text_encoder"``, ``"unet"`` with a diffusers model class); its config is the
+        bundle's ``<component>/config.json``. With ``tp_plan`` (``"auto"`` or a dict of rules, as
+        transformers takes it) in a ``torch.distributed`` process group, the model is sharded by
+        that plan and each rank reads its slices only (``tp``); ``device`` is then this rank's.
+        """
+        from .hf import hf_from_pretrained
 
-    Raises:
-        RuntimeError: CUDA was initialised in the server (a forked child could not use it),
-            ``prepare()`` failed there, or a fork server was already running without it.
-    """
-    return start_warm(__name__, list(preload), root=root, prefetch=prefetch)
+        loader = component_loader(self.loader(root), component)
+        if tp_plan is not None:
+            from .tp import tp_from_pretrained
 
+            return tp_from_pretrained(loader, model_class, device=device, dtype=dtype, verify=verify, tp_plan=tp_plan)
+        return hf_from_pretrained(loader, model_class, device=device, dtype=dtype, verify=verify, strict=strict,
+                                  output_loading_info=output_loading_info)
 
-def bundle_dir(*, root: str | Path | None = None) -> Path:
-    """The extracted bundle directory; see :meth:`Loader.bundle_dir`."""
-    return default_loader(root).bundle_dir()
+    def model_dir(self, *, root: str | Path | None = None, out: str | Path | None = None) -> Path:
+        """A Hugging Face model directory of this build (links, no copies) for serving engines.
 
+        ``transformers``, ``vllm serve``, TGI's ``--model-id`` and SGLang's ``--model-path`` read
+        it as is. ``out``: where to make it (default beside the extracted bundle).
+        """
+        from .hf import hf_model_dir
 
-def prefetch(*, background: bool = True, root: str | Path | None = None) -> threading.Thread | None:
-    """Warm the page cache with this build's weights; see :meth:`Loader.prefetch`."""
-    return default_loader(root).prefetch(background=background)
+        return hf_model_dir(self.loader(root), root=out)
+
+    def prepare(self, *, prefetch: bool = False, root: str | Path | None = None) -> dict[str, Any]:
+        """Everything before CUDA (headers, bundle, config; optionally the page cache), done once."""
+        return prepare_loader(self.loader(root), prefetch=prefetch)
+
+    def warm_context(self, preload: list[str] | tuple[str, ...] = (), *, prefetch: bool = False,
+                     root: str | Path | None = None) -> multiprocessing.context.ForkServerContext:
+        """A ``multiprocessing`` forkserver context whose server has imported and prepared everything.
+
+        The server imports ``preload`` (e.g. ``["transformers", "myapp.model"]``), then this
+        loader, which runs :meth:`prepare` there. Start workers with the context's ``Process`` or
+        ``Pool``; each initialises CUDA itself and loads (``from_pretrained``/``load_into``).
+        Call it under ``if __name__ == "__main__":``.
+
+        Raises:
+            RuntimeError: CUDA was initialised in the server (a forked child could not use it),
+                ``prepare()`` failed there, or a fork server was already running without it.
+        """
+        return start_warm(self.module, list(preload), root=root, prefetch=prefetch)
+
+    def serve_warm(self) -> None:
+        """At the stub's import: when this process is a warm fork server, prepare and guard."""
+        serve_warm(self.prepare)
+
+    def bundle_dir(self, *, root: str | Path | None = None) -> Path:
+        """The extracted bundle directory; see :meth:`Loader.bundle_dir`."""
+        return self.loader(root).bundle_dir()
+
+    def prefetch(self, *, background: bool = True, root: str | Path | None = None) -> threading.Thread | None:
+        """Warm the page cache with this build's weights; see :meth:`Loader.prefetch`."""
+        return self.loader(root).prefetch(background=background)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """``--selftest [--device cpu|cuda] [--verify] [--root DIR] [--trace FILE]`` or ``--model-dir``."""
+        return main(self, argv)
 
 
 def report(trace: str | Path | None = None) -> list[dict[str, Any]]:
@@ -192,7 +213,7 @@ def _why(e: Exception) -> str:
     return str(e).removeprefix("packer_loader: ")
 
 
-def check_loaded(loader: Loader, tensors: dict[str, Any]) -> list[str]:
+def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Compare every loaded tensor's bytes with the file; return the problems found."""
     torch = sys.modules["torch"]
     problems = []
@@ -206,10 +227,10 @@ def check_loaded(loader: Loader, tensors: dict[str, Any]) -> list[str]:
         for s in shards:
             for name, code, shape, begin, end in s.tensors:
                 t = tensors[name]
-                if t.dtype != _dtype(code, name)[0] or list(t.shape) != shape:
+                if t.dtype != torch_dtype(code, name)[0] or list(t.shape) != shape:
                     problems.append(f"{s.rel}: tensor {name!r} has {t.dtype} {list(t.shape)}")
                     continue
-                raw = bytearray(_pread_exact(s.fd, end - begin, s.data_start + begin, s.rel))
+                raw = bytearray(pread_exact(s.fd, end - begin, s.data_start + begin, s.rel))
                 got = t.detach().reshape(-1).view(torch.uint8).cpu()
                 if end > begin and not torch.equal(got, torch.frombuffer(raw, dtype=torch.uint8)):
                     problems.append(f"{s.rel}: tensor {name!r} bytes differ from the file")
@@ -235,8 +256,8 @@ def selftest(loader: Loader, device: str, verify: bool) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``--selftest [--device cpu|cuda] [--verify] [--root DIR] [--trace FILE]`` or ``--model-dir``."""
+def main(build: Build, argv: list[str] | None = None) -> int:
+    """The command line of ``build``'s stub; see :meth:`Build.main`."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="packer_loader.py", description=__doc__.splitlines()[0])
@@ -250,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.model_dir:
         try:
-            print(model_dir(root=args.root))
+            print(build.model_dir(root=args.root))
         except Exception as e:  # one line, exit 1, as the self-test
             sys.stderr.write(f"packer_loader: model dir failed: {_why(e)}\n")
             return 1
@@ -259,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help(sys.stderr)
         return 2
     try:
-        loader = default_loader(args.root)
+        loader = build.loader(args.root)
         loader.auto_flush = False
-        torch = _torch(loader.timeline)
+        torch = import_torch(loader.timeline)
         device = args.device or loader.settings.device
         if device == "cuda" and args.device is None and not torch.cuda.is_available():
             device = "cpu"  # a CPU node can still check its artifacts; a GPU node passes --device cuda
@@ -286,8 +307,3 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write(f"packer_loader: self-test passed ({count} tensors{where} on {device})\n")
     return 0
 
-
-serve_warm(prepare)  # a no-op unless this process is the fork server warm_context starts
-
-if __name__ == "__main__":
-    sys.exit(main())

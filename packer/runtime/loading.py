@@ -5,8 +5,9 @@ public functions such as ``load_weights`` and ``load_into``, ``__all__`` and com
 which drive a default :class:`Loader` made here.
 
 It drives the other runtime modules: shard checks (``shards``), the CPU target (``cpu``),
-the staging ring and its engines (``ring``, ``engines``), ``load_into`` (``into``) and the
-bundle reader, recording every stage on a :class:`Timeline`.
+the staging ring and its engines (``ring``, ``engines``), ``load_into`` (``assign`` matches
+the module's tensors, ``into`` fills real ones) and the bundle reader, recording every stage
+on a :class:`Timeline`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,23 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packer.runtime.assign import LoadResult, load_module
-from packer.runtime.cpu import map_shards, prefetch_files, read_shards
-from packer.runtime.engines import CopyEngine, make_engine
-from packer.runtime.env import ArtifactMismatchError, bundle_reader
-from packer.runtime.into import finish_into, plan_into
-from packer.runtime.layout import Layout, plan_layout
-from packer.runtime.ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
-from packer.runtime.settings import RuntimeSettings
-from packer.runtime.shards import Shard, _check_sha, open_shard, sha256_fd, shard_tensors
-from packer.runtime.timeline import TIMELINE, Timeline, _torch
+from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_targets, match_slots, module_slots
+from .cpu import map_shards, prefetch_files, read_shards
+from .engines import CopyEngine, make_engine
+from .env import ArtifactMismatchError
+from .into import finish_into, into_cpu, plan_into, target_device
+from .layout import Layout, plan_layout
+from .ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
+from .settings import RuntimeSettings
+from .shards import Shard, check_sha256, open_shard, sha256_fd, shard_tensors
+from .timeline import TIMELINE, Timeline, import_torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
 
 
 class Loader:
@@ -57,7 +63,8 @@ class Loader:
         self.slots = self.settings.ring_slots
         self.chunk = self.settings.chunk_bytes
         self.readers = self.settings.readers
-        self.make_engine: Callable[[Any], CopyEngine] = make_engine  # torch device -> copy engine (tests slow it down)
+        self.make_engine: Callable[[torch.device], CopyEngine] = make_engine  # tests slow the engine down
+        self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine.
@@ -86,14 +93,19 @@ class Loader:
                                              random_access=random_access))
                     box["bytes"] += shards[-1].data_start
                 if w.get("index"):
-                    self._check_plain(w["index"], verify)
+                    self.check_file(w["index"], verify)
             except BaseException:
                 for s in shards:
                     s.close()
                 raise
         return shards
 
-    def _check_plain(self, rel: str, verify: bool) -> None:
+    def check_file(self, rel: str, verify: bool) -> None:
+        """Check the plain artifact ``rel`` (index, bundle): present, its size; sha256 when ``verify``.
+
+        Raises:
+            ArtifactMismatchError: missing, or another size or sha256 than the manifest's.
+        """
         path, meta = self.path(rel), self.manifest["files"].get(rel) or self.manifest["bundle"]
         try:
             size = path.stat().st_size
@@ -104,7 +116,7 @@ class Loader:
         if verify:
             fd = os.open(path, os.O_RDONLY)
             try:
-                _check_sha(rel, sha256_fd(fd, size), meta["sha256"])
+                check_sha256(rel, sha256_fd(fd, size), meta["sha256"])
             finally:
                 os.close(fd)
 
@@ -115,11 +127,11 @@ class Loader:
             # hashlib releases the GIL: shards hash in parallel
             digests = list(ex.map(lambda s: sha256_fd(s.fd, s.size), shards))
             for s, digest in zip(shards, digests, strict=True):
-                _check_sha(s.rel, digest, self.manifest["files"][s.rel]["sha256"])
+                check_sha256(s.rel, digest, self.manifest["files"][s.rel]["sha256"])
                 box["bytes"] += s.size
 
-    def load_weights(self, device: str = "cuda", *, dtype: Any = None, verify: bool = False,
-                     pipeline: bool | None = None, copy: bool = False) -> dict[str, Any]:
+    def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
+                     pipeline: bool | None = None, copy: bool = False) -> dict[str, torch.Tensor]:
         """Load every tensor; aliases of tied tensors are the same tensor object.
 
         Args:
@@ -142,7 +154,7 @@ class Loader:
         Raises:
             ArtifactMismatchError: a file is missing, has another size, header or sha256.
         """
-        torch = _torch(self.timeline)
+        torch = import_torch(self.timeline)
         dev = self._device(torch, device)
         verify = verify or bool(self.settings.require_signature)
         use_ring = dev.type != "cpu" if pipeline is None else pipeline
@@ -163,7 +175,7 @@ class Loader:
             self.timeline.flush()
         return out
 
-    def _device(self, torch: Any, device: str) -> Any:
+    def _device(self, torch: ModuleType, device: str) -> torch.device:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"packer_loader: device {device!r}: only 'cpu', 'cuda' and 'cuda:N'")
@@ -176,8 +188,8 @@ class Loader:
                 torch.empty(1, device=dev)  # a real allocation: the device's context exists now
         return dev
 
-    def _ringed(self, torch: Any, dev: Any, shards: list[Shard], verify: bool,
-                dtype: Any) -> dict[str, Any]:
+    def _ringed(self, torch: ModuleType, dev: torch.device, shards: list[Shard], verify: bool,
+                dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """Through the ring into one device buffer per shard, every tensor ``ALIGN``-aligned;
         with ``verify`` the hash thread checks each file as its chunks pass, in file order."""
         engine = self.make_engine(dev)
@@ -189,20 +201,21 @@ class Loader:
         self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, hashers)
         if hashers is not None:
             for i, s in enumerate(shards):
-                _check_sha(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
+                check_sha256(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
         return self._tensors(torch, shards, [(b, 0) for b in bufs], dtype, offsets=[x.offsets for x in layouts])
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
-                  hashers: dict[int, Any] | None) -> None:
+                  hashers: dict[int, hashlib._Hash] | None) -> None:
         self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),
                                    readers=self.readers, hashers=hashers, timeline=self.timeline)
 
-    def _tensors(self, torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], dtype: Any, *,
-                 offsets: list[dict[str, int]] | None = None) -> dict[str, Any]:
+    def _tensors(self, torch: ModuleType, shards: list[Shard], bufs: list[tuple[torch.Tensor, int]],
+                 dtype: torch.dtype | None, *, offsets: list[dict[str, int]] | None = None) -> dict[str, torch.Tensor]:
         return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}), offsets=offsets)
 
-    def load_into(self, module: Any, *, device: str | None = None, strict: bool = True,
-                  verify: bool = False, pipeline: bool | None = None) -> LoadResult:
+    def load_into(self, module: torch.nn.Module, *, device: str | None = None, strict: bool = True,
+                  verify: bool = False, pipeline: bool | None = None,
+                  key: Callable[[str], str] | None = None) -> LoadResult:
         """Load the weights into ``module``: parameters on ``meta`` are assigned, real ones filled.
 
         Build the module under :func:`init_empty` so its parameters are on ``meta``: each is
@@ -220,6 +233,8 @@ class Loader:
             strict: raise when keys are missing or unexpected (as ``load_state_dict``).
             verify: also check every file's sha256.
             pipeline: force (or refuse) the staging ring; CUDA always uses it.
+            key: module name -> the stored name it loads from (transformers' base-model
+                prefix, see ``hf_keys``); by default the names are the same.
 
         Returns:
             ``(missing, unexpected)`` key lists, with ``.notes`` (ties, casts, buffers).
@@ -229,10 +244,51 @@ class Loader:
             mismatch between the weights and the module, or a module spread over devices.
         """
         verify = verify or bool(self.settings.require_signature)
-        return load_module(self, module, device=device, strict=strict, verify=verify, pipeline=pipeline)
+        torch = import_torch(self.timeline)
+        w = self.manifest["weights"]
+        slots = module_slots(module)
+        missing, unexpected, notes = match_slots(module, slots, w["tensors"], w.get("aliases", {}), key)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_into: missing keys {missing[:8]}, unexpected keys "
+                               f"{unexpected[:8]} (pass strict=False to load the rest)")
+        if any(s.key and s.tensor.device.type == "meta" for s in slots):
+            self._assign(torch, slots, device, verify, pipeline, notes)
+        else:
+            self._fill(torch, copy_targets(slots), device, verify, pipeline)
+        if self.auto_flush:
+            self.timeline.flush()
+        return LoadResult(missing, unexpected, notes)
 
-    def _into_ring(self, torch: Any, dev: Any, shards: list[Shard],
-                   targets: dict[str, list[Any]]) -> None:
+    def _fill(self, torch: ModuleType, targets: dict[str, list[torch.Tensor]], device: str | None,
+              verify: bool, pipeline: bool | None) -> None:
+        """Copy into a module whose tensors are all real (as ``load_state_dict`` does)."""
+        dev = target_device(torch, targets, device)
+        shards = self.open_shards(verify=verify)
+        try:
+            if verify:
+                self._verify_shards(shards)
+            with torch.no_grad():
+                if dev.type == "cpu" and not pipeline:
+                    into_cpu(torch, shards, targets, self.readers, self.timeline)
+                else:
+                    self._into_ring(torch, dev, shards, targets)
+        finally:
+            for s in shards:
+                s.close()
+
+    def _assign(self, torch: ModuleType, slots: list[TensorSlot], device: str | None, verify: bool,
+                pipeline: bool | None, notes: list[str]) -> None:
+        """Load the weights, then make them the module's meta tensors (and fill its real ones)."""
+        dev = assign_device(torch, slots, device)
+        auto, self.auto_flush = self.auto_flush, False
+        try:
+            tensors = self.load_weights(str(dev), verify=verify, pipeline=pipeline)
+        finally:
+            self.auto_flush = auto
+        assign_tensors(torch, slots, tensors, dev, self.timeline, notes)
+
+    def _into_ring(self, torch: ModuleType, dev: torch.device, shards: list[Shard],
+                   targets: dict[str, list[torch.Tensor]]) -> None:
         """Stream straight into the parameters; a staging tensor only where dtypes differ."""
         engine = self.make_engine(dev)
         segs, later = plan_into(torch, engine, shards, targets)
@@ -249,8 +305,9 @@ class Loader:
         if not b:
             raise ArtifactMismatchError("this build has no bundle (no tokenizer/config files)")
         rel = b["file"]
-        self._check_plain(rel, verify=False)
-        reader = bundle_reader()
+        self.check_file(rel, verify=False)
+        from . import bundle_reader as reader  # zstandard is needed from here on only
+
         with self.timeline.stage("bundle", b["size"]):
             try:
                 out = reader.extract_cached(self.path(rel), self.settings.bundle_cache or None,
@@ -283,7 +340,7 @@ class Loader:
         return [dict(s) for s in self.timeline.stages]
 
 
-def _has_context(torch: Any, dev: Any) -> bool:
+def _has_context(torch: ModuleType, dev: torch.device) -> bool:
     """Whether CUDA is initialised and ``dev`` has its primary context already."""
     if not torch.cuda.is_initialized():
         return False
@@ -292,7 +349,7 @@ def _has_context(torch: Any, dev: Any) -> bool:
     return bool(has(index)) if has is not None else True
 
 
-def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[Any]) -> list[Segment]:
+def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[torch.Tensor]) -> list[Segment]:
     """The ring's segments into the shards' device buffers, in file order."""
     return [Segment(i, s.data_start + at, n, buf[dst: dst + n])
             for i, (s, lay, buf) in enumerate(zip(shards, layouts, bufs, strict=True))

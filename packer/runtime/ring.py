@@ -13,13 +13,20 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from packer.runtime.engines import CopyEngine, _host_view
-from packer.runtime.env import MAX_RING_BYTES, ArtifactMismatchError
-from packer.runtime.settings import DEFAULT_CHUNK, MIB
-from packer.runtime.shards import Shard
-from packer.runtime.timeline import Timeline
+from .engines import CopyEngine, host_view
+from .env import MAX_RING_BYTES, ArtifactMismatchError
+from .settings import DEFAULT_CHUNK, MIB
+from .shards import Shard
+from .timeline import Timeline
+
+if TYPE_CHECKING:
+
+    import hashlib
+
+    import torch
 
 
 class Segment(NamedTuple):
@@ -28,7 +35,7 @@ class Segment(NamedTuple):
     shard: int
     offset: int
     nbytes: int
-    dst: Any
+    dst: torch.Tensor
 
 
 class Read(NamedTuple):
@@ -46,7 +53,7 @@ class Chunk:
 
     def __init__(self, shard: int, offset: int) -> None:
         self.shard, self.offset, self.nbytes = shard, offset, 0
-        self.copies: list[tuple[int, Any]] = []  # (offset in slot, destination uint8 view)
+        self.copies: list[tuple[int, torch.Tensor]] = []  # (offset in slot, destination uint8 view)
 
 
 def plan_chunks(segments: list[Segment], chunk: int) -> list[Chunk]:
@@ -99,9 +106,9 @@ class Latch:
 class Slot(Latch):
     """A staging buffer of the ring, the event of its last copy, and whether it is hashed."""
 
-    def __init__(self, index: int, host: Any) -> None:
+    def __init__(self, index: int, host: torch.Tensor) -> None:
         super().__init__()
-        self.index, self.host, self.view = index, host, _host_view(host)
+        self.index, self.host, self.view = index, host, host_view(host)
         self.event: Any = None
         self.hashed = threading.Event()
         self.hashed.set()
@@ -120,7 +127,7 @@ class StagingRing:
         self.slots: list[Slot] = []
         self.size = 0
         self.kind = ""  # "registered", "torch-pinned" or "cpu": how the memory was had
-        self._frees: list[Any] = []
+        self._frees: list[Callable[[], None]] = []
 
     def take(self, engine: CopyEngine, slots: int, size: int, budget: int,
              timeline: Timeline | None) -> tuple[list[Slot], float]:
@@ -184,13 +191,13 @@ def ring_chunk(nbytes: int) -> int:
 class Hasher:
     """A thread that hashes filled slots in the order given; a slot is ``hashed`` after."""
 
-    def __init__(self, hashers: dict[int, Any]) -> None:
+    def __init__(self, hashers: dict[int, hashlib._Hash]) -> None:
         self.hashers = hashers
         self.error: BaseException | None = None
         self.first: float | None = None
         self.last = 0.0
         self.nbytes = 0
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[Slot, int, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="packer-hash", daemon=True)
         self._thread.start()
 
@@ -222,7 +229,7 @@ class Readers:
     def __init__(self, threads: int, piece: int) -> None:
         threads = max(threads, 1)  # none would leave every read waiting for ever
         self.piece = piece
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[Latch, int, int, memoryview] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.first: float | None = None
         self.last = 0.0
@@ -288,7 +295,7 @@ class RingStats:
 
 
 def run_pipeline(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int,
-                 chunk: int, readers: int, hashers: dict[int, Any] | None = None,
+                 chunk: int, readers: int, hashers: dict[int, hashlib._Hash] | None = None,
                  stats: RingStats | None = None, timeline: Timeline | None = None) -> Readers:
     """Move every chunk from disk through the ring into its destinations.
 
@@ -376,7 +383,7 @@ def _drive(shards: list[Shard], todo: deque[Chunk], engine: CopyEngine, ring: li
 
 
 def run_ring(shards: list[Shard], chunks: list[Chunk], engine: CopyEngine, *, slots: int, chunk: int,
-             readers: int, hashers: dict[int, Any] | None, timeline: Timeline) -> RingStats:
+             readers: int, hashers: dict[int, hashlib._Hash] | None, timeline: Timeline) -> RingStats:
     """:func:`run_pipeline`, then the read and host->device stages on ``timeline``.
 
     The host->device stage starts once the ring is ready: pinning is its own stage.

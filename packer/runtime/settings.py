@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 
-def _parse(name: str, value: Any) -> Any:  # first: the joined file's imports need a def after them
+def _parse(name: str, value: Any) -> Any:
     """One field's value as given (a variable's text or a recipe value), parsed.
 
     Raises:
@@ -65,8 +65,7 @@ def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
 class RuntimeSettings(NamedTuple):
     """Every loader knob, resolved: environment over recipe over default. Immutable.
 
-    A named tuple rather than a frozen dataclass: ``dataclass`` looks its module up in
-    ``sys.modules``, which a ``packer_loader.py`` loaded from a path need not be in.
+    A named tuple: immutable, cheap to build at every loader, and its fields are the knobs.
 
     Attributes:
         artifacts: ``PACKER_ARTIFACTS``: the artifact directory ("" = the loader's own).

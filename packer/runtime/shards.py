@@ -12,10 +12,16 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from packer.runtime.env import MAX_HEADER, ArtifactMismatchError, _dtype
-from packer.runtime.settings import MIB
+from .env import MAX_HEADER, ArtifactMismatchError, torch_dtype
+from .settings import MIB
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+    from torch import Tensor
 
 
 class TensorEntry(NamedTuple):
@@ -43,7 +49,7 @@ class Shard:
             self.fd = -1
 
 
-def _pread_exact(fd: int, n: int, offset: int, rel: str) -> bytes:
+def pread_exact(fd: int, n: int, offset: int, rel: str) -> bytes:
     data = os.pread(fd, n, offset)
     if len(data) != n:
         raise ArtifactMismatchError(f"{rel}: truncated at byte {offset + len(data)}")
@@ -73,10 +79,10 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
         if size != meta["size"]:
             raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}; "
                                         "these weights are not from this build")
-        n = struct.unpack("<Q", _pread_exact(fd, 8, 0, rel))[0]
+        n = struct.unpack("<Q", pread_exact(fd, 8, 0, rel))[0]
         if n > min(size - 8, MAX_HEADER):
             raise ArtifactMismatchError(f"{rel}: header length {n} is impossible for {size} bytes")
-        raw = _pread_exact(fd, n, 8, rel)
+        raw = pread_exact(fd, n, 8, rel)
         tensors = _check_header(rel, raw, size - 8 - n, table)
         return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors)
     except BaseException:
@@ -90,6 +96,8 @@ def _check_header(rel: str, raw: bytes, data_len: int,
         header = json.loads(raw)
     except ValueError as e:
         raise ArtifactMismatchError(f"{rel}: safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ArtifactMismatchError(f"{rel}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     want = {k: v for k, v in table.items() if v["file"] == rel}
     if set(header) != set(want):
@@ -125,30 +133,31 @@ def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB) -> str:
     return h.hexdigest()
 
 
-def _check_sha(rel: str, got: str, want: str) -> None:
+def check_sha256(rel: str, got: str, want: str) -> None:
     if got != want:
         raise ArtifactMismatchError(f"{rel}: sha256 {got[:16]}..., the manifest says "
                                     f"{want[:16]}...; the file is corrupt or from another build")
 
 
-def tensor_view(torch: Any, buf: Any, begin: int, end: int, code: str, shape: list[int],
-                where: str) -> Any:
+def tensor_view(torch: ModuleType, buf: torch.Tensor, begin: int, end: int, code: str, shape: list[int],
+                where: str) -> torch.Tensor:
     """A tensor of ``buf[begin:end]`` (a uint8 buffer); misaligned bytes get a same-device copy."""
-    dt, size = _dtype(code, where)
+    dt, size = torch_dtype(code, where)
     raw = buf[begin:end]
     if begin % size:
         raw = raw.clone()  # view(dtype) needs element alignment; the copy stays on the device
     return raw.view(dt).view(tuple(shape))
 
 
-def shard_tensors(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], dtype: Any,
-                  aliases: dict[str, str], *, offsets: list[dict[str, int]] | None = None) -> dict[str, Any]:
+def shard_tensors(torch: ModuleType, shards: list[Shard], bufs: list[tuple[torch.Tensor, int]],
+                  dtype: torch.dtype | None, aliases: dict[str, str], *,
+                  offsets: list[dict[str, int]] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of ``shards`` as a view of its buffer (cast to ``dtype``), plus ``aliases``.
 
     ``bufs`` holds each shard's buffer and the offset of its data section in it; with
     ``offsets`` (a device layout, see ``layout``), each tensor starts at its laid-out offset.
     """
-    out: dict[str, Any] = {}
+    out: dict[str, Tensor] = {}
     for i, (s, (buf, base)) in enumerate(zip(shards, bufs, strict=True)):
         for name, code, shape, begin, end in s.tensors:
             at = offsets[i][name] if offsets is not None else base + begin

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from packer.runtime.components import model_tree
-from packer.runtime.env import ArtifactMismatchError
+from .components import model_tree
+from .env import ArtifactMismatchError
 
 SIGNATURE_FILE = "model.sig"
 SIGSTORE_BUNDLE_V03 = "application/vnd.dev.sigstore.bundle.v0.3+json"

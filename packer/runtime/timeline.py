@@ -14,9 +14,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
-from packer.runtime.settings import setting
+from .settings import setting
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 
 class Timeline:
@@ -47,7 +50,7 @@ class Timeline:
         finally:
             self.add(name, start, time.perf_counter(), box["bytes"])
 
-    def flush(self, stream: Any = None) -> None:
+    def flush(self, stream: IO[str] | None = None) -> None:
         """Print the stages recorded since the last flush and a total (``PACKER_STARTUP_LOG``)."""
         mode = setting("startup_log")  # read at each print: the timeline is the process's
         with self._lock:
@@ -91,7 +94,7 @@ def _fmt_stage(s: dict[str, Any]) -> str:
 TIMELINE = Timeline()
 
 
-def _torch(timeline: Timeline | None = None) -> Any:
+def import_torch(timeline: Timeline | None = None) -> ModuleType:
     """Import torch, timing the import when this call is the one that pays for it."""
     if "torch" in sys.modules:
         return sys.modules["torch"]

@@ -25,13 +25,16 @@ a read brings in its own pages only.
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from packer.runtime.assign import module_slots
-from packer.runtime.env import _dtype
-from packer.runtime.hf import hf_construct, hf_finish
-from packer.runtime.shards import Shard, TensorEntry
-from packer.runtime.timeline import _torch
+from .assign import module_slots
+from .env import torch_dtype
+from .hf import hf_construct, hf_finish
+from .shards import Shard, TensorEntry
+from .timeline import import_torch
+
+if TYPE_CHECKING:
+    from .loading import Loader
 
 
 class Stored(NamedTuple):
@@ -41,7 +44,7 @@ class Stored(NamedTuple):
     entry: TensorEntry
 
 
-def tp_from_pretrained(loader: Any, model_class: Any, *, device: str, dtype: Any, verify: bool,
+def tp_from_pretrained(loader: Loader, model_class: Any, *, device: str, dtype: Any, verify: bool,
                        tp_plan: Any) -> Any:
     """:func:`from_pretrained` under tensor parallelism; see the module docstring.
 
@@ -59,7 +62,7 @@ def tp_from_pretrained(loader: Any, model_class: Any, *, device: str, dtype: Any
     Raises:
         RuntimeError: no process group, or parameters the weights do not fill.
     """
-    torch = _torch(loader.timeline)
+    torch = import_torch(loader.timeline)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -87,12 +90,12 @@ def tp_from_pretrained(loader: Any, model_class: Any, *, device: str, dtype: Any
     return hf_finish(model, bundle)
 
 
-def load_tp(loader: Any, model: Any, dev: Any, verify: bool) -> None:
+def load_tp(loader: Loader, model: Any, dev: Any, verify: bool) -> None:
     """Fill ``model``'s meta parameters (DTensors or plain) with this rank's slices.
 
     Every rank walks the parameters in the same order: the exchanges are collectives.
     """
-    torch = _torch(loader.timeline)
+    torch = import_torch(loader.timeline)
     w = loader.manifest["weights"]
     aliases = w.get("aliases", {})
     shards = loader.open_shards(verify=verify, random_access=True)
@@ -176,7 +179,7 @@ def local_part(torch: Any, stored: Stored, ref: Any, dev: Any, stats: dict[str, 
 def read_rows(torch: Any, stored: Stored, first: int, last: int, stats: dict[str, int]) -> Any:
     """Rows ``first:last`` of a stored tensor, read with ``preadv`` into a private CPU tensor."""
     s, e = stored
-    dt = _dtype(e.code, e.name)[0]
+    dt = torch_dtype(e.code, e.name)[0]
     if not e.shape:
         first, last, rows, row = 0, 1, 1, e.end - e.begin
     else:

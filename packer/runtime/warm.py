@@ -14,17 +14,23 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packer.runtime.hf import hf_config
-from packer.runtime.timeline import _torch
+from .timeline import import_torch
+
+if TYPE_CHECKING:
+    import multiprocessing.connection
+    import multiprocessing.context
+
+    from .loading import Loader
 
 WARM_ENV = "PACKER_WARM_SERVER"  # set only while the fork server starts: "you are the server"
 _WARM: dict[str, Any] = {}  # the server's state, inherited by every worker it forks
 
 
-def prepare_loader(loader: Any, *, prefetch: bool = False) -> dict[str, Any]:
+def prepare_loader(loader: Loader, *, prefetch: bool = False) -> dict[str, Any]:
     """The start-up work that must happen before CUDA starts, done once.
 
     Imports torch, checks every weight file's size and header, extracts the bundle and parses
@@ -38,12 +44,14 @@ def prepare_loader(loader: Any, *, prefetch: bool = False) -> dict[str, Any]:
     Raises:
         ArtifactMismatchError: artifacts that do not match the manifest.
     """
-    _torch(loader.timeline)
+    import_torch(loader.timeline)
     for s in loader.open_shards():
         s.close()
     bundle = loader.bundle_dir() if loader.manifest.get("bundle") else None
     config = bundle is not None and "transformers" in sys.modules and (bundle / "config.json").is_file()
     if bundle is not None and config:
+        from .hf import hf_config  # transformers is imported already: config is True
+
         with loader.timeline.stage("config"):
             hf_config(bundle)
     if prefetch:
@@ -78,7 +86,7 @@ def _refuse_in_child(_: Any) -> None:
         os._exit(REFUSED)
 
 
-def serve_warm(prepare: Any) -> None:
+def serve_warm(prepare: Callable[..., dict[str, Any]]) -> None:
     """At the loader's import: when this process is a warm fork server, prepare and guard."""
     spec = os.environ.pop(WARM_ENV, None)
     if spec is None or _WARM:
@@ -94,8 +102,16 @@ def serve_warm(prepare: Any) -> None:
     util.register_after_fork(_GUARD, _refuse_in_child)
 
 
-def _probe(conn: Any) -> None:
-    conn.send(dict(_WARM))
+def server_state() -> dict[str, Any]:
+    """What the warm server recorded (``pid``, ``cuda``, ``error``, ``prepared``); {} outside one.
+
+    A worker forked from the server inherits it, so a worker can tell where it came from.
+    """
+    return dict(_WARM)
+
+
+def _probe(conn: multiprocessing.connection.Connection) -> None:
+    conn.send(server_state())
     conn.close()
 
 
@@ -108,7 +124,7 @@ def _stop_server() -> None:
 
 
 def start_warm(module: str, preload: list[str], *, root: str | Path | None = None,
-               prefetch: bool = False) -> Any:
+               prefetch: bool = False) -> multiprocessing.context.ForkServerContext:
     """Start the fork server with ``preload`` then ``module`` imported; see ``warm_context``."""
     import multiprocessing
     from multiprocessing import forkserver
@@ -141,7 +157,7 @@ def start_warm(module: str, preload: list[str], *, root: str | Path | None = Non
     return ctx
 
 
-def _ask(ctx: Any) -> dict[str, Any] | None:
+def _ask(ctx: multiprocessing.context.ForkServerContext) -> dict[str, Any] | None:
     recv, send = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_probe, args=(send,), name="packer-warm-probe")
     p.start()
