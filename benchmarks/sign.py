@@ -20,9 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convert import WORK, base_parser, generate, stats, warm  # noqa: E402
-
 from build import model_dir, time_build  # noqa: E402
+from convert import WORK, base_parser, generate, stats, warm  # noqa: E402
 
 
 def make_key(where: Path) -> Path:
