@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ from typing import Any
 from packer.errors import ImageError
 from packer.fsutil import canonical_json
 from packer.oci.base import OCI_INDEX, REF_NAME
-from packer.oci.layout import OCI_LAYOUT, write_json_blob
+from packer.oci.layout import OCI_LAYOUT
 from packer.oci.modelpack import ARTIFACT_TYPE, modelpack_tag
 from packer.oci.referrer import is_referrer, referrers_tag
 
@@ -91,13 +92,37 @@ def _push_referrers(skopeo: str, image: Path, subject: str, repo: str, *, tls_ve
         if not descs:
             return {}
         tag = referrers_tag(subject)
-        listing = write_json_blob(blobs, {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": descs}, OCI_INDEX)
+        listed = [{k: v for k, v in d.items() if k != "artifactType"} for d in descs]
+        raw = _go_order({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": listed})
+        listing = {"mediaType": OCI_INDEX, "digest": "sha256:" + hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+        (blobs / listing["digest"][7:]).write_bytes(raw)
         (layout / "oci-layout").write_bytes(OCI_LAYOUT)
         (layout / "index.json").write_bytes(canonical_json(
             {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [{**listing, "annotations": {REF_NAME: tag}}]}))
         dest = f"{repo}:{tag}"
         return {dest: _copy(skopeo, f"oci:{layout}:{tag}", f"docker://{dest}", tls_verify=tls_verify,
                             timeout=timeout, every=True)}
+
+
+_GO_FIELDS = ("schemaVersion", "mediaType", "digest", "size", "manifests", "annotations")
+
+
+def _go_order(index: dict[str, Any]) -> bytes:
+    """``index`` with its keys in the order containers/image's structs write them.
+
+    skopeo re-serializes an index it copies with ``--all`` and refuses (with
+    ``--preserve-digests``) when the bytes differ, so the listing is written the way it
+    writes it: struct field order, maps sorted, no spaces. skopeo before 1.11 also drops a
+    descriptor's ``artifactType`` (image-spec 1.1), so the listing has none: its entries are
+    told apart by their ``dev.sigstore.bundle.*`` annotations.
+    """
+    def ordered(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: d[k] for k in sorted(d, key=lambda k: (_GO_FIELDS.index(k) if k in _GO_FIELDS else 99, k))}
+
+    body = {**ordered(index), "manifests": [
+        {**ordered(m), "annotations": dict(sorted(m["annotations"].items()))} if m.get("annotations") else ordered(m)
+        for m in index["manifests"]]}
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _repository(dest: str) -> str:
