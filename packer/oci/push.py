@@ -94,8 +94,9 @@ def _push_referrers(skopeo: str, image: Path, subject: str, repo: str, *, tls_ve
         tag = referrers_tag(subject)
         listed = [{k: v for k, v in d.items() if k != "artifactType"} for d in descs]
         raw = _go_order({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": listed})
-        listing = {"mediaType": OCI_INDEX, "digest": "sha256:" + hashlib.sha256(raw).hexdigest(), "size": len(raw)}
-        (blobs / listing["digest"][7:]).write_bytes(raw)
+        hexd = hashlib.sha256(raw).hexdigest()
+        listing: dict[str, Any] = {"mediaType": OCI_INDEX, "digest": f"sha256:{hexd}", "size": len(raw)}
+        (blobs / hexd).write_bytes(raw)
         (layout / "oci-layout").write_bytes(OCI_LAYOUT)
         (layout / "index.json").write_bytes(canonical_json(
             {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [{**listing, "annotations": {REF_NAME: tag}}]}))
