@@ -113,11 +113,17 @@ def final_manifest(ctx: StageContext) -> dict[str, Any]:
 
 
 def provenance_stage(ctx: StageContext) -> StageOutput:
-    """Write ``staging/provenance.sigstore.json`` for the final manifest."""
+    """Write ``staging/provenance.sigstore.json`` for the final manifest, and attach it to the
+    image as a referrer of its manifest (``index.json`` gains the entry; the manifest pins the
+    index without it, see :mod:`packer.oci.referrer`)."""
+    from packer.oci.referrer import attach_provenance
     from packer.sign.keys import load_signing_key
-    from packer.sign.provenance import write_provenance
+    from packer.sign.provenance import SLSA_PROVENANCE_V1, write_provenance
 
-    return write_provenance(ctx.staging, final_manifest(ctx), load_signing_key(ctx.recipe.sign_key() or ""))
+    out = write_provenance(ctx.staging, final_manifest(ctx), load_signing_key(ctx.recipe.sign_key() or ""))
+    attach_provenance(ctx.staging, (ctx.staging / out.files[0].path).read_bytes(),
+                      tag=ctx.outputs["image"].section["tag"], predicate_type=SLSA_PROVENANCE_V1)
+    return out
 
 
 def _planned_files(ctx: StageContext) -> list[FileEntry]:

@@ -402,9 +402,12 @@ def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
       packer push dist registry.example.com/team/model:1.0
     """
     from packer.oci.push import push as run_push
+    from packer.oci.referrer import referrers_tag
 
     pushed = run_push(out, ref, tls_verify=tls_verify)
     for where, digest in pushed.items():
         ctx.log(f"pushed {where}@{digest}")
-    (first, digest), *views = pushed.items()
-    ctx.emit({"ref": first, "digest": digest, "modelpack": dict(views) or None})
+    (first, digest), *rest = pushed.items()
+    referrers = {k: v for k, v in rest if k.endswith(":" + referrers_tag(digest))}
+    views = {k: v for k, v in rest if k not in referrers}
+    ctx.emit({"ref": first, "digest": digest, "modelpack": views or None, "referrers": referrers or None})

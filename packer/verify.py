@@ -21,8 +21,10 @@ from packer.errors import ImageArtifactMismatchError, VerifyError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, sha256_file, sha256_file_or_none
 from packer.manifest import TIMINGS, load_manifest, split_artifact
+from packer.oci.referrer import referrer_blobs
 from packer.oci.verify import verify_image
 from packer.sign.check import check_signed_outputs, verify_signatures
+from packer.sign.provenance import INDEX_REL
 from packer.weights.verify import verify_weights
 
 Inode = tuple[int, int]
@@ -156,7 +158,12 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
     _check_self(out, (out / MANIFEST_NAME).read_bytes(), manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
     signed = bool(manifest.get("signature"))
-    _check_no_extras(out, set(listed), (PROVENANCE_NAME,) if signed else ())
+    image = manifest.get("image") or {}
+    referrer = referrer_blobs(out, index_digest=image["index_digest"]) if signed and image else []
+    _check_no_extras(out, set(listed), (PROVENANCE_NAME, *referrer) if signed else ())
+    count = len(listed) + 1 + len(referrer)  # with manifest.json
+    if referrer:  # the pinned index is index.json less the referrer: checked above
+        listed = {rel: e for rel, e in listed.items() if rel != INDEX_REL}
     checked: set[str] = set()
     stop = threading.Event()
     pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="packer-verify-files")
@@ -180,4 +187,4 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
         verify_signatures(out, manifest, public_key)
     if signed:
         check_signed_outputs(out, manifest)
-    return {"files": len(listed) + 1, "bytes": nbytes, "signed": signed, "signature_verified": public_key is not None}
+    return {"files": count, "bytes": nbytes, "signed": signed, "signature_verified": public_key is not None}

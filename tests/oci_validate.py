@@ -129,6 +129,36 @@ def validate_layout(image: Path, tag: str | None = None, *, packer: bool = True)
     return Layout(index, descs[0]["digest"], manifest, config, layers)
 
 
+SIGSTORE_BUNDLE = "application/vnd.dev.sigstore.bundle.v0.3+json"
+EMPTY_TYPE = "application/vnd.oci.empty.v1+json"
+
+
+def validate_referrer(image: Path, subject: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bytes]:
+    """Check the one Sigstore-bundle referrer of ``subject`` (a descriptor) in a layout, the way
+    cosign's bundle spec lays it out (OCI 1.1 artifact manifest, empty config, one bundle layer).
+
+    Returns:
+        Its index entry, its manifest and its layer's bytes (the bundle).
+    """
+    index = json.loads((image / "index.json").read_bytes())
+    (desc,) = [d for d in index["manifests"] if d.get("artifactType") == SIGSTORE_BUNDLE]
+    assert REF not in desc.get("annotations", {}), "a referrer is found by its subject, not by a tag"
+    raw = _blob(image, desc)
+    manifest = json.loads(raw)
+    assert raw == canonical_json(manifest) and desc["mediaType"] == manifest["mediaType"] == OCI_MANIFEST
+    assert manifest["schemaVersion"] == 2 and manifest["artifactType"] == SIGSTORE_BUNDLE
+    assert manifest["subject"] == {k: subject[k] for k in ("mediaType", "digest", "size")}
+    assert manifest["config"] == {"mediaType": EMPTY_TYPE, "size": 2,
+                                  "digest": "sha256:" + hashlib.sha256(b"{}").hexdigest()}
+    assert _blob(image, manifest["config"]) == b"{}"
+    (layer,) = manifest["layers"]
+    assert layer["mediaType"] == SIGSTORE_BUNDLE
+    data = _blob(image, layer)
+    assert json.loads(data)["mediaType"] == SIGSTORE_BUNDLE
+    assert desc["annotations"] == manifest["annotations"]  # what a referrers listing shows
+    return desc, manifest, data
+
+
 def all_files(layout: Layout) -> dict[str, bytes]:
     """Every regular file of every layer, by path (upper layers win)."""
     out: dict[str, bytes] = {}

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from packer.build import build
 from packer.errors import ImageError
 from packer.oci import build_image, push
-from packer.recipe import ImageConfig
-from tests.oci_validate import make_out, require_tool, run, validate_layout
+from packer.recipe import ImageConfig, demo_recipe, with_sign_key
+from tests.oci_validate import REF, make_out, require_tool, run, validate_layout, validate_referrer
+from tests.sign_fixtures import make_keypair
 
 REGISTRY = "/usr/bin/docker-registry"
 
@@ -88,6 +90,34 @@ def test_push_digest_matches_local(tmp_path: Path, registry: str) -> None:
     raw = run([skopeo, "inspect", "--raw", "--tls-verify=false",
                f"docker://{registry}/models/demo@{local}"]).stdout
     assert json.loads(raw)["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
+
+
+def test_push_carries_the_provenance_referrer(tmp_path: Path, registry: str) -> None:
+    skopeo = require_tool("skopeo")
+    key, _ = make_keypair(tmp_path)
+    out = tmp_path / "out"
+    build(with_sign_key(demo_recipe(), key), out)
+    image = validate_layout(out / "image")
+    subject = next(d for d in image.index["manifests"] if d.get("annotations", {}).get(REF) == "packer-demo:0.1.0")
+    desc, local, _ = validate_referrer(out / "image", subject)
+    pushed = push(out, f"{registry}/models/demo:1.0", tls_verify=False)
+    fallback = f"{registry}/models/demo:sha256-{image.manifest_digest[7:]}"  # the referrers tag schema
+    assert list(pushed) == [f"{registry}/models/demo:1.0", f"{registry}/models/demo:1.0-modelpack", fallback]
+    assert pushed[f"{registry}/models/demo:1.0"] == image.manifest_digest
+    raw = run([skopeo, "inspect", "--raw", "--tls-verify=false", f"docker://{fallback}"]).stdout.encode()
+    listing = json.loads(raw)
+    assert "sha256:" + hashlib.sha256(raw).hexdigest() == pushed[fallback]
+    assert listing["mediaType"] == "application/vnd.oci.image.index.v1+json" and listing["manifests"] == [
+        {k: v for k, v in desc.items() if k != "artifactType"}]  # skopeo 1.9 cannot keep it (see push.py)
+    raw = run([skopeo, "inspect", "--raw", "--tls-verify=false",
+               f"docker://{registry}/models/demo@{desc['digest']}"]).stdout.encode()
+    assert "sha256:" + hashlib.sha256(raw).hexdigest() == desc["digest"] and json.loads(raw) == local
+    assert local["subject"]["digest"] == pushed[f"{registry}/models/demo:1.0"]
+    back = tmp_path / "back"  # the bundle's bytes, read back through a real client
+    run([skopeo, "copy", "--quiet", "--src-tls-verify=false", "--preserve-digests",
+         f"docker://{registry}/models/demo@{desc['digest']}", f"oci:{back}:provenance"])
+    layer = back / "blobs" / "sha256" / local["layers"][0]["digest"][7:]
+    assert layer.read_bytes() == (out / "provenance.sigstore.json").read_bytes()
 
 
 def test_push_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ from packer.fsutil import canonical_json
 from packer.recipe import demo_recipe, recipe_from_dict, with_sign_key
 from packer.runtime.signature import model_layout, open_signed
 from packer.verify import verify
+from tests.oci_validate import REF, require_tool, run, validate_layout, validate_referrer
 from tests.sign_fixtures import image_model_dir, loader_model_dir, make_keypair, model_signing_verify
 from tests.test_build import tree
 
@@ -208,7 +209,8 @@ def test_provenance_subjects_are_the_manifests_and_the_images_digests(signed: Pa
     statement = open_signed((signed / "provenance.sigstore.json").read_bytes(), keys["pub"].read_bytes(), "prov")
     assert statement["predicateType"] == "https://slsa.dev/provenance/v1"
     subjects = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
-    want = {rel: e["sha256"] for rel, e in {**manifest["files"], **manifest["image_files"]}.items()}
+    want = {rel: e["sha256"] for rel, e in {**manifest["files"], **manifest["image_files"]}.items()
+            if rel != "image/index.json"}  # it lists the provenance's own referrer
     want["manifest.json"] = hashlib.sha256(raw).hexdigest()
     want[manifest["image"]["tag"]] = manifest["image"]["manifest_digest"].removeprefix("sha256:")
     assert subjects == want and len(statement["subject"]) == len(want)
@@ -223,6 +225,37 @@ def test_provenance_subjects_are_the_manifests_and_the_images_digests(signed: Pa
     assert deps["source"]["uri"] == "demo" and build_def["externalParameters"]["recipe"] == manifest["recipe"]
     versions = statement["predicate"]["runDetails"]["builder"]["version"]
     assert versions["model-packer"] == manifest["packer_version"] and versions["torch"] == manifest["tools"]["torch"]
+
+
+def test_the_provenance_is_a_referrer_of_the_image_manifest(signed: Path, tmp_path: Path) -> None:
+    layout = validate_layout(signed / "image")  # packer's conventions, the image by its tag
+    index = layout.index["manifests"]
+    image = next(d for d in index if d.get("annotations", {}).get(REF) == "packer-demo:0.1.0")
+    desc, referrer, data = validate_referrer(signed / "image", image)
+    assert data == (signed / "provenance.sigstore.json").read_bytes() and desc == index[-1] and len(index) == 3
+    assert referrer["annotations"] == {"dev.sigstore.bundle.content": "dsse-envelope",
+                                       "dev.sigstore.bundle.predicateType": "https://slsa.dev/provenance/v1",
+                                       "org.opencontainers.image.created": layout.manifest["annotations"][
+                                           "org.opencontainers.image.created"]}
+    manifest = json.loads((signed / "manifest.json").read_bytes())
+    pinned = {**layout.index, "manifests": index[:-1]}  # the manifest pins the index the image stage wrote
+    assert "sha256:" + hashlib.sha256(canonical_json(pinned)).hexdigest() == manifest["image"]["index_digest"]
+    skopeo = require_tool("skopeo")  # consumers that pick the image by tag see the same image
+    raw = run([skopeo, "inspect", "--raw", f"oci:{signed / 'image'}:packer-demo:0.1.0"]).stdout.encode()
+    assert "sha256:" + hashlib.sha256(raw).hexdigest() == image["digest"]
+    umoci = require_tool("umoci")
+    listed = run([umoci, "ls", "--layout", str(signed / "image")]).stdout.split()
+    assert sorted(listed) == ["packer-demo:0.1.0", "packer-demo:0.1.0-modelpack"]
+    copy = _copy(signed, tmp_path / "copy")  # a referrer of other bytes than OUT's provenance
+    blob = copy / "image" / "blobs" / "sha256" / referrer["layers"][0]["digest"][7:]
+    blob.chmod(0o644)
+    _flip(blob, 10)
+    with pytest.raises(VerifyError, match=r"blobs/sha256/[0-9a-f]{64}: missing or not the provenance referrer's blob"):
+        verify(copy)
+    copy = _copy(signed, tmp_path / "dropped")
+    (copy / "image" / "index.json").write_bytes(canonical_json(pinned))
+    with pytest.raises(VerifyError, match=r"index.json: does not end with the provenance referrer"):
+        verify(copy)
 
 
 def test_signed_builds_are_byte_identical(signed: Path, keys: dict[str, Path], tmp_path: Path) -> None:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from packer.errors import ImageError
-from packer.oci.base import REF_NAME
+from packer.fsutil import canonical_json
+from packer.oci.base import OCI_INDEX, REF_NAME
+from packer.oci.layout import OCI_LAYOUT
 from packer.oci.modelpack import ARTIFACT_TYPE, modelpack_tag
+from packer.oci.referrer import is_referrer, referrers_tag
 
 
 def image_tags(out_dir: Path) -> tuple[str, str | None]:
@@ -27,7 +32,8 @@ def image_tags(out_dir: Path) -> tuple[str, str | None]:
         raise ImageError(f"{index_path}: cannot read the image index: {e}") from e
     tags = {True: [], False: []}  # type: dict[bool, list[str | None]]
     for m in manifests:
-        tags[m.get("artifactType") == ARTIFACT_TYPE].append((m.get("annotations") or {}).get(REF_NAME))
+        if not is_referrer(m):  # found by its subject, never by a tag (packer.oci.referrer)
+            tags[m.get("artifactType") == ARTIFACT_TYPE].append((m.get("annotations") or {}).get(REF_NAME))
     images, views = tags[False], tags[True]
     if len(images) != 1 or not images[0] or len(views) > 1 or (views and not views[0]):
         raise ImageError(f"{index_path}: expected one tagged image and at most one ModelPack view, "
@@ -35,10 +41,11 @@ def image_tags(out_dir: Path) -> tuple[str, str | None]:
     return str(images[0]), (str(views[0]) if views else None)
 
 
-def _copy(skopeo: str, src: str, dest: str, *, tls_verify: bool, timeout: float) -> str:
+def _copy(skopeo: str, src: str, dest: str, *, tls_verify: bool, timeout: float, every: bool = False) -> str:
     with tempfile.TemporaryDirectory(prefix="packer-push-") as tmp:
         digest_file = Path(tmp) / "digest"
         cmd = [skopeo, "copy", "--quiet", "--preserve-digests", "--digestfile", str(digest_file),
+               *(["--all"] if every else []),
                f"--dest-tls-verify={'true' if tls_verify else 'false'}", src, dest]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
@@ -50,12 +57,90 @@ def _copy(skopeo: str, src: str, dest: str, *, tls_verify: bool, timeout: float)
         return digest_file.read_text().strip()
 
 
+def _referrers(image: Path, subject: str) -> list[dict[str, Any]]:
+    """The index entries of ``image``'s referrers whose manifest's subject is ``subject``."""
+    found = []
+    for desc in json.loads((image / "index.json").read_bytes()).get("manifests") or []:
+        if is_referrer(desc):
+            blob = image / "blobs" / "sha256" / str(desc.get("digest", "")).removeprefix("sha256:")
+            if ((json.loads(blob.read_bytes()).get("subject") or {}).get("digest")) == subject:
+                found.append(desc)
+    return found
+
+
+def _push_referrers(skopeo: str, image: Path, subject: str, repo: str, *, tls_verify: bool,
+                    timeout: float) -> dict[str, str]:
+    """Push the referrers of ``subject`` under the referrers tag schema's tag (``sha256-<hex>``).
+
+    Registries without the referrers API (distribution 2.x, Debian's docker-registry) find a
+    subject's referrers by that tag, which holds an image index listing them; skopeo (which
+    knows no referrers API) copies the index and, with ``--all``, the referrer manifests and
+    blobs. A registry with the API indexes the pushed manifests by their ``subject`` as well.
+    """
+    with tempfile.TemporaryDirectory(prefix="packer-referrers-") as tmp:
+        layout = Path(tmp)
+        blobs = layout / "blobs" / "sha256"
+        blobs.mkdir(parents=True)
+        try:
+            descs = _referrers(image, subject)
+            for desc in descs:  # the referrer, its empty config and its one layer: small files
+                manifest = json.loads((image / "blobs" / "sha256" / desc["digest"][7:]).read_bytes())
+                for d in (desc, manifest["config"], *manifest["layers"]):
+                    shutil.copyfile(image / "blobs" / "sha256" / d["digest"][7:], blobs / d["digest"][7:])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ImageError(f"{image}: cannot read the provenance referrer ({e}); run packer verify") from e
+        if not descs:
+            return {}
+        tag = referrers_tag(subject)
+        listed = [{k: v for k, v in d.items() if k != "artifactType"} for d in descs]
+        raw = _go_order({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": listed})
+        hexd = hashlib.sha256(raw).hexdigest()
+        listing: dict[str, Any] = {"mediaType": OCI_INDEX, "digest": f"sha256:{hexd}", "size": len(raw)}
+        (blobs / hexd).write_bytes(raw)
+        (layout / "oci-layout").write_bytes(OCI_LAYOUT)
+        (layout / "index.json").write_bytes(canonical_json(
+            {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [{**listing, "annotations": {REF_NAME: tag}}]}))
+        dest = f"{repo}:{tag}"
+        return {dest: _copy(skopeo, f"oci:{layout}:{tag}", f"docker://{dest}", tls_verify=tls_verify,
+                            timeout=timeout, every=True)}
+
+
+_GO_FIELDS = ("schemaVersion", "mediaType", "digest", "size", "manifests", "annotations")
+
+
+def _go_order(index: dict[str, Any]) -> bytes:
+    """``index`` with its keys in the order containers/image's structs write them.
+
+    skopeo re-serializes an index it copies with ``--all`` and refuses (with
+    ``--preserve-digests``) when the bytes differ, so the listing is written the way it
+    writes it: struct field order, maps sorted, no spaces. skopeo before 1.11 also drops a
+    descriptor's ``artifactType`` (image-spec 1.1), so the listing has none: its entries are
+    told apart by their ``dev.sigstore.bundle.*`` annotations.
+    """
+    def ordered(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: d[k] for k in sorted(d, key=lambda k: (_GO_FIELDS.index(k) if k in _GO_FIELDS else 99, k))}
+
+    body = {**ordered(index), "manifests": [
+        {**ordered(m), "annotations": dict(sorted(m["annotations"].items()))} if m.get("annotations") else ordered(m)
+        for m in index["manifests"]]}
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _repository(dest: str) -> str:
+    """``host/repo`` of ``host/repo[:tag][@digest]``."""
+    name = dest.partition("@")[0]
+    head, _, last = name.rpartition("/")
+    return f"{head}/{last.partition(':')[0]}" if head else last.partition(":")[0]
+
+
 def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3600) -> dict[str, str]:
     """Copy ``oci:OUT/image:TAG`` to ``docker://REF``, and the ModelPack view beside it.
 
     The manifests are pushed unchanged (``--preserve-digests``), so the registry's digests are
     the local ones; the ModelPack view goes to REF's tag with ``-modelpack`` appended
-    (``repo:1.0`` -> ``repo:1.0-modelpack``) and shares the weight blobs already pushed.
+    (``repo:1.0`` -> ``repo:1.0-modelpack``) and shares the weight blobs already pushed. A
+    signed build's provenance referrer goes under the referrers tag schema's tag of the image
+    manifest (``repo:sha256-<hex>``, an index listing it; see :func:`_push_referrers`).
 
     Args:
         out_dir: the packer output directory.
@@ -64,7 +149,8 @@ def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3
         timeout: seconds before one copy is abandoned.
 
     Returns:
-        ``{reference pushed: manifest digest}``, the image first.
+        ``{reference pushed: manifest digest}``, the image first (for the referrers tag: the
+        digest of the index listing them).
 
     Raises:
         ImageError: skopeo is not installed, or a copy failed (with skopeo's message).
@@ -82,4 +168,6 @@ def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3
         view_dest = modelpack_tag(dest)
         pushed[view_dest] = _copy(skopeo, f"oci:{image}:{view}", f"docker://{view_dest}",
                                   tls_verify=tls_verify, timeout=timeout)
+    pushed.update(_push_referrers(skopeo, image, pushed[dest], _repository(dest), tls_verify=tls_verify,
+                                  timeout=timeout))
     return pushed

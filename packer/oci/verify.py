@@ -34,6 +34,7 @@ from packer.oci.layout import (
     PACKER_PREFIX,
 )
 from packer.oci.plan import WEIGHTS_DIR, image_rel, model_files
+from packer.oci.referrer import ARTIFACT_TYPE as REFERRER_TYPE
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
 from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
@@ -369,7 +370,8 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
     manifests = index.get("manifests") or []
     if not manifests:
         raise _fail(str(image / "index.json"), "lists no manifest")
-    images = [d for d in manifests if d.get("artifactType") != modelpack.ARTIFACT_TYPE]
+    # a signed build's provenance referrer is checked against the provenance (packer.oci.referrer)
+    images = [d for d in manifests if d.get("artifactType") not in (modelpack.ARTIFACT_TYPE, REFERRER_TYPE)]
     views = [d for d in manifests if d.get("artifactType") == modelpack.ARTIFACT_TYPE]
     if not images:
         raise _fail(str(image / "index.json"), "lists no image manifest (only artifacts)")

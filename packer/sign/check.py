@@ -21,6 +21,7 @@ from typing import Any
 
 from packer.errors import VerifyError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME
+from packer.oci.referrer import check_referrer
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.signature import (
     MAX_SIGNED_BYTES,
@@ -62,7 +63,8 @@ def _check_subjects(statement: dict[str, Any], out: Path, manifest: dict[str, An
 
 
 def check_signed_outputs(out: Path, manifest: dict[str, Any]) -> None:
-    """Without a key: ``model.sig`` and the provenance describe exactly what ``manifest`` pins.
+    """Without a key: ``model.sig`` and the provenance describe exactly what ``manifest`` pins,
+    and the image's provenance referrer is OUT's provenance file for the image it pins.
 
     Raises:
         VerifyError: a statement is missing, malformed, or names other files or digests.
@@ -78,6 +80,8 @@ def check_signed_outputs(out: Path, manifest: dict[str, Any]) -> None:
     if problem:
         raise VerifyError(problem)
     _check_subjects(provenance, out, manifest, str(prov))
+    if manifest.get("image"):
+        check_referrer(out, _read(prov), tag=manifest["image"]["tag"], predicate_type=SLSA_PROVENANCE_V1)
 
 
 def _model_signing_verify(sig: Path, public_key: Path) -> dict[str, str]:

@@ -4,7 +4,8 @@ An in-toto statement (v1) with a SLSA provenance v1 predicate, in the same key-s
 Sigstore bundle as ``model.sig``. Everything in it comes from the final manifest:
 
 * subjects: every output file by its sha256 (the artifacts, ``model.sig``, the image
-  layout's files), ``manifest.json`` itself, and the image manifest under the image's tag;
+  layout's files but ``index.json``, which lists this provenance's referrer), ``manifest.json``
+  itself, and the image manifest under the image's tag;
 * ``buildDefinition``: the recipe as built (``externalParameters``) and its digest, the
   source and its revision, every input file's sha256, the base image's digest;
 * ``runDetails.builder.version``: packer's and the tools' versions.
@@ -29,6 +30,7 @@ from packer.stage import StageOutput
 SLSA_PROVENANCE_V1 = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://pypi.org/project/model-packer/#packer-build-v1"
 BUILDER_ID = "https://pypi.org/project/model-packer/"
+INDEX_REL = "image/index.json"
 
 
 def _subject(name: str, digest: str) -> dict[str, Any]:
@@ -36,13 +38,15 @@ def _subject(name: str, digest: str) -> dict[str, Any]:
 
 
 def provenance_subjects(manifest: dict[str, Any], manifest_sha256: str) -> list[dict[str, Any]]:
-    """Every output by digest: the manifest's files and image files, the manifest, the image.
+    """Every output by digest: the manifest's files and image files (but the image index), the
+    manifest, the image.
 
     Args:
         manifest: the final ``OUT/manifest.json``.
         manifest_sha256: sha256 (hex) of its bytes.
     """
     files = {**manifest["files"], **manifest.get("image_files", {})}
+    files.pop(INDEX_REL, None)  # on disk it also lists this provenance's referrer: it cannot be a subject
     subjects = [_subject(rel, entry["sha256"]) for rel, entry in sorted(files.items())]
     subjects.append(_subject(MANIFEST_NAME, manifest_sha256))
     image = manifest.get("image") or {}
