@@ -72,7 +72,7 @@ def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
     Raises:
         LoaderError: no loader in ``out_dir``, or the self-test failed (its last stderr line).
     """
-    loader = Path(out_dir) / LOADER_NAME
+    loader = Path(out_dir).absolute() / LOADER_NAME  # the child runs in OUT: a relative path would name OUT twice
     if not loader.is_file():
         raise LoaderError(f"{loader}: missing; build first with `packer build -o {out_dir}`")
     cmd = [sys.executable, "-X", "importtime", str(loader), "--selftest", "--device", device]

@@ -27,6 +27,8 @@ def test_profile_reports_stages_and_slowest_imports(tmp_path: Path, monkeypatch:
     assert len(imports) == 10 and imports[0]["module"] == "torch"
     cum = [i["cumulative_us"] for i in imports]
     assert cum == sorted(cum, reverse=True) and all(i["self_us"] >= 0 for i in imports)
+    monkeypatch.chdir(tmp_path)  # `packer profile out`, as its --help shows: a relative OUT
+    assert profile(Path("out"), device="cpu")["returncode"] == 0
 
     rel = m["weights"]["files"][0]
     (out / rel).write_bytes((out / rel).read_bytes()[:-1])
