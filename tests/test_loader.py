@@ -406,7 +406,7 @@ def test_warmup_on_cpu_runs_examples_and_returns_a_fallback_pool() -> None:
     assert seen == [(5, 3), (6, 3)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="hardware: CUDA graph capture needs a GPU")
 def test_cuda_graph_capture_on_gpu() -> None:
     model = torch.nn.Linear(16, 4).cuda()
     fn = warmup(model, [torch.randn(8, 16, device="cuda")], cuda_graphs=True)

@@ -152,7 +152,7 @@ def test_selftest_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where CUDA is missing")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="hardware: checks the fallback where CUDA is missing")
 def test_selftest_says_when_it_checks_a_cuda_build_on_cpu(tmp_path: Path) -> None:
     from packer.build import build
     from packer.recipe import demo_recipe
