@@ -80,6 +80,6 @@ def bundle_to_file(src: Path, out: Path, cfg: BundleConfig, *, dry_run: bool = F
     """
     plan = plan_bundle(src, cfg)
     if dry_run:
-        return _plan_section(plan)
+        return _plan_section(plan, Path(src))
     out = Path(out)
     return _section(str(out), write_bundle(plan, out))
