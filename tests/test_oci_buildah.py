@@ -13,10 +13,13 @@ from packer.oci.plan import image_rel
 from packer.recipe import ImageConfig
 from tests.oci_validate import all_files, make_base, make_out, require_tool, run, validate_layout
 
+# read back by buildah's own Dockerfile parser and lexer, not only by tests/dockerfile_reader.py
+HOSTILE_ENV = "$HOME ${X:-y} 'q' \"d\" \\ #é日本😀"
+
 
 def _build_out(out: Path, compression: str) -> list[FileEntry]:
     files, manifest = make_out(out)
-    build_image(out, cfg=ImageConfig(compression=compression), name="demo", version="1.0",
+    build_image(out, cfg=ImageConfig(compression=compression, env=(("V", HOSTILE_ENV),)), name="demo", version="1.0",
                 source={"kind": "demo", "uri": "demo", "revision": None},
                 artifact_files=files, artifact_manifest=manifest)
     return files
@@ -45,6 +48,7 @@ def test_buildah_builds_generated_dockerfile(tmp_path: Path, compression: str) -
     for f in files:
         assert got[f"models/{image_rel(f.path)}"] == (out / f.path).read_bytes(), f.path
     run_cfg = layout.config["config"]
+    assert f"V={HOSTILE_ENV}" in run_cfg["Env"]
     assert "PYTHONPATH=/models" in run_cfg["Env"] and not any("PACKER_MODEL_DIR" in e for e in run_cfg["Env"])
     assert run_cfg["Cmd"] == ["python3", "/models/packer_loader.py", "--selftest"]
     assert run_cfg["WorkingDir"] == "/models"
