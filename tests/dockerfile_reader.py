@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 ESCAPE = "\\"
+MAX_LINE_BYTES = 65535  # bufio.MaxScanTokenSize - 1
 _CONTINUES = re.compile(r"\\[ \t]*$")
 _SPLIT = re.compile(r"[\t\v\f\r ]+")
 _GO_SPACE = frozenset("\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | frozenset(
@@ -36,8 +37,10 @@ def instructions(text: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     current: str | None = None
     for raw in text.split("\n"):
+        if len(raw.encode()) > MAX_LINE_BYTES:
+            raise ReadError(f"a line of {len(raw.encode())} bytes: longer than Go's scanner reads")
         line = raw[:-1] if raw.endswith("\r") else raw
-        bare = line.lstrip(" \t")
+        bare = line.lstrip("".join(_GO_SPACE))
         if bare.startswith("#") or (current is not None and not bare.strip()):
             continue  # a comment, or an empty line inside a continuation
         if current is None:

@@ -152,3 +152,20 @@ def test_hostile_dockerfile_passes_hadolint(tmp_path: Path) -> None:
     recipe = _recipe("$HOME 'q' \"d\" \\ #é日本😀")
     _build(tmp_path, recipe.image, recipe.name, recipe.version, uri="demo")
     run([hadolint, str(tmp_path / "Dockerfile")])
+
+
+def test_a_line_longer_than_docker_reads_is_refused_before_any_layer(tmp_path: Path) -> None:
+    cfg = ImageConfig(cmd=("python3", "-c", "x = 1\n" * 11000))  # 77 KB of JSON on one CMD line
+    files, manifest = make_out(tmp_path)
+    with pytest.raises(ImageError, match=r"^Dockerfile: a line of 77025 bytes .* longer than Docker reads"):
+        build_image(tmp_path, cfg=cfg, name="demo", version="1.0", source={"kind": "demo", "uri": "demo"},
+                    artifact_files=files, artifact_manifest=manifest, dry_run=True)
+    assert not (tmp_path / "image").exists()
+    with pytest.raises(reader.ReadError, match="longer than"):
+        reader.instructions("CMD " + df.exec_form(list(cfg.cmd or ())) + "\n")
+
+
+def test_a_word_that_looks_like_a_flag_is_quoted() -> None:
+    assert df.instruction("USER", "--chown") == 'USER "--chown"'
+    assert reader.lex('"--chown"', {}) == "--chown"
+    assert df.word("-x") == '"-x"' and df.word("a-x") == "a-x"

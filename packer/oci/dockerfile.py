@@ -52,15 +52,18 @@ def link_tarball(out_dir: Path, rel_path: str, layer: Layer) -> None:
     link_or_copy(layer.path, out_dir / rel_path)
 
 
-def run_lines(plan: ImagePlan, cfg: ImageConfig) -> list[str]:
-    """ENV, WORKDIR, USER, ENTRYPOINT and CMD as packer sets them in the image config.
-
-    Called once right after planning too, so a value no Dockerfile can say fails the build
-    (and ``--dry-run``) before any layer is written.
+def check_run_config(plan: ImagePlan, cfg: ImageConfig) -> None:
+    """Fail now, right after planning (``--dry-run`` too), if the Dockerfile could not say
+    the run config exactly, rather than after every layer is written.
 
     Raises:
-        ImageError: a value a Dockerfile cannot say exactly.
+        ImageError: a value a Dockerfile cannot say exactly, or a line too long for Docker.
     """
+    df.render(_run_lines(plan, cfg))
+
+
+def _run_lines(plan: ImagePlan, cfg: ImageConfig) -> list[str]:
+    """ENV, WORKDIR, USER, ENTRYPOINT and CMD as packer sets them in the image config."""
     run = run_config(cfg, {}, prefix=plan.prefix, runnable=True)  # the Dockerfile always has a base
     lines = [df.env("PYTHONPATH", plan.prefix, df.Expand("${PYTHONPATH:+:${PYTHONPATH}}"))]
     lines += [df.env(key, value) for key, value in cfg.env]
@@ -107,7 +110,7 @@ def render_dockerfile(
     for t in tarballs:
         lines.append(df.comment(f"{t.planned.name}: {', '.join(f.rel_path for f in t.planned.files)}"))
         lines.append(df.add(t.rel_path, "/"))
-    lines += run_lines(plan, cfg)
+    lines += _run_lines(plan, cfg)
     if labels:
         lines.append(df.label(sorted(labels.items())))
     return df.render(lines)

@@ -21,7 +21,9 @@ with the default escape character ``\\`` (packer writes no ``# escape=`` directi
 
 What no word can hold: a line break (there is no escape for it), and by choice every other
 character :func:`packer.show.show` escapes but tab (a lexer quirk drops a leading BOM, Go's
-scanner complains about NUL). The exec form holds anything but NUL and lone surrogates.
+scanner complains about NUL). The exec form holds anything but NUL and lone surrogates. Docker
+reads lines of up to 64 KiB; a longer one is refused too. A bare word never starts with ``-``
+(the parser would take ``--x`` for a flag).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _EXPANSION = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?[-+][^\"\\\n]*)?\}")
 _WORD_EXTRA = frozenset("\t")
+MAX_LINE_BYTES = 64 * 1024 - 1  # Go's bufio.Scanner default: a longer line fails the build
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,9 @@ def word(*parts: str | Expand, what: str = "value") -> str:
     for part in parts:
         if isinstance(part, str):
             _refuse(what, part, _WORD_EXTRA)
-    if all(isinstance(p, Expand) or _PLAIN.fullmatch(p) for p in parts if p != "") and any(parts):
+    plain = all(isinstance(p, Expand) or _PLAIN.fullmatch(p) for p in parts if p != "")
+    first = parts[0] if parts else ""
+    if plain and any(parts) and not (isinstance(first, str) and first.startswith("-")):  # not a --flag
         return "".join(p.text if isinstance(p, Expand) else p for p in parts)
     body = "".join(p.text if isinstance(p, Expand) else re.sub(r'([\\"$])', r"\\\1", p) for p in parts)
     return f'"{body}"'
@@ -168,5 +173,14 @@ def add(src: str, dest: str) -> str:
 
 
 def render(lines: Sequence[str]) -> bytes:
-    """The Dockerfile's bytes: ``lines`` (each made by this module) joined, UTF-8."""
-    return ("\n".join(lines) + "\n").encode()
+    """The Dockerfile's bytes: ``lines`` (each made by this module) joined, UTF-8.
+
+    Raises:
+        ImageError: a line longer than Docker's parser reads (64 KiB).
+    """
+    data = ("\n".join(lines) + "\n").encode()
+    longest = max(map(len, data.split(b"\n")))
+    if longest > MAX_LINE_BYTES:
+        raise ImageError(f"Dockerfile: a line of {longest} bytes (an ENV value or a command?) is longer "
+                         f"than Docker reads ({MAX_LINE_BYTES})")
+    return data
