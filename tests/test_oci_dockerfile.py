@@ -122,6 +122,7 @@ def test_a_name_with_a_line_break_never_becomes_an_instruction(tmp_path: Path) -
 def test_comments_escape_what_they_show() -> None:
     assert df.comment("a\nRUN id") == "# a\\nRUN id"
     assert df.comment("ends\\") == "# ends\\x5c"  # never a continuation
+    assert df.comment("x" * 70000) == "# " + "x" * 1000 + "..."  # a line Docker can read
     assert [kw for kw, _ in reader.instructions(df.comment("x\\") + "\nUSER a\n")] == ["USER"]
 
 

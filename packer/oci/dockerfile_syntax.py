@@ -55,10 +55,15 @@ class Expand:
             raise ValueError(f"not a ${{NAME}} expansion: {self.text!r}")
 
 
-def _refuse(what: str, value: str, allowed: frozenset[str]) -> None:
-    bad = next((ch for ch in value if not ch.isprintable() and ch not in allowed), None)
+def _shown(value: str, limit: int = 60) -> str:
+    text = show(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _refuse(what: str, value: str) -> None:
+    bad = next((ch for ch in value if not ch.isprintable() and ch not in _WORD_EXTRA), None)
     if bad is not None:
-        raise ImageError(f"Dockerfile: {what} '{show(value)}' holds '{show(bad)}' (U+{ord(bad):04X}), "
+        raise ImageError(f"Dockerfile: {what} '{_shown(value)}' holds '{show(bad)}' (U+{ord(bad):04X}), "
                          "which a Dockerfile cannot say exactly")
 
 
@@ -74,7 +79,7 @@ def word(*parts: str | Expand, what: str = "value") -> str:
     """
     for part in parts:
         if isinstance(part, str):
-            _refuse(what, part, _WORD_EXTRA)
+            _refuse(what, part)
     plain = all(isinstance(p, Expand) or _PLAIN.fullmatch(p) for p in parts if p != "")
     first = parts[0] if parts else ""
     if plain and any(parts) and not (isinstance(first, str) and first.startswith("-")):  # not a --flag
@@ -94,7 +99,7 @@ def exec_form(args: Sequence[str], *, what: str = "command") -> str:
     for arg in args:
         bad = next((ch for ch in arg if ch == "\0" or 0xD800 <= ord(ch) <= 0xDFFF), None)
         if bad is not None:
-            raise ImageError(f"Dockerfile: {what} argument '{show(arg)}' holds '{show(bad)}', "
+            raise ImageError(f"Dockerfile: {what} argument '{_shown(arg)}' holds '{show(bad)}', "
                              "which no process argument can hold")
     text = json.dumps(list(args), ensure_ascii=False)  # escapes '"', '\\' and C0 already
     return "".join(ch if ch.isprintable() else _json_escape(ch) for ch in text)
@@ -108,10 +113,11 @@ def _json_escape(ch: str) -> str:
     return f"\\u{0xD800 + (cp >> 10):04x}\\u{0xDC00 + (cp & 0x3FF):04x}"
 
 
-def comment(text: str) -> str:
-    """A comment line: ``text`` with every non-printable character escaped (for people to read;
-    nothing reads a comment back), never ending in the continuation character."""
-    line = f"# {show(text)}".rstrip()
+def comment(text: str, limit: int = 1000) -> str:
+    """A comment line for people to read (nothing reads a comment back): ``text`` with every
+    non-printable character escaped, cut after ``limit`` characters (a long file list must not
+    make a line Docker cannot read), never ending in the continuation character."""
+    line = f"# {_shown(text, limit)}".rstrip()
     return line[:-1] + "\\x5c" if line.endswith("\\") else line
 
 
@@ -146,6 +152,8 @@ def instruction(keyword: str, *value: str | Expand) -> str:
     Raises:
         ImageError: the value cannot be written.
     """
+    if keyword not in ("WORKDIR", "USER", "FROM"):
+        raise ValueError(f"not a one-word instruction: {keyword!r}")
     return f"{keyword} {word(*value, what=keyword)}"
 
 
@@ -167,7 +175,7 @@ def add(src: str, dest: str) -> str:
         ImageError: a path that is not a plain word.
     """
     for path in (src, dest):
-        if not _PLAIN.fullmatch(path):
+        if not _PLAIN.fullmatch(path) or path.startswith("-"):
             raise ImageError(f"Dockerfile: ADD path '{show(path)}' is not a plain path")
     return f"ADD {src} {dest}"
 
