@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from packer.errors import ImageError
 from packer.oci import build_image
@@ -170,3 +173,21 @@ def test_a_word_that_looks_like_a_flag_is_quoted() -> None:
     assert df.instruction("USER", "--chown") == 'USER "--chown"'
     assert reader.lex('"--chown"', {}) == "--chown"
     assert df.word("-x") == '"-x"' and df.word("a-x") == "a-x"
+
+
+_WORD_TEXT = st.text(st.characters(codec="utf-8").filter(lambda c: c.isprintable() or c == "\t"), max_size=40)
+
+
+@given(_WORD_TEXT, _WORD_TEXT)
+def test_any_printable_text_reads_back_from_env_and_workdir(a: str, b: str) -> None:
+    text = f"ENV V={df.word(a)}\nENV W={df.word(b, df.Expand('${V:+:${V}}'))}\nWORKDIR {df.word('/' + a)}\n"
+    got = reader.run_config(text, {"Env": ["V=pre"]})
+    assert got["Env"] == {"V": a, "W": b + (":" + a if a else "")}
+    assert got["WorkingDir"] == posixpath.normpath("/" + a)
+
+
+@given(st.lists(st.text(st.characters(codec="utf-8", exclude_characters="\0")), max_size=4))
+def test_any_argument_list_reads_back_from_the_exec_form(args: list[str]) -> None:
+    line = df.exec_form(args)
+    assert line.isprintable() and "\n" not in line
+    assert reader.run_config(f"ENTRYPOINT {line}\n", {})["Entrypoint"] == args
