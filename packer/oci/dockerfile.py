@@ -93,6 +93,13 @@ def _header(plan: ImagePlan) -> list[str]:
     return [df.comment(line) for line in lines]
 
 
+def _layer_comment(planned: PlannedLayer) -> str:
+    """What a layer holds: each file once, a bundle member by its own name (and the bundle it comes from)."""
+    names = [f.member or f.rel_path for f in planned.files]
+    bundles = sorted({f.rel_path for f in planned.files if f.member})
+    return f"{planned.name}: {', '.join(names)}" + (f" (from {', '.join(bundles)})" if bundles else "")
+
+
 def render_dockerfile(
     plan: ImagePlan, tarballs: Sequence[Standalone], labels: dict[str, str], cfg: ImageConfig
 ) -> bytes:
@@ -108,7 +115,7 @@ def render_dockerfile(
     lines = _header(plan)
     lines += [df.arg("BASE_IMAGE", DEFAULT_BASE_IMAGE), df.instruction("FROM", df.Expand("${BASE_IMAGE}"))]
     for t in tarballs:
-        lines.append(df.comment(f"{t.planned.name}: {', '.join(f.rel_path for f in t.planned.files)}"))
+        lines.append(df.comment(_layer_comment(t.planned)))
         lines.append(df.add(t.rel_path, "/"))
     lines += _run_lines(plan, cfg)
     if labels:
