@@ -25,7 +25,7 @@ import click
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
 from packer.formats import CAST_DTYPES, MANIFEST_NAME
-from packer.fsutil import check_regular
+from packer.reading import check_regular
 from packer.show import show, show_json
 
 

@@ -23,7 +23,6 @@ from packer.errors import PackerError
 # algorithm -> hex digits of its digest (the OCI image spec's registered algorithms)
 DIGEST_HEX = {"sha256": 64, "sha512": 128}
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
-MAX_REF_FILE = 4096  # a ref file holds 40 hex digits and a newline
 MAX_REF_NAME = 255
 # git check-ref-format: no control characters, space, ~ ^ : ? * [ \ anywhere
 _REF_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
@@ -70,25 +69,6 @@ def check_revision(value: str, *, where: str, error: ErrorClass) -> str:
     if is_commit(value) or is_ref_name(value):
         return value
     raise error(f"{where}: revision {shown(value)} is neither a commit hash nor a branch or tag name")
-
-
-def read_ref_file(path: Path, *, where: str, error: ErrorClass) -> str:
-    """The commit hash a hub cache's ``refs/<name>`` file holds (surrounding whitespace allowed).
-
-    Raises:
-        error: the file is unreadable, too large, or holds anything but one commit hash (a
-            path into another repository, an absolute path...); the message names the file.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_REF_FILE + 1)
-    except OSError as e:
-        raise error(f"{where}: cannot read {path}: {e.strerror or e}") from e
-    text = raw.decode("ascii", "replace").strip()
-    if len(raw) > MAX_REF_FILE or not is_commit(text):
-        raise error(f"{where}: {path} does not hold a commit hash (40 hex digits), got {shown(text)}; "
-                    "delete it and download the model again")
-    return text
 
 
 def check_rel_name(value: object, *, where: str, error: ErrorClass) -> PurePosixPath:

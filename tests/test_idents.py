@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from packer.errors import SourceError, WeightsError
+from packer.reading import read_ref_file
 from packer.idents import (
     check_rel_name,
     confined,
@@ -16,7 +17,6 @@ from packer.idents import (
     is_commit,
     is_ref_name,
     link_roots,
-    read_ref_file,
 )
 from tests.hf_cache import populate_cache
 

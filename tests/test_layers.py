@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # entered by a serving engine (vLLM's plugin entry point), beside the runtime; import the engine lazily
     ("engine adapters", ("packer.adapters", "packer.adapters.*")),
     ("formats", ("packer", "packer.errors", "packer.fsutil", "packer.formats", "packer.tarfmt",
-                 "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape",
+                 "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape", "packer.reading",
                  "packer.show")),
     # shipped into the serving container: may import nothing from the build side
     ("runtime", ("packer.runtime", "packer.runtime.*")),
