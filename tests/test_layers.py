@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # those below it, never one above. "packer.oci.*" covers every module inside packer.oci.
     ("entry points", ("packer.__main__", "packer.cli")),
     ("orchestration", ("packer.build", "packer.build_stages", "packer.publish", "packer.verify",
-                       "packer.profile")),
+                       "packer.profile", "packer.push")),
     ("stages", ("packer.sandbox", "packer.stub", "packer.stub_template", "packer.component_weights", "packer.weights",
                 "packer.weights.*", "packer.bundle", "packer.bundle.*", "packer.oci", "packer.oci.*",
                 "packer.sign", "packer.sign.*")),

@@ -48,6 +48,9 @@ INDEX = Obj(required={"manifests": ListOf(DESCRIPTOR)},
 MANIFEST = Obj(required={"config": DESCRIPTOR, "layers": ListOf(DESCRIPTOR)},
                optional={"schemaVersion": INT, "mediaType": STR, "annotations": MapOf(STR)},
                expected="an image manifest (an object with config and layers)")
+REFERRER = Obj(required={"config": DESCRIPTOR, "layers": ListOf(DESCRIPTOR)},
+               optional={"subject": DESCRIPTOR, "annotations": MapOf(STR)},
+               expected="an image manifest with config, layers and a subject descriptor")
 RUN_CONFIG = Obj(optional={"Env": Nullable(STRINGS), "Cmd": Nullable(STRINGS), "Entrypoint": Nullable(STRINGS),
                            "User": STR, "WorkingDir": STR, "Labels": Nullable(MapOf(STR)), "StopSignal": STR})
 HISTORY = Obj(optional={"created": STR, "created_by": STR, "comment": STR, "author": STR, "empty_layer": BOOL})
