@@ -71,7 +71,7 @@ MANIFEST = Kind("manifest", 256 << 20, 64)
 OCI_DOC = Kind("OCI document", 4 << 20, 32)
 # a Sigstore bundle or model signature: an envelope around a statement listing every file
 SIGNATURE = Kind("signature file", 64 << 20, 32)
-PUBLIC_KEY = Kind("public key", 64 << 10, 0)
+KEY = Kind("PEM key file", 64 << 10, 0)
 TEXT = Kind("text file", 1 << 20, 0)
 # one line of a child process's JSON report (the loader's stage table, the sandbox's reply)
 REPORT = Kind("JSON report", 1 << 30, 64)
@@ -149,11 +149,13 @@ def map_readonly(path: str | Path, error: ErrorClass = PackerError) -> tuple[int
         raise
 
 
-def read_bytes(path: str | Path, kind: Kind, *, error: ErrorClass, where: str | None = None) -> bytes:
+def read_bytes(path: str | Path, kind: Kind, *, error: ErrorClass, where: str | None = None,
+               what: str = "") -> bytes:
     """The whole of the regular file ``path``, refused before reading when over ``kind``'s cap.
 
     Args:
-        path: the file; ``kind``: its bounds; ``where``: how messages name it (default ``path``).
+        path: the file; ``kind``: its bounds; ``where``: how messages name it (default ``path``);
+        what: what it is, for an unreadable file ("``key.pem: cannot read the signing key (...)``").
 
     Raises:
         error: not a regular file, larger than ``kind.max_bytes``, or unreadable (the message
@@ -167,7 +169,7 @@ def read_bytes(path: str | Path, kind: Kind, *, error: ErrorClass, where: str | 
                 raise _too_large(where, size, kind, error)
             raw = f.read(kind.max_bytes + 1)
     except OSError as e:
-        raise error(f"{where}: cannot read: {e.strerror or e}") from e
+        raise error(f"{where}: cannot read{' ' + what if what else ''} ({e.strerror or e})") from e
     if len(raw) > kind.max_bytes:  # it grew after the check
         raise _too_large(where, len(raw), kind, error)
     return raw
