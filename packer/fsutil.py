@@ -14,9 +14,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any
 
-from packer.errors import PackerError
 from packer.reading import check_regular as check_regular  # moved to packer.reading; kept for callers
 from packer.reading import file_kind as file_kind
 from packer.reading import not_regular as not_regular

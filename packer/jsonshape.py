@@ -19,7 +19,6 @@ from typing import Any, Protocol
 from packer.idents import ErrorClass, shown
 
 
-
 class Shape(Protocol):
     @property
     def expected(self) -> str:

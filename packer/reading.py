@@ -25,6 +25,7 @@ from a missing or unreadable file is the caller's to word, except where noted.
 
 from __future__ import annotations
 
+import io
 import json
 import mmap
 import os
@@ -33,7 +34,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from packer.errors import PackerError
 from packer.idents import ErrorClass, check_rel_name, confined, digest_parts, is_commit, shown
@@ -107,7 +108,7 @@ def check_regular(path: str | Path, error: ErrorClass = PackerError) -> os.stat_
     return st
 
 
-def open_regular(path: str | Path, error: ErrorClass = PackerError) -> BinaryIO:
+def open_regular(path: str | Path, error: ErrorClass = PackerError) -> io.BufferedReader:
     """Open an input file for reading, refusing anything but a regular file without blocking.
 
     The type is checked before the open (a device is never opened), and again on the open

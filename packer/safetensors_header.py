@@ -7,7 +7,6 @@ data. The emitted loader cannot import packer and keeps its own reader in ``pack
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, BinaryIO

@@ -20,7 +20,7 @@ from packer.components import components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, sha256_file, sha256_file_or_none
-from packer.manifest import TIMINGS, load_manifest, split_artifact
+from packer.manifest import TIMINGS, read_manifest, split_artifact
 from packer.oci.referrer import referrer_blobs
 from packer.oci.verify import verify_image
 from packer.sign.check import check_signed_outputs, verify_signatures
@@ -154,8 +154,8 @@ def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
 
 
 def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
-    manifest = load_manifest(out)
-    _check_self(out, (out / MANIFEST_NAME).read_bytes(), manifest)
+    raw, manifest = read_manifest(out)
+    _check_self(out, raw, manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
     signed = bool(manifest.get("signature"))
     image = manifest.get("image") or {}

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from packer.errors import SourceError, WeightsError
-from packer.reading import read_ref_file
 from packer.idents import (
     check_rel_name,
     confined,
@@ -18,6 +17,7 @@ from packer.idents import (
     is_ref_name,
     link_roots,
 )
+from packer.reading import read_ref_file
 from tests.hf_cache import populate_cache
 
 SHA256 = hashlib.sha256(b"").hexdigest()

@@ -22,8 +22,8 @@ from typing import IO, Any, cast
 from packer.errors import ImageArtifactMismatchError, ImageError, VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import HashThread
-from packer.oci import modelpack
 from packer.jsonshape import ListOf, Obj
+from packer.oci import modelpack
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.base_docs import CONFIG, DIGEST, INDEX, MANIFEST
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES

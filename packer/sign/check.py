@@ -37,7 +37,6 @@ from packer.runtime.signature import (
 from packer.sign.keys import load_public_key
 from packer.sign.provenance import SLSA_PROVENANCE_V1, provenance_subjects
 
-
 _SIGNED = Kind("signature file", MAX_SIGNED_BYTES, 32)  # a Sigstore bundle nests 5 deep, its statement 6
 
 
