@@ -233,7 +233,8 @@ def link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, tmp)
     except OSError:  # another file system, or links not allowed: copy instead
-        shutil.copyfile(src, tmp)
+        with open_regular(src) as f, open(tmp, "xb") as out:
+            shutil.copyfileobj(f, out, CHUNK)
     os.replace(tmp, dst)
 
 
