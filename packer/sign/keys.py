@@ -106,8 +106,9 @@ def load_public_key(path: Path, error: ErrorClass) -> bytes:
     except (ValueError, TypeError) as e:
         raise error(f"{path}: not a PEM public key ({str(e).strip()[:120]})") from None
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in _HASHES:
-        kind = getattr(getattr(key, "curve", None), "name", None) or type(key).__name__.lstrip("_")
-        raise error(f"{path}: a {kind} key; model.sig and the provenance verify with EC public keys on "
+        kind = key.curve.name if isinstance(key, ec.EllipticCurvePublicKey) else \
+            type(key).__name__.lstrip("_").removesuffix("PublicKey")
+        raise error(f"{path}: the key is {kind}; model.sig and the provenance verify with EC public keys on "
                     "P-256, P-384 or P-521 only (the public half of packer's --sign-key)")
     return pem
 
