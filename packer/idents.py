@@ -89,15 +89,18 @@ def check_rel_name(value: object, *, where: str, error: ErrorClass) -> PurePosix
 def link_roots(src: Path) -> tuple[Path, ...]:
     """Where paths found under the source directory ``src`` may lead, resolved.
 
-    ``src`` itself; for a Hugging Face cache snapshot (``<repo>/snapshots/<commit>`` beside
-    ``<repo>/blobs``) the snapshot as it lies in its repository and that repository's
-    ``blobs/``, so a link into another snapshot, another repository or out of the cache leads
-    outside.
+    ``src`` itself; inside a Hugging Face cache snapshot (``<repo>/snapshots/<commit>`` beside
+    ``<repo>/blobs``), for the snapshot or a folder of it (a diffusers component, a
+    sentence-transformers module), that folder as it lies in its repository and that
+    repository's ``blobs/``: the cache links every file there. A link into another snapshot,
+    another repository, another folder of the snapshot or out of the cache leads outside.
     """
     src = Path(src)
-    if src.parent.name == "snapshots" and (src.parent.parent / "blobs").is_dir():
-        repo = Path(os.path.realpath(src.parent.parent))
-        return repo / "snapshots" / src.name, repo / "blobs"
+    for up, snapshot in enumerate((src, *src.parents)):
+        if snapshot.parent.name == "snapshots" and (snapshot.parent.parent / "blobs").is_dir():
+            repo = Path(os.path.realpath(snapshot.parent.parent))
+            inner = src.parts[len(src.parts) - up:] if up else ()
+            return repo.joinpath("snapshots", snapshot.name, *inner), repo / "blobs"
     return (Path(os.path.realpath(src)),)
 
 
