@@ -189,3 +189,19 @@ def test_push_refuses_a_hostile_index(tmp_path: Path, signed: tuple[Path, Path],
 
     with pytest.raises(ImageError, match="|".join(reasons)):  # the copier alone refuses it too
         push(out, "127.0.0.1:1/x:y")
+
+
+@pytest.mark.parametrize("name", ["../canary", "/etc/hostname", "weights/../../canary", "a\\\\b", "link-out"])
+def test_verify_opens_no_name_outside_out(tmp_path: Path, signed: tuple[Path, Path], name: str) -> None:
+    from packer.fsutil import canonical_json
+
+    out = _copy(signed, tmp_path)
+    (tmp_path / "canary").write_bytes(b"canary")
+    if name == "link-out":
+        (out / name).symlink_to(tmp_path / "canary")
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_bytes())
+    manifest["files"][name] = {"size": 6, "sha256": "0" * 64}
+    path.write_bytes(canonical_json(manifest))
+    line = one_error_line(packer("verify", str(out)), "manifest.json")
+    assert "not a relative file name" in line or "leads outside" in line
