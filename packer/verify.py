@@ -20,11 +20,11 @@ from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, sha256_file, sha256_file_or_none
-from packer.manifest import TIMINGS, read_manifest, split_artifact
 from packer.idents import shown
+from packer.manifest import TIMINGS, read_manifest, split_artifact
 from packer.oci.referrer import referrer_blobs
-from packer.reading import member
 from packer.oci.verify import verify_image
+from packer.reading import member
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
 from packer.weights.verify import verify_weights
