@@ -2,11 +2,12 @@
 
 The loader prints its stage table as one JSON line (``PACKER_STARTUP_LOG=json``) and
 ``python -X importtime`` adds one line per import; both arrive on stderr and are parsed here.
+OUT is an input: a FIFO or device anywhere in it is refused before the child starts, which
+would block on it, and each report line is parsed with the bounds of :mod:`packer.reading`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 from packer.errors import LoaderError
 from packer.formats import LOADER_NAME
+from packer.reading import REPORT, irregular_entries, not_regular, parse_json
 
 TOP_IMPORTS = 10
 _STAGE_KEYS = ("stage", "seconds", "bytes", "gbps")
@@ -53,8 +55,8 @@ def _json_line(line: str) -> dict[str, Any] | None:
     if not line.startswith("{"):
         return None
     try:
-        rec = json.loads(line)
-    except ValueError:
+        rec = parse_json(line, REPORT, where="the self-test's report", error=LoaderError)
+    except LoaderError:
         return None
     return rec if isinstance(rec, dict) else None
 
@@ -78,6 +80,8 @@ def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
     loader = Path(out_dir).absolute() / LOADER_NAME  # the child runs in OUT: a relative path would name OUT twice
     if not loader.is_file():
         raise LoaderError(f"{loader}: missing; build first with `packer build -o {out_dir}`")
+    if odd := irregular_entries(loader.parent):  # the self-test would block on the first one it opens
+        raise not_regular(odd[0], os.stat(odd[0]).st_mode, LoaderError)
     cmd = [sys.executable, "-X", "importtime", str(loader), "--selftest", "--device", device]
     if verify:
         cmd.append("--verify")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ from packer.oci.modelpack import write_modelpack
 from packer.oci.plan import ImagePlan, PlannedLayer, model_files, plan_layers
 from packer.oci.runconfig import base_name, created_epoch, image_annotations, run_config
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
+from packer.reading import MANIFEST, parse_json
 from packer.recipe import ImageConfig
 from packer.stage import Progress, StageOutput
 
@@ -40,10 +40,7 @@ def source_date_epoch() -> int:
 
 
 def _json_or_empty(raw: bytes) -> dict[str, Any]:
-    try:
-        parsed = json.loads(raw) if raw else {}
-    except ValueError as e:
-        raise ImageError(f"{MANIFEST_NAME}: the artifact manifest is not JSON: {e}") from e
+    parsed = parse_json(raw, MANIFEST, where=f"{MANIFEST_NAME}: the artifact manifest", error=ImageError) if raw else {}
     if not isinstance(parsed, dict):
         raise ImageError(f"{MANIFEST_NAME}: the artifact manifest is not a JSON object")
     return parsed
