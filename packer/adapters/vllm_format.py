@@ -36,7 +36,7 @@ from typing import Any
 from packer.adapters.stub_code import check_served, load_stub, required_key
 from packer.errors import EngineAdapterError
 from packer.formats import LOADER_NAME
-from packer.runtime.reading import entry_kind, resolve
+from packer.runtime.reading import is_regular, resolve
 
 LOAD_FORMAT = "packer"
 LOADER_FILE = LOADER_NAME
@@ -110,7 +110,7 @@ def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> P
     explicit = artifacts or os.environ.get("PACKER_ARTIFACTS")
     if explicit:
         where = Path(explicit) / LOADER_FILE
-        if entry_kind(where) != "file":
+        if not is_regular(where):
             raise EngineAdapterError(f"--load-format packer: {Path(explicit).absolute()} holds no build (no "
                                      f"{LOADER_FILE}), and {'PACKER_ARTIFACTS' if not artifacts else 'artifacts'} "
                                      "names it; point it at the build's directory (packer build -o OUT)")
@@ -121,7 +121,7 @@ def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> P
             target = resolve(w).parent  # a loop is one line naming the link, not a RuntimeError
             places += [target, target.parent]
     for p in places:
-        if entry_kind(p / LOADER_FILE) == "file":
+        if is_regular(p / LOADER_FILE):
             return resolve(p / LOADER_FILE)
     raise EngineAdapterError(f"--load-format packer: no {LOADER_FILE} for model directory {d} "
                              f"(looked in {', '.join(map(str, dict.fromkeys(places)))}); serve the "

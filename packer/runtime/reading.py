@@ -218,6 +218,19 @@ def resolve(path: str | os.PathLike[str]) -> Path:
         raise ArtifactMismatchError(f"{_where(path)}: {e.strerror or e}") from None
 
 
+def is_regular(path: str | os.PathLike[str]) -> bool:
+    """Whether a regular file is at ``path`` (False: nothing there).
+
+    Raises:
+        ArtifactMismatchError: something else is there (a FIFO, a device, a link loop...).
+    """
+    try:
+        os.close(open_regular(path))
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def entry_kind(path: str | os.PathLike[str]) -> str:
     """What is at ``path`` once links are followed: ``file``, ``dir``, ``missing`` or ``other``.
 
