@@ -89,7 +89,7 @@ def _check_before_config() -> None:
         return original(self)
 
     create_model_config.packer_checked = True  # type: ignore[attr-defined]
-    EngineArgs.create_model_config = create_model_config  # type: ignore[method-assign]
+    EngineArgs.create_model_config = create_model_config
 
 
 def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> Path:
