@@ -253,3 +253,14 @@ def test_json_depth_is_checked_before_the_parser(tmp_path: Path) -> None:
     shutil.copyfile(doc, tmp_path / "copy.json")
     with pytest.raises(ArtifactMismatchError, match="nested deeper than 2 levels"):
         reading.loads_json(doc.read_bytes(), str(doc), max_depth=2)
+
+
+@pytest.mark.parametrize("rel", ["../x.safetensors", "/etc/passwd", "weights/../../x.safetensors"])
+def test_a_manifest_path_outside_the_root_is_refused_before_it_is_joined(out: tuple[Path, dict[str, Any]],
+                                                                         tmp_path: Path, rel: str) -> None:
+    d, m = out
+    first = m["weights"]["files"][0]
+    m = {**m, "weights": {**m["weights"], "files": [rel, *m["weights"]["files"][1:]]},
+         "files": {**m["files"], rel: m["files"][first]}}
+    with pytest.raises(ArtifactMismatchError, match=f"the manifest's files: '{rel}' is not a"):
+        loader(d, m, tmp_path).load_weights("cpu")

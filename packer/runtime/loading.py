@@ -25,7 +25,7 @@ from .engines import CopyEngine, make_engine
 from .env import ArtifactMismatchError
 from .into import finish_into, into_cpu, plan_into, target_device
 from .layout import Layout, plan_layout
-from .reading import open_regular
+from .reading import check_rel, open_regular
 from .ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
 from .served import check_extracted
 from .settings import RuntimeSettings
@@ -75,7 +75,11 @@ class Loader:
         A weight file (``weights/...``) is under ``weights_dir`` when one is given; else under
         the root as in OUT, or, in an image's model directory, at the root's top beside the
         config (where packer's image puts it), whichever exists.
+
+        Raises:
+            ArtifactMismatchError: ``rel`` is not a plain relative path (absolute, ``..``...).
         """
+        check_rel(rel, "the manifest's files")
         if not rel.startswith("weights/"):
             return self.root / rel
         if self.weights_dir is not None:

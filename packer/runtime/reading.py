@@ -115,6 +115,20 @@ def read_bytes(path: str | os.PathLike[str], kind: str) -> bytes:
         os.close(fd)
 
 
+def too_deep(data: bytes, max_depth: int) -> bool:
+    """Whether JSON ``data`` nests arrays and objects deeper than ``max_depth`` (or is unbalanced).
+
+    Strings do not count. The build side's ``packer.jsonshape`` applies the same rule (the
+    runtime cannot import it; it may import this).
+    """
+    brackets = _STRINGS.sub(b"", data).translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):  # each pass removes the innermost level: linear in size x depth
+        if not brackets:
+            break
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+    return bool(brackets)
+
+
 def loads_json(raw: bytes | str, where: str, *, top: type = dict, max_depth: int = MAX_DEPTH) -> Any:
     """Parse JSON after checking its nesting depth (strings do not count), and its top level's type.
 
@@ -123,12 +137,7 @@ def loads_json(raw: bytes | str, where: str, *, top: type = dict, max_depth: int
             its top level not a ``top``.
     """
     data = raw.encode() if isinstance(raw, str) else raw
-    brackets = _STRINGS.sub(b"", data).translate(None, _NOT_BRACKETS)
-    for _ in range(max_depth):  # each pass removes the innermost level: linear in size x depth
-        if not brackets:
-            break
-        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
-    if brackets:
+    if too_deep(data, max_depth):
         raise ArtifactMismatchError(f"{where}: arrays and objects nested deeper than {max_depth} levels "
                                     "(or unbalanced)")
     try:
