@@ -326,8 +326,8 @@ class Loader:
                                             expected_sha256=b["sha256"])
             except (reader.BundleFormatError, OSError) as e:
                 raise ArtifactMismatchError(f"{rel}: {e}") from None
-            if Path(out) not in self._checked_bundles:  # a reused cache folder is input: what is served is pinned
-                check_extracted(Path(out), b.get("members", []), hashes=bool(self.settings.require_signature))
+            if Path(out) not in self._checked_bundles and "members" in b:  # a reused folder is input too
+                check_extracted(Path(out), b["members"], hashes=bool(self.settings.require_signature))
                 self._checked_bundles.add(Path(out))
         if self.auto_flush:
             self.timeline.flush()
