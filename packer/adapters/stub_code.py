@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import EngineAdapterError
-from packer.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME
+from packer.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
 from packer.runtime.reading import loads_json, read_bytes, read_json, resolve
 from packer.runtime.settings import RuntimeSettings
 
@@ -159,4 +159,4 @@ def check_served(model_dir: str | Path, stub: Path, public_key: str, *, tokenize
     manifest = loads_json(embedded_manifest(read_bytes(stub, "stub"), str(stub)), str(stub))
     bundle_file = str((manifest.get("bundle") or {}).get("file") or "bundle.tar.zst")
     return check_signed_dir(d, signed, ignored=lambda rel: _never_read(rel, bundle_file),
-                            hashed=lambda rel: not rel.endswith(".safetensors"))
+                            hashed=lambda rel: not rel.endswith(SAFETENSORS_SUFFIX))
