@@ -66,7 +66,7 @@ def test_emit_is_deterministic_and_pins_the_manifest(out: tuple[Path, dict[str, 
     assert {p.name for p in tmp_path.rglob("*")} == {LOADER_NAME, RUNTIME_DIR, *source}  # no temp file left
     body = first[LOADER_NAME]
     assert body.startswith(b"#!/usr/bin/env python3\n# Emitted by packer for \"tiny-\\xe9t\\xe9 'model'\" '1'")
-    assert body.isascii() and body.count(b"\n") < 200  # a stub: the code is in the runtime files
+    assert body.isascii() and body.count(b"\n") < 250  # a stub: the code is in the runtime files
     assert os.stat(tmp_path / LOADER_NAME).st_mode & 0o111  # runnable as a script
 
 
@@ -229,10 +229,10 @@ def test_a_runtime_that_does_not_match_is_refused_in_one_line(out: tuple[Path, d
         ring.unlink()
     r = run_loader(d / LOADER_NAME, "--selftest", "--device", "cpu")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert r.stderr.startswith(f"packer_loader: {RUNTIME_DIR}/ring.py: "), r.stderr
+    assert r.stderr.startswith(f"packer_loader: {ring}: "), r.stderr  # the absolute path
     assert ("sha256" if fault == "changed" else "No such file") in r.stderr
     assert "ship the packer_runtime/ directory this build wrote beside packer_loader.py" in r.stderr
-    with pytest.raises(ImportError, match=f"^packer_loader: {RUNTIME_DIR}/ring.py: "):
+    with pytest.raises(ImportError, match=f"^packer_loader: {re.escape(str(ring))}: "):
         import_emitted(d / LOADER_NAME)
 
 

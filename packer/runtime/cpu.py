@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .engines import host_view
+from .env import ArtifactMismatchError
+from .reading import open_regular
 from .ring import Latch, Read, Readers
 from .settings import MIB
 from .shards import Shard
@@ -80,8 +82,8 @@ def prefetch_files(paths: list[Path], threads: int, timeline: Timeline) -> None:
     total = 0
     for p in paths:
         try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
+            fd = open_regular(p)
+        except (OSError, ArtifactMismatchError):
             continue  # advisory: the load itself reports missing files
         fds.append(fd)
         size = os.fstat(fd).st_size

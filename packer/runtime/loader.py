@@ -27,8 +27,6 @@ Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to che
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import threading
@@ -41,6 +39,7 @@ from .empty import init_empty
 from .env import ArtifactMismatchError, torch_dtype
 from .graphs import warmup
 from .loading import Loader
+from .reading import entry_kind, inside, loads_json, sha256_regular
 from .ring import release_ring
 from .settings import RuntimeSettings
 from .shards import pread_exact
@@ -79,7 +78,7 @@ class Build:
 
     def manifest(self) -> dict[str, Any]:
         """The manifest this build's loader pins (a fresh copy at each call)."""
-        data: dict[str, Any] = json.loads(self._json)
+        data: dict[str, Any] = loads_json(self._json, f"{self.home / 'packer_loader.py'}: the embedded manifest")
         return data
 
     def settings(self) -> RuntimeSettings:
@@ -94,6 +93,10 @@ class Build:
         base = root or settings.artifacts or self.home
         key = (str(base), settings.weights_dir)
         if key not in self._loaders:
+            if entry_kind(base) != "dir":  # an explicit root that holds no build: never a fall back
+                named = "root=" if root else "PACKER_ARTIFACTS"
+                raise ArtifactMismatchError(f"{Path(base).absolute()}: not a directory, and {named} names it "
+                                            "as this build's artifacts")
             if settings.require_signature:  # PACKER_REQUIRE_SIGNATURE: refuse before anything is loaded
                 from .signature import require_signature
 
@@ -248,10 +251,10 @@ def selftest(loader: Loader, device: str, verify: bool) -> list[str]:
         if loader.manifest.get("bundle"):
             root = loader.bundle_dir()
             for m in loader.manifest["bundle"].get("members", []):
-                p = root / m["name"]
-                if not p.is_file() or p.stat().st_size != m["size"]:
+                p = inside(root, m["name"], "the manifest's bundle members")
+                if entry_kind(p) != "file" or p.stat().st_size != m["size"]:
                     problems.append(f"bundle member {m['name']!r} missing or of another size")
-                elif verify and hashlib.sha256(p.read_bytes()).hexdigest() != m["sha256"]:
+                elif verify and sha256_regular(p)[1] != m["sha256"]:
                     problems.append(f"bundle member {m['name']!r}: sha256 differs")
     return problems
 

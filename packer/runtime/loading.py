@@ -25,7 +25,9 @@ from .engines import CopyEngine, make_engine
 from .env import ArtifactMismatchError
 from .into import finish_into, into_cpu, plan_into, target_device
 from .layout import Layout, plan_layout
+from .reading import check_rel, open_regular
 from .ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
+from .served import check_extracted
 from .settings import RuntimeSettings
 from .shards import Shard, check_sha256, open_shard, sha256_fd, shard_tensors
 from .timeline import TIMELINE, Timeline, import_torch
@@ -65,6 +67,7 @@ class Loader:
         self.readers = self.settings.readers
         self.make_engine: Callable[[torch.device], CopyEngine] = make_engine  # tests slow the engine down
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
+        self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine.
@@ -72,7 +75,11 @@ class Loader:
         A weight file (``weights/...``) is under ``weights_dir`` when one is given; else under
         the root as in OUT, or, in an image's model directory, at the root's top beside the
         config (where packer's image puts it), whichever exists.
+
+        Raises:
+            ArtifactMismatchError: ``rel`` is not a plain relative path (absolute, ``..``...).
         """
+        check_rel(rel, "the manifest's files")
         if not rel.startswith("weights/"):
             return self.root / rel
         if self.weights_dir is not None:
@@ -108,17 +115,17 @@ class Loader:
         """
         path, meta = self.path(rel), self.manifest["files"].get(rel) or self.manifest["bundle"]
         try:
-            size = path.stat().st_size
+            fd = open_regular(path)  # a FIFO or a device is refused by type, never read
         except FileNotFoundError:
             raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
-        if size != meta["size"]:
-            raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}")
-        if verify:
-            fd = os.open(path, os.O_RDONLY)
-            try:
+        try:
+            size = os.fstat(fd).st_size
+            if size != meta["size"]:
+                raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}")
+            if verify:
                 check_sha256(rel, sha256_fd(fd, size), meta["sha256"])
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
 
     def _verify_shards(self, shards: list[Shard]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -298,8 +305,13 @@ class Loader:
     def bundle_dir(self) -> Path:
         """Extract the bundle once (content-addressed cache) and return its directory.
 
+        The cache's folder is checked at the first call of each loader: exactly the manifest's
+        members as regular files of their sizes (and sha256 with ``PACKER_REQUIRE_SIGNATURE``),
+        so a shared cache whose ``config.json`` was changed after extraction is refused.
+
         Raises:
-            ArtifactMismatchError: no bundle in this build, or it does not match.
+            ArtifactMismatchError: no bundle in this build, it does not match, or the cache's
+                folder holds other files than the bundle's.
         """
         b = self.manifest.get("bundle")
         if not b:
@@ -314,6 +326,9 @@ class Loader:
                                             expected_sha256=b["sha256"])
             except (reader.BundleFormatError, OSError) as e:
                 raise ArtifactMismatchError(f"{rel}: {e}") from None
+            if Path(out) not in self._checked_bundles and "members" in b:  # a reused folder is input too
+                check_extracted(Path(out), b["members"], hashes=bool(self.settings.require_signature))
+                self._checked_bundles.add(Path(out))
         if self.auto_flush:
             self.timeline.flush()
         return Path(out)

@@ -8,13 +8,13 @@ its data section (a mapping, a private copy or one device allocation).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .env import MAX_HEADER, ArtifactMismatchError, torch_dtype
+from .reading import loads_json, open_regular
 from .settings import MIB
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
         ArtifactMismatchError: missing file, wrong size, or a header that differs.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # a FIFO or a device is refused before anything blocks or is read
     except FileNotFoundError:
         raise ArtifactMismatchError(f"{rel}: missing (looked for {path}); set PACKER_ARTIFACTS "
                                     "or PACKER_WEIGHTS_DIR to where the build put it") from None
@@ -92,10 +92,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
 
 def _check_header(rel: str, raw: bytes, data_len: int,
                   table: dict[str, Any]) -> list[TensorEntry]:
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise ArtifactMismatchError(f"{rel}: safetensors header is not JSON ({e})") from None
+    header = loads_json(raw, f"{rel}: safetensors header", top=object)
     if not isinstance(header, dict):
         raise ArtifactMismatchError(f"{rel}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
