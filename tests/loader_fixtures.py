@@ -39,6 +39,17 @@ def write_raw_safetensors(path: Path, tensors: list[tuple[str, str, list[int], b
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
+def misaligned(root: Path, m: dict[str, Any], align: int = 64) -> set[str]:
+    """The non-empty tensors of ``m`` whose file offset is not ``align``-aligned (a mapping's
+    view of them would not be either: a mapping starts page aligned)."""
+    starts = {}
+    for rel in m["weights"]["files"]:
+        with open(root / rel, "rb") as f:
+            starts[rel] = 8 + struct.unpack("<Q", f.read(8))[0]
+    return {n for n, t in m["weights"]["tensors"].items()
+            if t["data_offsets"][1] > t["data_offsets"][0] and (starts[t["file"]] + t["data_offsets"][0]) % align}
+
+
 def describe(root: Path, rels: list[str], *, aliases: dict[str, str] | None = None,
              index: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """The embedded manifest for safetensors files already under ``root``."""
@@ -67,9 +78,33 @@ def make_loader(root: Path, m: dict[str, Any], **opts: Any) -> Any:
     return ld
 
 
+def write_aligned(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` in a safetensors file laid out as packer lays out its own (data 64-aligned,
+    tensors in :func:`packer.weights.plan.file_order`)."""
+    from packer.weights.plan import ALIGN, file_order
+
+    raw = {n: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+           for n, t in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    data = b""
+    for n in file_order(sorted(raw), {n: len(b) for n, b in raw.items()}):
+        dtype = str(tensors[n].dtype).removeprefix("torch.")
+        header[n] = {"dtype": _CODES[dtype], "shape": list(tensors[n].shape),
+                     "data_offsets": [len(data), len(data) + len(raw[n])]}
+        data += raw[n]
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+          "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
 def make_artifacts(root: Path, shards: list[dict[str, torch.Tensor]], *,
-                   aliases: dict[str, str] | None = None) -> dict[str, Any]:
-    """Write ``shards`` with safetensors the Hugging Face way and describe them."""
+                   aliases: dict[str, str] | None = None, aligned: bool = True) -> dict[str, Any]:
+    """Write ``shards`` as packer lays them out (``aligned``), else with the safetensors
+    library (8-aligned), with a Hugging Face index when sharded; describe them."""
     (root / "weights").mkdir(parents=True, exist_ok=True)
     if len(shards) == 1:
         rels = ["weights/model.safetensors"]
@@ -78,7 +113,10 @@ def make_artifacts(root: Path, shards: list[dict[str, torch.Tensor]], *,
                 for i in range(1, len(shards) + 1)]
     weight_map = {}
     for rel, tensors in zip(rels, shards, strict=True):
-        save_file(tensors, str(root / rel))
+        if aligned:
+            write_aligned(root / rel, tensors)
+        else:
+            save_file(tensors, str(root / rel))
         weight_map.update({k: Path(rel).name for k in tensors})
     index = None
     if len(shards) > 1:

@@ -31,24 +31,25 @@ class Timeline:
         self._printed = 0
         self._lock = threading.Lock()
 
-    def add(self, name: str, start: float, end: float, nbytes: int = 0, lane: int = 0) -> None:
-        """Record a stage that ran from ``start`` to ``end`` (``time.perf_counter`` values)."""
+    def add(self, name: str, start: float, end: float, nbytes: int = 0, lane: int = 0, **facts: int) -> None:
+        """Record a stage that ran from ``start`` to ``end`` (``time.perf_counter`` values);
+        ``facts`` are more counts kept in its record (``tensors``, ``hugepages``)."""
         secs = max(end - start, 0.0)
         rec = {"stage": name, "start_s": round(start - self.t0, 6), "seconds": round(secs, 6),
                "bytes": nbytes, "gbps": round(nbytes / secs / 1e9, 3) if nbytes and secs else None,
-               "lane": lane}
+               "lane": lane, **facts}
         with self._lock:
             self.stages.append(rec)
 
     @contextlib.contextmanager
     def stage(self, name: str, nbytes: int = 0) -> Iterator[dict[str, int]]:
-        """Time a block; the block may set ``box["bytes"]``."""
+        """Time a block; the block may set ``box["bytes"]`` and more counts (see :meth:`add`)."""
         box = {"bytes": nbytes}
         start = time.perf_counter()
         try:
             yield box
         finally:
-            self.add(name, start, time.perf_counter(), box["bytes"])
+            self.add(name, start, time.perf_counter(), box.pop("bytes"), **box)
 
     def flush(self, stream: IO[str] | None = None) -> None:
         """Print the stages recorded since the last flush and a total (``PACKER_STARTUP_LOG``)."""
@@ -88,6 +89,8 @@ def _fmt_stage(s: dict[str, Any]) -> str:
         text += f", {n / 1e9:.2f} GB" if n >= 1e8 else f", {n / 1e6:.2f} MB" if n >= 1e5 else f", {n} B"
         if s.get("gbps"):
             text += f", {s['gbps']:.2f} GB/s"
+    if s.get("tensors"):
+        text += f", {s['tensors']} tensors"
     return text
 
 
