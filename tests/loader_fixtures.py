@@ -7,11 +7,15 @@ import io
 import json
 import struct
 import tarfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from packer.runtime.engines import CpuEngine
 
 
 def _entry(path: Path) -> dict[str, Any]:
@@ -169,3 +173,49 @@ def make_out(out: Path, *, bundle: bool = True) -> dict[str, Any]:
         m["files"]["bundle.tar.zst"] = {k: m["bundle"][k] for k in ("size", "sha256")}
     emit_loader(out, m)
     return m
+
+
+def _digest(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for _, src in pairs:
+        h.update(src.numpy().tobytes())
+    return h.hexdigest()
+
+
+class WatchedEngine(CpuEngine):
+    """The CPU engine, checking from its own side what the ring promises it.
+
+    ``overwritten``: copies whose source bytes changed between the copy being issued (the
+    slot's read done) and the copy running: a slot refilled while its copy waited.
+    ``max_pending``: the most copies issued and not yet done at once (at most one per slot).
+    """
+
+    def __init__(self, copy_delay: float = 0.0) -> None:
+        self.pending = self.max_pending = self.overwritten = self.copies = 0
+        self._count = threading.Lock()
+        super().__init__(copy_delay)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> threading.Event:
+        done = threading.Event()
+        with self._count:
+            self.pending += 1
+            self.max_pending = max(self.max_pending, self.pending)
+        self._q.put((pairs, done, _digest(pairs)))  # type: ignore[arg-type]
+        return done
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            pairs, done, digest = item  # type: ignore[misc]
+            try:
+                if self.copy_delay:
+                    time.sleep(self.copy_delay)
+                if _digest(pairs) != digest:
+                    self.overwritten += 1
+                for dst, src in pairs:
+                    dst.copy_(src)
+            except BaseException as e:  # reported by wait()/finish()
+                self._error = e
+            with self._count:
+                self.pending -= 1
+                self.copies += 1
+            done.set()
