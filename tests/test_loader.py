@@ -285,6 +285,33 @@ def test_refuses_wrong_size_header_and_missing_file(two_shards: tuple[Path, dict
         loader(root, m).load_weights("cpu")
 
 
+def _with_header(raw: bytes, change: Any) -> bytes:
+    """``raw`` (a safetensors file) with ``change(header)`` applied, the header's length kept."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    return raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:]
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: h.update({"embed.weight": 7}),
+    lambda h: h.update({"embed.weight": "x"}),
+    lambda h: h.update({"embed.weight": None}),
+    lambda h: h["embed.weight"].update(shape=5),
+    lambda h: h["embed.weight"].update(data_offsets="0"),
+    lambda h: h["embed.weight"].pop("dtype"),
+], ids=["number", "string", "null", "shape-int", "offsets-string", "no-dtype"])
+def test_a_corrupt_header_entry_is_an_artifact_mismatch(two_shards: tuple[Path, dict[str, Any]],
+                                                        change: Any) -> None:
+    root, m = two_shards
+    rel = m["weights"]["files"][0]
+    (root / rel).write_bytes(_with_header((root / rel).read_bytes(), change))
+    with pytest.raises(ArtifactMismatchError, match=rf"^{rel}: tensor 'embed.weight'"):
+        loader(root, m).load_weights("cpu")
+
+
 def test_weights_dir_override(two_shards: tuple[Path, dict[str, Any]],
                               tmp_path_factory: pytest.TempPathFactory) -> None:
     root, m = two_shards

@@ -107,9 +107,13 @@ def _check_header(rel: str, raw: bytes, data_len: int,
     out = []
     for name, rec in want.items():
         got = header[name]
+        if not isinstance(got, dict):  # a corrupt entry is a mismatch like any other
+            raise ArtifactMismatchError(f"{rel}: tensor {name!r}: header entry is {type(got).__name__}, "
+                                        "not an object; the file is corrupt or from another build")
         for key in ("dtype", "shape", "data_offsets"):
-            if list(got.get(key, [])) != list(rec[key]) if key != "dtype" else got.get(key) != rec[key]:
-                raise ArtifactMismatchError(f"{rel}: tensor {name!r} {key} is {got.get(key)}, "
+            expected = rec[key] if key == "dtype" else list(rec[key])
+            if got.get(key) != expected:
+                raise ArtifactMismatchError(f"{rel}: tensor {name!r} {key} is {got.get(key)!r:.80}, "
                                             f"the manifest says {rec[key]}")
         begin, end = rec["data_offsets"]
         if not 0 <= begin <= end <= data_len:

@@ -56,7 +56,7 @@ class Timeline:
         mode = setting("startup_log")  # read at each print: the timeline is the process's
         with self._lock:
             new, self._printed = self.stages[self._printed:], len(self.stages)
-        if not new or mode in ("off", "0", "none", "false"):
+        if not new or mode == "off":
             return
         total = max(s["start_s"] + s["seconds"] for s in new) - min(s["start_s"] for s in new)
         out = stream or sys.stderr
@@ -98,9 +98,11 @@ TIMELINE = Timeline()
 
 
 def import_torch(timeline: Timeline | None = None) -> ModuleType:
-    """Import torch, timing the import when this call is the one that pays for it."""
-    if "torch" in sys.modules:
-        return sys.modules["torch"]
+    """Import torch, timing the import when this call is the one that pays for it: the
+    runtime's one way to torch (it is imported lazily everywhere)."""
+    cached = sys.modules.get("torch")
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     import torch
 
