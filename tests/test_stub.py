@@ -120,13 +120,18 @@ def import_emitted(path: Path) -> Any:
     return mod
 
 
-def test_selftest_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                             capsys: pytest.CaptureFixture[str]) -> None:
+def emitted_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any], Any]:
+    """A small build output without a bundle, its manifest and its emitted loader imported."""
     d = tmp_path / "out"
     d.mkdir()
     m = make_out(d, bundle=False)
     monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    mod = import_emitted(d / LOADER_NAME)
+    return d, m, import_emitted(d / LOADER_NAME)
+
+
+def test_selftest_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    d, m, mod = emitted_out(tmp_path, monkeypatch)
     assert mod.main([]) == 2
     assert mod.main(["--selftest", "--device", "cpu"]) == 0
     rel = m["weights"]["files"][1]
@@ -154,11 +159,7 @@ def test_selftest_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 def test_selftest_failure_names_the_type_and_the_absolute_path_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    d = tmp_path / "out"
-    d.mkdir()
-    m = make_out(d, bundle=False)
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    mod = import_emitted(d / LOADER_NAME)
+    d, m, mod = emitted_out(tmp_path, monkeypatch)
     rel = m["weights"]["files"][1]
     with open(d / rel, "r+b") as f:
         f.truncate((d / rel).stat().st_size - 1)
