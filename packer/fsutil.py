@@ -234,6 +234,20 @@ def link_or_copy(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def disk_usage(root: Path) -> int:
+    """Bytes ``root`` takes on disk, as ``du`` counts them: allocated blocks (sparse holes are free),
+    each hard-linked file once, symlinks as links (never followed)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total + os.lstat(root).st_blocks * 512
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o666) -> None:
     """Write ``data`` to ``path`` atomically."""
     with atomic_open(path, mode) as f:

@@ -29,6 +29,7 @@ def parse_stderr(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
     stages: list[dict[str, Any]] = []
     imports: list[dict[str, Any]] = []
     other: list[str] = []
+    total: float | None = None
     for line in text.splitlines():
         if line.startswith("import time:"):
             parts = [p.strip() for p in line[len("import time:"):].split("|")]
@@ -39,9 +40,11 @@ def parse_stderr(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
         rec = _json_line(line)
         if rec is not None and "startup" in rec:
             stages += [{k: s.get(k) for k in _STAGE_KEYS} for s in rec["startup"]]
-            stages.append({"stage": "total", "seconds": rec.get("total_s"), "bytes": 0, "gbps": None})
+            total = rec.get("total_s")  # since the process's first stage: the last line's is the whole
         elif line.strip():
             other.append(line)
+    if stages:
+        stages.append({"stage": "total", "seconds": total, "bytes": 0, "gbps": None})
     imports.sort(key=lambda r: (-r["cumulative_us"], r["module"]))
     return stages, imports, other
 

@@ -19,7 +19,7 @@ from packer.bundle import verify_bundle
 from packer.components import components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
-from packer.fsutil import canonical_json, sha256_file, sha256_file_or_none
+from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none
 from packer.manifest import TIMINGS, load_manifest, split_artifact
 from packer.oci.referrer import referrer_blobs
 from packer.oci.verify import verify_image
@@ -139,13 +139,14 @@ def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
     names (a layer tarball under ``image/layers/`` is a hard link of its blob) is named by all.
 
     Returns:
-        A summary: files checked and bytes hashed.
+        A summary: files checked, bytes hashed, ``disk_bytes`` (what OUT takes on disk, as ``du``
+        counts it: hard links once).
 
     Raises:
         VerifyError: naming the first mismatch.
     """
     try:
-        return _verify(out, public_key)
+        return {**_verify(out, public_key), "disk_bytes": disk_usage(Path(out))}
     except VerifyError as e:
         named = _name_every_link(out, e)
         if named is e:

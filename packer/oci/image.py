@@ -17,6 +17,7 @@ from packer.oci.base import REF_NAME, BaseImage, link_blobs, resolve_base
 from packer.oci.dockerfile import (
     LAYERS_DIR,
     Standalone,
+    check_run_config,
     link_tarball,
     tarball_name,
     write_docker_files,
@@ -183,6 +184,7 @@ def build_image(
     """
     plan = plan_image(cfg=cfg, name=name, version=version, artifact_files=artifact_files,
                       artifact_manifest=artifact_manifest, loader_paths=loader_paths)
+    check_run_config(plan, cfg)  # what OUT/Dockerfile cannot say fails here, before any layer
     if dry_run:
         return StageOutput(section={"plan": plan.as_json()})
     epoch = created_epoch(source)
