@@ -41,7 +41,7 @@ from .graphs import warmup
 from .loading import Loader
 from .reading import entry_kind, inside, loads_json, sha256_regular
 from .ring import release_ring
-from .settings import RuntimeSettings
+from .settings import RuntimeSettings, setting
 from .shards import pread_exact
 from .timeline import TIMELINE, Timeline, import_torch
 from .warm import prepare_loader, serve_warm, start_warm
@@ -208,17 +208,42 @@ def report(trace: str | Path | None = None) -> list[dict[str, Any]]:
     return [dict(s) for s in TIMELINE.stages]
 
 
-def _why(e: Exception) -> str:
-    """One line for a failure; a missing package is named as itself, never as an artifact fault."""
+def _why(e: Exception, root: Path | None = None) -> str:
+    """One line for a failure: the message, then its exception type and the artifacts'
+    absolute directory (unless the message names it already); a missing package is named as
+    itself, never as an artifact fault. With ``PACKER_DEBUG=1`` the traceback goes first."""
+    if _debug():
+        import traceback
+
+        traceback.print_exception(e, file=sys.stderr)
     if isinstance(e, ImportError):
         top = (e.name or "a package").split(".")[0]
-        return f"packer_loader needs {top}: {e} (pip install {top})"
-    return str(e).removeprefix("packer_loader: ")
+        text = f"packer_loader needs {top}: {e} (pip install {top})"
+    else:
+        text = str(e).removeprefix("packer_loader: ")
+    where = f", artifacts in {root}" if root is not None and str(root) not in text else ""
+    hint = "" if _debug() else "; PACKER_DEBUG=1 prints the traceback"
+    return f"{text} [{type(e).__name__}{where}{hint}]"
+
+
+def _debug() -> bool:
+    try:
+        return bool(setting("debug"))
+    except ValueError:  # a bad PACKER_DEBUG is the failure being reported: no traceback then
+        return False
+
+
+def _artifacts(build: Build, root: str | None) -> Path | None:
+    """The absolute artifact directory a command works on (None when settings are unreadable)."""
+    try:
+        return Path(root or build.settings().artifacts or build.home).resolve()
+    except ValueError:
+        return None
 
 
 def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Compare every loaded tensor's bytes with the file; return the problems found."""
-    torch = sys.modules["torch"]
+    torch = import_torch()
     problems = []
     w = loader.manifest["weights"]
     for alias, kept in w.get("aliases", {}).items():
@@ -276,7 +301,7 @@ def main(build: Build, argv: list[str] | None = None) -> int:
         try:
             print(build.model_dir(root=args.root))
         except Exception as e:  # one line, exit 1, as the self-test
-            sys.stderr.write(f"packer_loader: model dir failed: {_why(e)}\n")
+            sys.stderr.write(f"packer_loader: model dir failed: {_why(e, _artifacts(build, args.root))}\n")
             return 1
         return 0
     if not args.selftest:
@@ -294,7 +319,7 @@ def main(build: Build, argv: list[str] | None = None) -> int:
         problems = selftest(loader, device, args.verify)
     except Exception as e:  # any failure is a failed self-test, reported in one line
         TIMELINE.flush()
-        sys.stderr.write(f"packer_loader: self-test failed: {_why(e)}\n")
+        sys.stderr.write(f"packer_loader: self-test failed: {_why(e, _artifacts(build, args.root))}\n")
         return 1
     TIMELINE.flush()
     if args.trace:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from .reading import check_rel, open_regular
 from .ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
 from .served import check_extracted
 from .settings import RuntimeSettings
-from .shards import Shard, check_sha256, open_shard, sha256_fd, shard_tensors
+from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, sha256_fd, shard_tensors
 from .timeline import TIMELINE, Timeline, import_torch
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Loader:
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.timeline = timeline or TIMELINE
         self.last_stats: RingStats | None = None
+        self.last_copied: list[str] = []  # tensors the last load copied to aligned memory (CPU)
         self.auto_flush = True  # print the stage table after each verb (the self-test prints once)
         self.settings = settings or RuntimeSettings.from_sources(os.environ, manifest.get("runtime"))
         self.slots = self.settings.ring_slots
@@ -155,8 +157,10 @@ class Loader:
             ``{name: tensor}`` including the alias names, in file order (each shard's
             tensors by offset), the aliases last. Through the ring (CUDA, or
             ``pipeline=True``) every non-empty tensor starts at a 256-byte aligned address,
-            as safetensors' own loader gives them. The CPU views and copies guarantee element
-            alignment only (a view where the file offset allows it, a private copy where not).
+            as safetensors' own loader gives them. On CPU every tensor starts 64-byte aligned,
+            as torch's allocator gives them (CPU kernels round differently below that): a view
+            where the file offset is aligned (packer lays out every tensor whose size allows it
+            so), a private copy where not (their names: ``last_copied``).
 
         Raises:
             ArtifactMismatchError: a file is missing, has another size, header or sha256.
@@ -218,7 +222,17 @@ class Loader:
 
     def _tensors(self, torch: ModuleType, shards: list[Shard], bufs: list[tuple[torch.Tensor, int]],
                  dtype: torch.dtype | None, *, offsets: list[dict[str, int]] | None = None) -> dict[str, torch.Tensor]:
-        return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}), offsets=offsets)
+        """The tensors out of ``bufs``; the ones copied to be aligned are ``last_copied`` and,
+        when there are any, an ``aligned copies`` stage (their bytes and count)."""
+        self.last_copied = []
+        start = time.perf_counter()
+        out = shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}),
+                            offsets=offsets, copied=self.last_copied)
+        if self.last_copied:
+            nbytes = sum(out[n].numel() * out[n].element_size() for n in self.last_copied)
+            self.timeline.add("aligned copies", start, time.perf_counter(), nbytes,
+                              tensors=len(self.last_copied))
+        return out
 
     def load_into(self, module: torch.nn.Module, *, device: str | None = None, strict: bool = True,
                   verify: bool = False, pipeline: bool | None = None,
@@ -292,6 +306,9 @@ class Loader:
             tensors = self.load_weights(str(dev), verify=verify, pipeline=pipeline)
         finally:
             self.auto_flush = auto
+        if self.last_copied:
+            notes.append(f"{len(self.last_copied)} tensors copied to {CPU_ALIGN}-byte aligned memory "
+                         f"(their file offsets are not aligned): {self.last_copied[:8]}")
         assign_tensors(torch, slots, tensors, dev, self.timeline, notes)
 
     def _into_ring(self, torch: ModuleType, dev: torch.device, shards: list[Shard],
