@@ -29,7 +29,6 @@ import io
 import json
 import mmap
 import os
-import re
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,10 +38,9 @@ from typing import Any
 from packer.errors import PackerError
 from packer.idents import ErrorClass, check_rel_name, confined, digest_parts, is_commit, shown
 from packer.jsonshape import Shape, check_shape
+from packer.runtime.reading import too_deep  # the one nesting rule, shared with the runtime
 
 # a string, or an unterminated one up to the end: one left-to-right pass, whatever the input
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 MAX_REF_FILE = 4096  # a hub ref file holds 40 hex digits and a newline
 
 
@@ -202,17 +200,6 @@ def read_json(path: str | Path, kind: Kind = JSON_DOC, *, error: ErrorClass, sha
                       shape=shape)
 
 
-def nesting_fault(raw: bytes, max_depth: int) -> bool:
-    """Whether ``raw``'s arrays and objects nest deeper than ``max_depth`` or do not balance
-    (brackets inside strings do not count; linear in size x depth)."""
-    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    for _ in range(max_depth):  # each pass removes the innermost level
-        if not brackets:
-            break
-        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
-    return bool(brackets)
-
-
 def parse_json(raw: bytes | str, kind: Kind | None = None, *, where: str, error: ErrorClass,
                max_bytes: int | None = None, max_depth: int | None = None, shape: Shape | None = None,
                object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
@@ -237,7 +224,7 @@ def parse_json(raw: bytes | str, kind: Kind | None = None, *, where: str, error:
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     if len(data) > limit:
         raise error(f"{where}: {len(data)} bytes, over the limit of {limit} for this document")
-    if nesting_fault(data, depth):
+    if too_deep(data, depth):
         raise error(f"{where}: arrays and objects nested deeper than {depth} levels (or unbalanced)")
     try:
         doc = json.loads(raw, object_pairs_hook=object_pairs_hook, parse_int=parse_int)

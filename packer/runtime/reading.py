@@ -118,8 +118,8 @@ def read_bytes(path: str | os.PathLike[str], kind: str) -> bytes:
 def too_deep(data: bytes, max_depth: int) -> bool:
     """Whether JSON ``data`` nests arrays and objects deeper than ``max_depth`` (or is unbalanced).
 
-    Strings do not count. The build side's ``packer.jsonshape`` applies the same rule (the
-    runtime cannot import it; it may import this).
+    Strings do not count; linear in size x depth. The build side's ``packer.reading`` uses this
+    same function (the runtime imports nothing from the build side; the build side may import it).
     """
     brackets = _STRINGS.sub(b"", data).translate(None, _NOT_BRACKETS)
     for _ in range(max_depth):  # each pass removes the innermost level: linear in size x depth
