@@ -20,10 +20,11 @@ environment (and ``PACKER_WARM_STATE``, which tells them not to decide again).
 ``PACKER_WARM=off`` turns the lookup off; ``PACKER_WARM=DIR`` names a state directory.
 
 vLLM 0.32 on CPU cannot load its own AOT compile cache: the loader calls ``finalize_loading``
-on the loaded artifact, which on CPU is Inductor's already-loaded function, not vLLM's
-serializable type, so every warm start logs ``'function' object has no attribute
+on the loaded artifact, which on CPU is torch's ``BundledAOTAutogradSerializableCallable``
+(Inductor's function, loaded ready to call), not vLLM's serializable type; its attribute
+lookups fall through to that function, so every warm start logs ``'function' object has no attribute
 'finalize_loading'`` and recompiles. :func:`install` gives exactly that artifact type a no-op
-``finalize_loading`` (nothing is left to finalize: it deserialized ready to call), on vLLM
+``finalize_loading`` (nothing is left to finalize), on vLLM
 0.32.x on CPU only.
 """
 
@@ -38,7 +39,6 @@ import shutil
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,6 +107,7 @@ def _fix_cpu_aot_loading() -> None:
     if not vllm.__version__.startswith("0.32.") or not current_platform.is_cpu():
         return
     import torch.compiler
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
 
     orig = torch.compiler.load_compiled_function
     if getattr(orig, "_packer_cpu_fix", False):
@@ -116,7 +117,9 @@ def _fix_cpu_aot_loading() -> None:
     def load_compiled_function(*args: Any, **kwargs: Any) -> Any:
         fn = orig(*args, **kwargs)
         inner = getattr(getattr(fn, "_artifacts", None), "compiled_fn", None)
-        if isinstance(inner, types.FunctionType) and not hasattr(inner, "finalize_loading"):
+        # the wrapper forwards unknown attributes to Inductor's function, hence vLLM's
+        # "'function' object has no attribute 'finalize_loading'"
+        if isinstance(inner, Bundled) and "finalize_loading" not in vars(inner):
             inner.finalize_loading = _already_loaded  # type: ignore[attr-defined]
         return fn
 
