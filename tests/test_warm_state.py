@@ -62,6 +62,8 @@ def test_a_config_difference_is_explained_by_the_engine_argument_that_changed() 
     now = {**KEY, "engine_args": {"dtype": "float32", "max_model_len": 128},
            "config": {**KEY["config"], "all": "ffff", "model_config": "9999"}}
     assert explain_config(KEY, now) == "engine argument max_model_len: 128, warmed with 64"
+    more = {**now, "engine_args": {**now["engine_args"], "enable_lora": False}}  # set on one side only: named last
+    assert explain_config(KEY, more) == "engine argument max_model_len: 128, warmed with 64"
     same_args = {**KEY, "config": {**KEY["config"], "all": "ffff", "scheduler_config": "1111"}}
     assert explain_config(KEY, same_args) == "engine configuration hash all: 'ffff', warmed with '85203a3a27'"
     # an argument outside vLLM's hash alone is no miss: the configuration hash decides

@@ -211,8 +211,13 @@ def _private_dir() -> Path:
     """A fresh directory only this user can read, removed when this process exits."""
     base = os.environ.get("PACKER_WARM_DIR") or None
     path = Path(tempfile.mkdtemp(prefix="packer-warm-", dir=base))
-    atexit.register(shutil.rmtree, path, True)
+    atexit.register(_remove_if_owner, path, os.getpid())
     return path
+
+
+def _remove_if_owner(path: Path, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child inherits atexit handlers: only the creator removes it
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def current_key(engine_args: Any) -> dict[str, Any]:
@@ -248,7 +253,7 @@ def engine_arguments(engine_args: Any) -> dict[str, Any]:
             same = bool(value == default)
         except Exception:  # noqa: BLE001 - an odd __eq__: record the value
             same = False
-        if not same:
+        if not same and value is not None:  # None: not given (the command line's default for some flags)
             found[f.name] = plain(value)
     return found
 

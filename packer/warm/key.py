@@ -84,7 +84,9 @@ _LABELS = {"engine_version": "engine version", "model_path": "model path", "env"
 
 def _entry_difference(part: str, a: dict[str, Any], b: dict[str, Any]) -> str:
     label = _LABELS.get(part, part)
-    for name in sorted(set(a) | set(b)):
+    # an entry set on both sides first: the same flags given through another entry point
+    # (vLLM's command line, LLM(...)) may leave different entries at their defaults
+    for name in [*sorted(set(a) & set(b)), *sorted(set(a) ^ set(b))]:
         if a.get(name, _UNSET) != b.get(name, _UNSET):
             was = "not set" if name not in a else _short(a[name])
             is_ = "not set" if name not in b else _short(b[name])
