@@ -174,7 +174,7 @@ def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | 
             _decide(f"miss ({why})")
             return None
         copy = _private_dir()
-        doc, nbytes = verified_copy(state, copy / "state")
+        doc, nbytes = verified_copy(state, copy / "state", recorded)
     except WarmStateError as e:
         _decide(f"miss (refused: {e})")
         return None

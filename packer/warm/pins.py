@@ -156,11 +156,15 @@ def check_state(state: Path) -> tuple[dict[str, Any], int]:
     return doc, total
 
 
-def verified_copy(state: Path, dest: Path) -> tuple[dict[str, Any], int]:
+def verified_copy(state: Path, dest: Path, doc: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
     """Copy the pinned files of ``state`` into the new directory ``dest`` (mode 0700), each checked.
 
     Each file is hashed as it is copied and compared with its pin: what lands in ``dest`` is
     what was pinned, whatever happens to ``state`` meanwhile. ``dest`` is left out on failure.
+
+    Args:
+        doc: the state's manifest as :func:`load_state` read it, when the caller already decided
+            on it (the copy then follows exactly those pins); default: read here.
 
     Returns:
         ``(manifest, bytes copied)``.
@@ -168,7 +172,7 @@ def verified_copy(state: Path, dest: Path) -> tuple[dict[str, Any], int]:
     Raises:
         WarmStateError: the first changed, missing or unpinned file (``dest`` removed).
     """
-    doc = load_state(state)
+    doc = doc if doc is not None else load_state(state)
     _no_unpinned(state, doc)
     dest.mkdir(mode=0o700)
     total = 0
