@@ -3,6 +3,8 @@
 #   make test   run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# two stamps: the demo needs packer and the CPU torch only; the tests add the test extras
+DEMO_STAMP := $(VENV)/.packer-demo-installed
 STAMP := $(VENV)/.packer-installed
 INSTALL_LOG := $(VENV)/install.log
 
@@ -10,16 +12,21 @@ INSTALL_LOG := $(VENV)/install.log
 
 # pip's output goes to a log that is shown only if the install fails: a quick start prints
 # the stage table, not pip's notes about this machine's package indexes.
-$(STAMP): pyproject.toml requirements/torch-cpu.txt
-	@echo "setting up $(VENV) (torch CPU build, packer and its test tools; log: $(INSTALL_LOG))"
+$(DEMO_STAMP): pyproject.toml requirements/torch-cpu.txt
+	@echo "setting up $(VENV) (torch CPU build and packer; log: $(INSTALL_LOG))"
 	@python3 -m venv $(VENV)
 	@( $(PY) -m pip install --upgrade pip \
 	   && $(PY) -m pip install -r requirements/torch-cpu.txt \
-	   && $(PY) -m pip install -e '.[test]' ) > $(INSTALL_LOG) 2>&1 \
+	   && $(PY) -m pip install -e . ) > $(INSTALL_LOG) 2>&1 \
 	   || { tail -n 40 $(INSTALL_LOG); exit 1; }
+	@touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
+	@echo "adding the test tools to $(VENV) (transformers, diffusers, ruff, mypy...; log: $(INSTALL_LOG))"
+	@$(PY) -m pip install -e '.[test]' >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }
 	@touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/packer build -o dist
 
 test: $(STAMP)

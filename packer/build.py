@@ -39,12 +39,25 @@ class BuildResult:
     timer: StageTimer
     notes: list[str] = field(default_factory=list)
     dry_run: bool = False
+    checked: dict[str, Any] = field(default_factory=dict)  # the final verification's summary
+    disk_bytes: int = 0  # OUT on disk, as du counts it (hard links once)
 
     def summary(self) -> dict[str, Any]:
-        files = {**self.manifest.get("files", {}), **self.manifest.get("image_files", {})}
-        return {"out": str(self.out), "dry_run": self.dry_run, "files": len(files),
-                "bytes": sum(f["size"] for f in files.values()), "stages": self.timer.as_json(),
-                "notes": self.notes, "left_out": (self.manifest.get("weights") or {}).get("left_out", [])}
+        """The ``--json`` summary: ``files`` and ``bytes`` as ``packer verify`` counts them (every
+        file it checks, manifest.json included), OUT's size on disk, the image's digests; a dry
+        run adds the whole ``plan``."""
+        image = self.manifest.get("image") or {}
+        out: dict[str, Any] = {
+            "out": str(self.out), "dry_run": self.dry_run, "files": self.checked.get("files", 0),
+            "bytes": self.checked.get("bytes", 0), "disk_bytes": self.disk_bytes,
+            "stages": self.timer.as_json(), "notes": self.notes,
+            "left_out": (self.manifest.get("weights") or {}).get("left_out", []),
+            "image": {k: image[k] for k in ("tag", "index_digest", "manifest_digest", "config_digest")
+                      if k in image},
+        }
+        if self.dry_run:
+            out["plan"] = self.manifest
+        return out
 
 
 def _check_out(out: Path) -> None:
@@ -149,9 +162,10 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
         if dry_run:
             return BuildResult(out, manifest, timer, notes, dry_run=True)
         with timer.stage("verify") as t:
-            t.nbytes = verify(staging)["bytes"]
+            checked = verify(staging)
+            t.nbytes = checked["bytes"]
         atomic_write_bytes(staging / TIMINGS, canonical_json({"stages": timer.as_json()}))
         publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return BuildResult(out, manifest, timer, notes)
+    return BuildResult(out, manifest, timer, notes, checked=checked, disk_bytes=checked["disk_bytes"])

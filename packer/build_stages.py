@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from packer.errors import SignError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
+from packer.reading import SIGNATURE, read_bytes
 from packer.stage import Stage, StageContext, StageOutput
 
 
@@ -121,20 +123,33 @@ def provenance_stage(ctx: StageContext) -> StageOutput:
     from packer.sign.provenance import SLSA_PROVENANCE_V1, write_provenance
 
     out = write_provenance(ctx.staging, final_manifest(ctx), load_signing_key(ctx.recipe.sign_key() or ""))
-    attach_provenance(ctx.staging, (ctx.staging / out.files[0].path).read_bytes(),
+    attach_provenance(ctx.staging, read_bytes(ctx.staging / out.files[0].path, SIGNATURE, error=SignError),
                       tag=ctx.outputs["image"].section["tag"], predicate_type=SLSA_PROVENANCE_V1)
     return out
 
 
 def _planned_files(ctx: StageContext) -> list[FileEntry]:
-    """The artifact file names a dry run would write (sizes are not known yet)."""
+    """The artifact files a dry run would write; a weight file's size is its tensor bytes (the
+    header's few KB are not known before it is written), the bundle's and the loader's 0."""
     from packer.bundle import ARCHIVE_NAME
-    from packer.components import artifact_files
+    from packer.components import artifact_files, components_of
     from packer.stub import planned_files
 
+    data: dict[str, int] = {}
+    for section in components_of(ctx.outputs["weights"].section):
+        for t in section.get("tensors", {}).values():
+            data[t["file"]] = max(data.get(t["file"], 0), t["data_offsets"][1])
     names = [*artifact_files(ctx.outputs["weights"].section),
              *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), *planned_files()]
-    return [FileEntry(p, 0, "") for p in names]
+    return [FileEntry(p, data.get(p, 0), "") for p in names]
+
+
+def _planned_artifact_manifest(ctx: StageContext) -> bytes:
+    """What a dry run knows of the artifact manifest: the bundle's members (the image's model files)."""
+    bundle = ctx.outputs.get("bundle")
+    members = bundle.section["members"] if bundle else []
+    return canonical_json({"bundle": {"file": bundle.section["file"], "members": [
+        {"name": m["name"], "size": m["size"], "sha256": ""} for m in members]}} if bundle else {})
 
 
 def image_stage(ctx: StageContext) -> StageOutput:
@@ -150,8 +165,9 @@ def image_stage(ctx: StageContext) -> StageOutput:
     if ctx.dry_run:
         from packer.stub import planned_files
 
-        return build_image(ctx.staging, **common, artifact_files=_planned_files(ctx), artifact_manifest=b"",
-                           loader_paths=planned_files(), dry_run=True)
+        return build_image(ctx.staging, **common, artifact_files=_planned_files(ctx),
+                           artifact_manifest=_planned_artifact_manifest(ctx), loader_paths=planned_files(),
+                           dry_run=True)
     return build_image(ctx.staging, **common, artifact_files=ctx.artifacts(),
                        artifact_manifest=canonical_json(ctx.outputs["inputs"].section), verify=False,
                        known_digests=ctx.outputs["weights"].digests,

@@ -1,7 +1,8 @@
 """The ``packer`` command line: parse options, call one library function, print.
 
 No logic lives here. Library errors (:class:`PackerError`) become one line on stderr and exit
-code 1 in one place (:func:`_common`); click's usage errors exit with 2. Everything printed goes
+code 1 (a :class:`~packer.errors.UsageError` 2) in one place (:func:`_common`); click's usage
+errors exit with 2. Everything printed goes
 through :meth:`Ctx.log`, :meth:`Ctx.emit` or :func:`_error`, which show input text escaped
 (:mod:`packer.show`): a message built anywhere in the library cannot reach the terminal raw. Library modules are
 imported inside the commands so that ``packer --help`` stays fast and never imports torch.
@@ -16,7 +17,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import click
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
 from packer.formats import CAST_DTYPES, MANIFEST_NAME
-from packer.fsutil import check_regular
+from packer.reading import check_regular
 from packer.show import show, show_json
 
 
@@ -45,6 +46,14 @@ class Ctx:
         """A block packer itself laid out in lines (a table, indented JSON), line by line."""
         for line in block.splitlines():
             self.log(line)
+
+    def plan(self, plan: dict[str, Any], notes: Sequence[str], summary: dict[str, Any]) -> None:
+        """A dry run's output: the plan alone on stdout as JSON (``--json``: the summary holding it),
+        its notes on stderr (none under --quiet), so ``--dry-run | jq`` reads one document."""
+        if not self.quiet:
+            for note in notes:
+                click.echo(show(f"note: {note}"), err=True)
+        click.echo(json.dumps(show_json(summary if self.json else plan), indent=2, sort_keys=True))
 
     def emit(self, summary: dict[str, Any]) -> None:
         """The ``--json`` summary on stdout, every string in it escaped as :func:`packer.show.show_json`."""
@@ -135,7 +144,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
             fn(ctx, **kwargs)
         except (PackerError, ImportError) as e:  # a missing package is named as itself
             _error(e, str(missing_dependency(e) if isinstance(e, ImportError) else e), debug)
-            sys.exit(1)
+            sys.exit(e.exit_code if isinstance(e, PackerError) else 1)
         except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
@@ -196,14 +205,25 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
         rec = with_sign_key(rec, sign_key)
     with ctx.progress("weights") as bar:
         result = run_build(rec, out, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
+    if dry_run:  # the plan is the output (stdout, pipeable to jq); notes go to stderr
+        ctx.plan(result.manifest, result.notes, result.summary())
+        return
     for note in result.notes:
         ctx.log(f"note: {note}")
-    if dry_run:
-        ctx.log_lines(json.dumps(show_json(result.manifest), indent=2, sort_keys=True))
-    else:
-        ctx.log_lines(result.timer.table())
-        ctx.log(f"built {rec.name} {rec.version} into {result.out}")
+    ctx.log_lines(result.timer.table())
+    ctx.log(f"built {rec.name} {rec.version} into {result.out}")
     ctx.emit(result.summary())
+
+
+def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A malformed size is a usage error (exit 2), like any other bad option value."""
+    from packer.recipe import parse_size
+
+    try:
+        parse_size(value)
+    except ValueError:
+        raise click.BadParameter(f'expected a size like "5GB" or "4GiB", got {value!r}') from None
+    return value
 
 
 @main.command()
@@ -213,7 +233,8 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
 @click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Prefix to strip from names (repeatable).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", help="Regex rename (repeatable).")
 @click.option("--dtype", type=click.Choice(list(CAST_DTYPES)), help="Cast floats.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help='Decimal size such as "5GB".')
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_shard_size,
+              help='Decimal ("5GB") or binary ("4GiB") size of one shard.')
 @click.option("--tie-prefer", multiple=True, help="Name to keep for a tied group (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--no-sandbox", is_flag=True, help="Read the input in this process (no isolated subprocess).")
@@ -251,15 +272,16 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
     cfg = with_allowed_globals(rec, allow_globals).weights
     with ctx.progress("convert") as bar:
         result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
+    summary = {"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),
+               "tensors": len(result.section.get("tensors", {})), "dry_run": dry_run}
+    if dry_run:
+        ctx.plan(result.section, result.notes, {**summary, "plan": result.section})
+        return
     for note in result.notes:
         ctx.log(f"note: {note}")
-    if dry_run:
-        ctx.log_lines(json.dumps(show_json(result.section), indent=2, sort_keys=True))
-    else:
-        for f in result.files:
-            ctx.log(f"{f.sha256}  {out / f.path}  ({f.size} bytes)")
-    ctx.emit({"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),
-              "tensors": len(result.section.get("tensors", {})), "dry_run": dry_run})
+    for f in result.files:
+        ctx.log(f"{f.sha256}  {out / f.path}  ({f.size} bytes)")
+    ctx.emit(summary)
 
 
 @main.command()
@@ -423,14 +445,14 @@ def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python:
 @click.option("--tls-verify/--no-tls-verify", default=True, show_default=True)
 @_common
 def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
-    """Push OUT's image to a registry REF (through skopeo).
+    """Verify OUT, then push its image to a registry REF (through skopeo).
 
     \b
     Example:
       packer push dist registry.example.com/team/model:1.0
     """
-    from packer.oci.push import push as run_push
     from packer.oci.referrer import referrers_tag
+    from packer.push import push as run_push
 
     pushed = run_push(out, ref, tls_verify=tls_verify)
     for where, digest in pushed.items():

@@ -48,8 +48,9 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
     layout = _layout(src, cfg, single_file)
     opts: dict[str, Any] = {"rel_root": staging, "dry_run": dry_run, "sandbox": sandbox, "progress": progress,
                             "layer_image": layer_image}
-    if not layout.multi:
+    if not layout.multi:  # one plain model: its layout is said too, so every build shows one
         out = convert_cli(src, staging / "weights", cfg, **opts)
+        out = replace(out, notes=(layout.describe(), *out.notes))
         return out if single_file else _with_left_out(src, out, [])
     outs = [(c, convert_cli(src / c.path, staging / "weights" / c.path, replace(cfg, files=c.files), **opts))
             for c in layout.components]

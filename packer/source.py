@@ -25,7 +25,8 @@ from typing import Any
 from packer.errors import SourceError
 from packer.formats import WEIGHT_PATTERNS
 from packer.fsutil import file_kind
-from packer.idents import check_revision, confined, is_commit, read_ref_file
+from packer.idents import check_revision, confined, is_commit
+from packer.reading import read_ref_file
 from packer.recipe import Recipe
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
@@ -111,9 +112,14 @@ def _download(recipe: Recipe, repo_id: str, revisions: list[str], cache_dir: Pat
         except LocalEntryNotFoundError as e:
             if i + 1 < len(revisions):
                 continue  # the hub is unreachable: try the commit the local ref names
+            from huggingface_hub import constants
+
+            searched = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
             raise SourceError(
-                f"source {recipe.source}: not in the local cache and the hub cannot be reached"
-                " (HF_HUB_OFFLINE is set or there is no network); download it once or unset HF_HUB_OFFLINE"
+                f"source {recipe.source}: not in the local cache {searched} and the hub cannot be reached"
+                " (HF_HUB_OFFLINE is set or there is no network); download it once (hf download"
+                f" {repo_id} --revision {revisions[-1]}), point HF_HUB_CACHE at the cache that holds it, or"
+                " unset HF_HUB_OFFLINE"
             ) from e
         except (HfHubHTTPError, OSError, ValueError) as e:
             raise SourceError(f"source {recipe.source}: {str(e).splitlines()[0]}") from e

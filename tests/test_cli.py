@@ -60,8 +60,11 @@ def test_a_missing_input_is_bad_input_exit_1(tmp_path: Path, args: list[str], li
         ('name = "x"\nversion = "1"\n', "source: missing required key"),
         ('name = "x"\nversion = "1"\nsource = "./nowhere"\n', "does not exist"),
         ('name = "x"\nversion = \n', "line 2"),
+        ('name = "x\\nRUN id"\nversion = "1"\nsource = "demo"\n', "name: character '\\n' (U+000A) is not allowed"),
+        ('name = "x"\nversion = "1"\nsource = "demo"\n[image]\nworkdir = "/srv\\u001b[2J"\n',
+         "image.workdir: character '\\x1b' (U+001B) is not allowed"),
     ],
-    ids=["unknown-key", "wrong-type", "missing-key", "missing-source", "bad-toml"],
+    ids=["unknown-key", "wrong-type", "missing-key", "missing-source", "bad-toml", "newline", "escape"],
 )
 def test_bad_recipe_is_one_line_exit_1_and_writes_nothing(tmp_path: Path, body: str, fragment: str) -> None:
     recipe = tmp_path / "r.toml"
@@ -93,6 +96,13 @@ def test_build_json_and_verify(tmp_path: Path) -> None:
 
     ok = packer("verify", str(out), "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+    checked = json.loads(ok.stdout)
+    assert summary["files"] == checked["files"] and summary["bytes"] == checked["bytes"]  # counted alike
+    du = subprocess.run(["du", "-s", "-B1", str(out)], capture_output=True, text=True, check=True).stdout
+    assert checked["disk_bytes"] == int(du.split()[0]) and summary["disk_bytes"] > 0
+    index = json.loads((out / "image" / "index.json").read_bytes())
+    assert summary["image"]["manifest_digest"] == index["manifests"][0]["digest"]
+    assert summary["image"]["tag"] == "packer-demo:0.1.0"
     loader = out / "packer_loader.py"
     data = bytearray(loader.read_bytes())
     data[-2] ^= 1
@@ -122,9 +132,54 @@ def test_build_dry_run_prints_plan_and_writes_nothing(tmp_path: Path) -> None:
     plan = json.loads(proc.stdout)
     assert "model.embed_tokens.weight" in plan["weights"]["tensors"]
     assert "tokenizer.json" in [m["name"] for m in plan["bundle"]["members"]]
-    layers = [layer["name"] for layer in plan["image"]["plan"]["layers"]]
-    assert layers == ["weights model.safetensors", "bundle", "loader"]
+    layers = {layer["name"]: layer for layer in plan["image"]["plan"]["layers"]}
+    assert list(layers) == ["weights model.safetensors", "model files", "bundle", "loader"]
+    tensor_bytes = max(t["data_offsets"][1] for t in plan["weights"]["tensors"].values())
+    assert layers["weights model.safetensors"]["size"] == tensor_bytes > 0
+    members = {m["name"]: m for m in plan["bundle"]["members"]}
+    assert "/models/tokenizer.json" in layers["model files"]["files"]
+    assert layers["model files"]["size"] == sum(m["size"] for m in members.values())
+    assert members["config.json"]["source"] == "config.json"  # not a scratch path that is gone after the run
+    assert proc.stderr.splitlines()[0] == "note: source layout: model; components: model (., transformers)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_build_dry_run_json_is_one_document_on_stdout(tmp_path: Path) -> None:
+    proc = packer("build", "--dry-run", "--json", "-o", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["dry_run"] is True and "model.embed_tokens.weight" in summary["plan"]["weights"]["tensors"]
+    assert summary["notes"][0].startswith("source layout: model")
+    assert "{" not in proc.stderr  # the plan is not on stderr
+
+
+def test_malformed_shard_size_is_a_usage_error(tmp_path: Path) -> None:
+    ckpt = tmp_path / "c.bin"
+    ckpt.write_bytes(b"")
+    proc = packer("convert", str(ckpt), "-o", str(tmp_path / "o"), "--max-shard-size", "12")
+    assert proc.returncode == 2 and "'--max-shard-size': expected a size like \"5GB\"" in proc.stderr
+    assert packer("convert", str(ckpt), "-o", str(tmp_path / "o"), "--dtype", "int8").returncode == 2
+
+
+def test_a_plain_pickle_is_refused_with_advice_that_works(tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+    from safetensors.torch import load_file
+
+    want = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    raw = tmp_path / "raw.pkl"
+    with raw.open("wb") as f:
+        pickle.dump(want, f)  # pickle.dump of tensors: not torch.save's format
+    proc = packer("convert", str(raw), "-o", str(tmp_path / "o"))
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert "if the file was written with pickle.dump, not torch.save, re-save it" in proc.stderr
+    # the advice, followed (where the file was made: this test made it, so it may unpickle it)
+    with raw.open("rb") as f:
+        torch.save(pickle.load(f), tmp_path / "resaved.bin")
+    ok = packer("convert", str(tmp_path / "resaved.bin"), "-o", str(tmp_path / "o"))
+    assert ok.returncode == 0, ok.stderr
+    assert torch.equal(load_file(tmp_path / "o" / "model.safetensors")["w"], want["w"])
 
 
 def test_library_does_not_import_click() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or shutil.which("bash") is None,
-                    reason="the CPU half of the check: needs bash and no CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="hardware: the CPU half of the check runs where CUDA is not")
 def test_gpu_check_stops_at_the_cuda_boundary_without_zstandard(tmp_path: Path) -> None:
     block = tmp_path / "block"
     block.mkdir()

@@ -105,9 +105,11 @@ def test_hf_offline_from_cache(tmp_path: Path) -> None:
 
 def test_hf_offline_missing_revision_is_one_clear_line(tmp_path: Path) -> None:
     populate_cache(tmp_path, "acme/tiny", {"config.json": b"{}"})
-    with pytest.raises(SourceError, match="not in the local cache.*HF_HUB_OFFLINE"), \
+    with pytest.raises(SourceError, match="not in the local cache.*HF_HUB_OFFLINE") as e, \
             resolve_source(_recipe("hf://acme/tiny@v9"), cache_dir=tmp_path):
         pass
+    assert f"not in the local cache {tmp_path} " in str(e.value)  # names the cache it searched
+    assert "hf download acme/tiny --revision v9" in str(e.value)
 
 
 def test_allow_patterns_follow_the_recipe() -> None:

@@ -17,7 +17,8 @@ inspected or compiled:
 A miss or a refused file is never fatal: vLLM compiles as usual. The decision is made once,
 in the process that builds the configuration first; the processes it starts inherit the
 environment (and ``PACKER_WARM_STATE``, which tells them not to decide again).
-``PACKER_WARM=off`` turns the lookup off; ``PACKER_WARM=DIR`` names a state directory.
+``PACKER_WARM=off`` turns the lookup off; ``PACKER_WARM=DIR`` names a state directory. Under
+``PACKER_REQUIRE_SIGNATURE`` a state is refused: it is not covered by the build's signature.
 
 vLLM 0.32 on CPU cannot load its own AOT compile cache: the loader calls ``finalize_loading``
 on the loaded artifact, which on CPU is torch's ``BundledAOTAutogradSerializableCallable``
@@ -43,8 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from packer.adapters.stub_code import required_key
 from packer.errors import EngineAdapterError, WarmStateError
-from packer.fsutil import atomic_write_bytes, canonical_json, open_regular
+from packer.fsutil import atomic_write_bytes, canonical_json
+from packer.reading import Kind, read_bytes
 from packer.show import show
 from packer.warm.key import BEFORE_CONFIG, difference, explain_config, plain, state_name
 from packer.warm.pins import WARM_DIR, load_state, verified_copy
@@ -54,6 +57,7 @@ DECIDED = "PACKER_WARM_STATE"  # set by the deciding process; inherited by the e
 CAPTURE = "PACKER_WARM_CAPTURE"  # packer warm's run: write the key here instead of looking up a state
 SWITCH = "PACKER_WARM"  # "off", or a state directory
 CACHE_ENV = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
+_CPUINFO = Kind("CPU description", 16 << 20, 0)
 _IGNORED_ARGS = {"model"}  # recorded as model_path
 
 
@@ -166,6 +170,10 @@ def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | 
         if not state.is_dir():
             _decide(f"miss (no warm state {name} in {build / WARM_DIR}; `packer warm` makes one)")
             return None
+    if required_key():  # served = signed: a state comes after the build, outside its signature
+        _decide(f"miss (refused: PACKER_REQUIRE_SIGNATURE is set and {state} is not covered by the build's "
+                "signature)")
+        return None
     start = time.perf_counter()
     try:
         recorded = load_state(state)
@@ -286,10 +294,9 @@ def device() -> dict[str, Any]:
 
 def cpu_isa() -> str:
     """The vector extensions Inductor's C++ code is built for, from ``/proc/cpuinfo``'s flags."""
-    try:
-        with open_regular("/proc/cpuinfo", WarmStateError) as f:
-            text = f.read(1 << 20).decode("ascii", "replace")
-    except (OSError, WarmStateError):
+    try:  # /proc files report size 0: read up to the cap
+        text = read_bytes("/proc/cpuinfo", _CPUINFO, error=WarmStateError).decode("ascii", "replace")
+    except WarmStateError:
         return "unknown"
     flags = set()
     for line in text.splitlines():

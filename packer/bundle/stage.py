@@ -19,9 +19,13 @@ from packer.stage import StageOutput
 ARCHIVE_NAME = "bundle.tar.zst"
 
 
-def _plan_section(plan: BundlePlan) -> dict[str, Any]:
+def _plan_section(plan: BundlePlan, src: Path) -> dict[str, Any]:
+    # sources relative to the model directory: a demo's or hub's absolute path means nothing later
+    def where(path: Path) -> str:
+        return path.relative_to(src).as_posix() if path.is_relative_to(src) else str(path)
+
     return {"file": ARCHIVE_NAME, "dry_run": True, "zstd_level": ZSTD_LEVEL,
-            "members": [{"name": m.name, "size": m.size, "source": str(m.source)} for m in plan.members],
+            "members": [{"name": m.name, "size": m.size, "source": where(Path(m.source))} for m in plan.members],
             "skipped": [{"name": n, "reason": r} for n, r in plan.skipped]}
 
 
@@ -59,7 +63,7 @@ def run_bundle(src: Path, cfg: BundleConfig, out_dir: Path, *, rel_root: Path | 
     """
     plan = plan_bundle(src, cfg, allowed_root=allowed_root)
     if dry_run:
-        return StageOutput(section=_plan_section(plan), notes=_notes(plan))
+        return StageOutput(section=_plan_section(plan, Path(src)), notes=_notes(plan))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = write_bundle(plan, out_dir / ARCHIVE_NAME)
@@ -76,6 +80,6 @@ def bundle_to_file(src: Path, out: Path, cfg: BundleConfig, *, dry_run: bool = F
     """
     plan = plan_bundle(src, cfg)
     if dry_run:
-        return _plan_section(plan)
+        return _plan_section(plan, Path(src))
     out = Path(out)
     return _section(str(out), write_bundle(plan, out))

@@ -136,6 +136,11 @@ def _expect(path: Path, what: str, value: object, ok: Callable[[object], bool]) 
         raise CheckpointError(f"{path}: {what}: unexpected value {short(value, 60)}")
 
 
+RAW_PICKLE = ("if the file was written with pickle.dump, not torch.save, re-save it where it was made with "
+              "torch.save(obj, path) (or safetensors.torch.save_file(state_dict, path)): packer reads "
+              "torch.save's formats and safetensors")
+
+
 def load_legacy(f: BinaryIO, path: Path, size: int, *, policy: GlobalPolicy = DEFAULT_POLICY) -> object:
     """Parse a legacy stacked-pickle checkpoint; return the main pickle's root object.
 
@@ -143,9 +148,12 @@ def load_legacy(f: BinaryIO, path: Path, size: int, *, policy: GlobalPolicy = DE
         CheckpointError / UnsafeInputError: a malformed layout or a disallowed pickle.
     """
     pickles = _Pickles(f, path, size)
-    magic, pos = pickles.run(0, "magic number pickle", policy=NO_GLOBALS)
+    try:
+        magic, pos = pickles.run(0, "magic number pickle", policy=NO_GLOBALS)
+    except UnsafeInputError as e:  # a first pickle holding objects: pickle.dump's, not torch.save's
+        raise UnsafeInputError(f"{e}; {RAW_PICKLE}") from e
     if type(magic) is not int or magic != MAGIC_NUMBER:
-        raise CheckpointError(f"{path}: magic number pickle: not the torch legacy magic number")
+        raise CheckpointError(f"{path}: magic number pickle: not the torch legacy magic number; {RAW_PICKLE}")
     version, pos = pickles.run(pos, "protocol version pickle", policy=NO_GLOBALS)
     _expect(path, "protocol version", version, lambda v: type(v) is int and v == PROTOCOL_VERSION)
     info, pos = pickles.run(pos, "sys_info pickle", policy=NO_GLOBALS)

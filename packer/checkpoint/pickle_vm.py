@@ -425,7 +425,7 @@ class PickleVM:
                 hint = (f"if {qual} is plain data, allow it as an inert placeholder with --allow-global {qual} "
                         "(recipe: weights.allow_globals)")
             else:
-                hint = "this pickle holds no objects"
+                hint = "this pickle may hold plain values only"
             raise DisallowedGlobalError(
                 f"{self.where} at byte {self.op_pos}: global {qual} is not allowed; packer never imports or calls "
                 f"anything and reads tensors, plain containers and known plain-data types; {hint}"

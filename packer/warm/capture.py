@@ -23,7 +23,7 @@ from typing import Any
 
 from packer.errors import WarmStateError
 from packer.formats import LOADER_NAME
-from packer.jsonshape import parse_json
+from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
 from packer.warm.key import state_name
 from packer.warm.pins import ROOTS, WARM_DIR, collect, write_state
@@ -95,8 +95,6 @@ def _model_dir(out: Path, python: str, model_dir: Path | None, work: Path, timeo
 
 
 def _run(python: str, argv: list[str], env: dict[str, str], timeout: float) -> list[int]:
-    import json
-
     try:
         r = subprocess.run([python, "-m", RUNNER, *argv], capture_output=True, text=True, env=env,
                            timeout=timeout, check=False)
@@ -106,19 +104,15 @@ def _run(python: str, argv: list[str], env: dict[str, str], timeout: float) -> l
     if r.returncode != 0 or not lines:
         tail = (r.stdout + r.stderr).strip()[-1500:]
         raise WarmStateError(f"{python} -m {RUNNER}: the engine's warm run failed (exit {r.returncode}): {show(tail)}")
-    return list(json.loads(lines[-1])["ids"])
+    report = parse_json(lines[-1], REPORT, where=f"{python} -m {RUNNER}", error=WarmStateError)
+    return list(report["ids"])
 
 
 def _read_key(path: Path) -> dict[str, Any]:
-    from packer.fsutil import open_regular
-
-    try:
-        with open_regular(path, WarmStateError) as f:
-            raw = f.read(1 << 22)
-    except OSError:
+    if not path.exists():
         raise WarmStateError(f"{path}: the engine's run recorded no key (is packer's vLLM plugin installed "
-                             "in that interpreter?)") from None
-    key = parse_json(raw, where=str(path), error=WarmStateError, max_bytes=1 << 22, max_depth=16)
+                             "in that interpreter?)")
+    key = parse_json(read_bytes(path, REPORT, error=WarmStateError), REPORT, where=str(path), error=WarmStateError)
     if not isinstance(key, dict) or "config" not in key:
         raise WarmStateError(f"{path}: the recorded key has no engine configuration hash")
     return key

@@ -19,20 +19,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from packer.errors import WarmStateError
-from packer.fsutil import atomic_write_bytes, canonical_json, open_regular, quiet_cleanup
+from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
 from packer.idents import check_rel_name
-from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, check_shape, leaf, parse_json
+from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
+from packer.reading import Kind, open_regular, parse_json, read_bytes
 
 WARM_DIR = "warm"
 MANIFEST = "manifest.json"
 FILES = "files"
 SCHEMA = 1
 ROOTS = ("vllm", "inductor", "triton")  # in this order: VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
-MAX_MANIFEST = 16 << 20
-MAX_DEPTH = 16
+STATE_MANIFEST = Kind("warm-state manifest", 16 << 20, 16)
 CHUNK = 1 << 20
 _HEX64 = leaf("a sha256 (64 lowercase hex digits)",
               lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v))
@@ -128,13 +128,8 @@ def load_state(state: Path) -> dict[str, Any]:
         WarmStateError: missing, too large, not JSON, the wrong shape, or a path that leaves the state.
     """
     where = state / MANIFEST
-    try:
-        with open_regular(where, WarmStateError) as f:
-            raw = f.read(MAX_MANIFEST + 1)
-    except OSError as e:
-        raise WarmStateError(f"{where}: cannot read the warm state's manifest ({e.strerror or e})") from None
-    doc = parse_json(raw, where=str(where), error=WarmStateError, max_bytes=MAX_MANIFEST, max_depth=MAX_DEPTH)
-    check_shape(doc, _SHAPE, where=str(where), error=WarmStateError)
+    raw = read_bytes(where, STATE_MANIFEST, error=WarmStateError, what="the warm state's manifest")
+    doc = parse_json(raw, STATE_MANIFEST, where=str(where), error=WarmStateError, shape=_SHAPE)
     for rel in doc["files"]:
         p = check_rel_name(rel, where=f"{where}: files", error=WarmStateError)
         if p.parts[0] not in ROOTS or len(p.parts) < 2:
@@ -180,7 +175,7 @@ def verified_copy(state: Path, dest: Path, doc: dict[str, Any] | None = None) ->
         for rel, pin in sorted(doc["files"].items()):
             target = dest / PurePosixPath(rel)
             target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "xb") as sink:
+            with _create(target) as sink:
                 total += _check_one(state / FILES / rel, pin, sink=sink)
     except BaseException as e:
         quiet_cleanup(e, lambda: shutil.rmtree(dest, ignore_errors=True))
@@ -225,9 +220,15 @@ def _copy_hashed(src: Any, dest: Path) -> dict[str, Any]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     size = 0
-    with open(dest, "xb") as sink:
+    with _create(dest) as sink:
         while chunk := src.read(CHUNK):
             h.update(chunk)
             sink.write(chunk)
             size += len(chunk)
     return {"size": size, "sha256": h.hexdigest()}
+
+
+def _create(path: Path) -> BinaryIO:
+    """A new file for writing (never an existing one, never through a link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb")
