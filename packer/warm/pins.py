@@ -22,13 +22,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from packer.errors import WarmStateError
+from packer.formats import MANIFEST_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
 from packer.idents import check_rel_name
 from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
 from packer.reading import Kind, open_regular, parse_json, read_bytes
 
 WARM_DIR = "warm"
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_NAME  # a state's own manifest, named as the build's
 FILES = "files"
 SCHEMA = 1
 ROOTS = ("vllm", "inductor", "triton")  # in this order: VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
