@@ -12,8 +12,9 @@
 #    its load_weights as vLLM's model does; the vLLM side itself runs on CPU under `pytest -m vllm`), benchmarks/gpu_load.py (gpu_load.md,
 #    gpu_load.json, gpu_load_trace.json, each rewritten as a measurement finishes) and, when it
 #    exists, benchmarks/cold_start.py --device cuda (into cold_start/);
-# 4. appends a summary line to env.txt; exit 1 when a step failed.
-# The device tool brings back at most 8 files: this script writes 5, cold_start/ gets the rest.
+# 4. where vLLM is importable, benchmarks/vllm_warm.py: packer's warm state on this GPU (warm.txt);
+# 5. appends a summary line to env.txt; exit 1 when a step failed.
+# The device tool brings back at most 8 files: this script writes 6, cold_start/ gets the rest.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -96,6 +97,23 @@ elif [ -f benchmarks/cold_start.py ]; then
     COLD=$?
 fi
 
-say "summary: tests rc=$TESTS, gpu_load rc=$LOAD, cold_start rc=$COLD, $(( $(date +%s) - START )) s" \
+# The warm state on the first GPU: `packer warm` of a small Llama, then fresh vLLM starts with empty
+# engine caches, cold (state off) against warm (the state checked and used); the hit line and vLLM's
+# AOT load must show in the warm start. Needs vLLM in $VLLM_PREFIX (default: $PY's prefix), which a
+# bare GPU machine lacks: then it says so and counts as skipped.
+WARM="skipped: no vLLM importable"
+VLLM_PREFIX="${VLLM_PREFIX:-$("$PY" -c 'import sys; print(sys.prefix)')}"
+if [ -x "$VLLM_PREFIX/bin/python" ] && "$VLLM_PREFIX/bin/python" -c "import vllm" 2>/dev/null \
+        && "$PY" -c "import zstandard, click" 2>/dev/null; then
+    say "vllm_warm.py on cuda ($(left) s left)"
+    PACKER_VLLM_VENV="$VLLM_PREFIX" timeout "$(left)" "$PY" benchmarks/vllm_warm.py --rounds 1 --layers 2 \
+        2>&1 | tee "$OUT/warm.txt"
+    WARM=$?
+else
+    say "warm step skipped: no vLLM (and zstandard, click) importable here"
+fi
+
+say "summary: tests rc=$TESTS, gpu_load rc=$LOAD, cold_start rc=$COLD, warm rc=$WARM, $(( $(date +%s) - START )) s" \
     | tee -a "$OUT/env.txt"
-[ "$TESTS" = 0 ] && [ "$LOAD" = 0 ] && case "$COLD" in 0 | absent | skipped*) true ;; *) false ;; esac
+[ "$TESTS" = 0 ] && [ "$LOAD" = 0 ] && case "$COLD" in 0 | absent | skipped*) true ;; *) false ;; esac \
+    && case "$WARM" in 0 | skipped*) true ;; *) false ;; esac

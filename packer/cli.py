@@ -411,6 +411,34 @@ def profile(ctx: Ctx, out: Path, device: str, verify_: bool) -> None:
     ctx.emit(result)
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("out", type=InputPath(file_okay=False))
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--engine", type=click.Choice(["vllm"]), default="vllm", show_default=True)
+@click.option("--python", metavar="PY", help="The engine's interpreter (default: this one).")
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="The model directory the server will be given (it enters the engine's key); "
+                   "laid out there when missing. Default: the one `packer_loader.py --model-dir` prints.")
+@click.option("--timeout", type=float, default=1800.0, show_default=True, help="Seconds for the engine's run.")
+@_common
+def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python: str | None,
+         model_dir: Path | None, timeout: float) -> None:
+    """Run the engine once against OUT and ship its start-up state in OUT/warm/ (after --: its flags).
+
+    \b
+    Examples:
+      packer warm dist --engine vllm -- --dtype bfloat16 --max-model-len 4096
+      packer warm dist --python /opt/vllm/bin/python --model-dir /models -- --max-num-seqs 8
+    """
+    from packer.warm.capture import warm as run_warm
+
+    summary = run_warm(out, engine=engine, engine_args=list(engine_args), python=python, model_dir=model_dir,
+                       timeout=timeout)
+    ctx.log(f"warm state {summary['name']}: {summary['files']} files, {summary['bytes']} bytes pinned in "
+            f"{summary['state']} (model path {summary['model_path']}) in {summary['seconds']:.1f} s")
+    ctx.emit(summary)
+
+
 @main.command()
 @click.argument("out", type=InputPath(file_okay=False))
 @click.argument("ref")

@@ -132,3 +132,11 @@ class EngineAdapterError(PackerError):
     Raised inside the engine's process: the message names the model directory or the option,
     and how to point the adapter at the build.
     """
+
+
+class WarmStateError(PackerError):
+    """An engine's warm state (``OUT/warm/<engine>-<device>/``) cannot be captured, or does not match its pins.
+
+    The message names the file and the reason; at a server's start such a state is refused
+    (the engine compiles as usual), in ``packer verify`` and ``packer warm`` it is exit code 1.
+    """

@@ -17,7 +17,7 @@ from typing import Any
 
 from packer.bundle import verify_bundle
 from packer.components import artifact_files, components_of
-from packer.errors import ImageArtifactMismatchError, VerifyError
+from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none
 from packer.idents import shown
@@ -27,6 +27,7 @@ from packer.oci.verify import verify_image
 from packer.reading import member
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
+from packer.warm.pins import verify_states
 from packer.weights.verify import verify_weights
 
 Inode = tuple[int, int]
@@ -182,7 +183,8 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
     signed = bool(manifest.get("signature"))
     image = manifest.get("image") or {}
     referrer = referrer_blobs(out, index_digest=image["index_digest"]) if signed and image else []
-    _check_no_extras(out, set(listed), (PROVENANCE_NAME, *referrer) if signed else ())
+    warm_files, warm_bytes, warm_names = _check_warm(out)  # pinned apart: warm states come after the build
+    _check_no_extras(out, set(listed), (*warm_files, *((PROVENANCE_NAME, *referrer) if signed else ())))
     count = len(listed) + 1 + len(referrer)  # with manifest.json
     if referrer:  # the pinned index is index.json less the referrer: checked above
         listed = {rel: e for rel, e in listed.items() if rel != INDEX_REL}
@@ -209,4 +211,12 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
         verify_signatures(out, manifest, public_key)
     if signed:
         check_signed_outputs(out, manifest)
-    return {"files": count, "bytes": nbytes, "signed": signed, "signature_verified": public_key is not None}
+    return {"files": count + len(warm_files), "bytes": nbytes + warm_bytes, "signed": signed,
+            "signature_verified": public_key is not None, "warm_states": warm_names}
+
+
+def _check_warm(out: Path) -> tuple[set[str], int, list[str]]:
+    try:
+        return verify_states(out)
+    except WarmStateError as e:
+        raise VerifyError(str(e)) from e

@@ -177,6 +177,19 @@ def test_buildah_builds_dockerfile_runtime_with_local_bases(podman: Podman, base
     proc = podman.run(tag, "sh", "-c", "id -u; stat -c %a /models/packer_loader.py; ls /models")
     lines = proc.stdout.split()
     assert lines[:2] == ["1000", "755"] and {"config.json", "model.safetensors", "tokenizer.json"} <= set(lines)
+    # bytecode shipped for the venv, none beside /models: a start compiles no import of torch or zstandard
+    proc = podman.run("--read-only", tag, "python3", "-c", NO_COMPILE_AT_START)
+    assert proc.stdout.split() == ["compiled-at-start:", "0", "beside-models:", "0"], proc.stdout
+
+
+NO_COMPILE_AT_START = """
+import importlib.util, os, sys, zstandard, torch, packer_loader
+venv = [m.__file__ for m in list(sys.modules.values()) if (getattr(m, "__file__", None) or "").endswith(".py")
+        and m.__file__.startswith(sys.prefix)]
+missing = [f for f in venv if not os.path.exists(importlib.util.cache_from_source(f))]
+beside = [os.path.join(d, n) for d, _, names in os.walk("/models") for n in names if n.endswith(".pyc")]
+print("compiled-at-start:", len(missing), "beside-models:", len(beside))
+"""
 
 
 def test_modelpack_tag_beside_the_runnable_image(demo_out: Path) -> None:

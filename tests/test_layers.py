@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("inputs", ("packer.recipe", "packer.source", "packer.components", "packer.demo", "packer.checkpoint",
                 "packer.checkpoint.*")),
     # entered by a serving engine (vLLM's plugin entry point), beside the runtime; import the engine lazily
-    ("engine adapters", ("packer.adapters", "packer.adapters.*")),
+    ("engine adapters", ("packer.adapters", "packer.adapters.*", "packer.warm", "packer.warm.*")),
     ("formats", ("packer", "packer.errors", "packer.fsutil", "packer.formats", "packer.tarfmt",
                  "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape", "packer.reading",
                  "packer.show")),

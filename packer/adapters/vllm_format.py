@@ -36,6 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from packer.adapters import vllm_warm
 from packer.adapters.stub_code import check_served, load_stub, required_key
 from packer.errors import EngineAdapterError
 from packer.formats import LOADER_NAME
@@ -62,6 +63,7 @@ def register() -> None:
         return
     import vllm.model_executor.model_loader as registry
 
+    vllm_warm.install(find_loader)  # the warm state's hit/miss line and the state on a hit
     current = getattr(registry, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT)
     if current is not None and current.__name__ == "PackerModelLoader":
         return

@@ -1,0 +1,156 @@
+"""vLLM's start in compile mode: its default cold start against packer's warm state.
+
+Uses the generated bf16 Llama and packer build of benchmarks/vllm_startup.py (``--layers``),
+warms it once with ``packer warm`` (kept under benchmarks/_work/; ``--rewarm`` makes it again),
+then starts, interleaved and in turn first, one fresh process per contender and round:
+``LLM(MODEL_DIR, load_format="packer", dtype="float32", max_model_len=128, max_num_seqs=2)`` in
+compile mode (no ``enforce_eager``) and one greedy request, in the vLLM virtual environment
+($PACKER_VLLM_VENV). Every process gets new, empty engine caches (``VLLM_CACHE_ROOT``,
+``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``), so only what packer ships can help:
+
+* ``cold``: vLLM's default cold start, the warm state switched off (``PACKER_WARM=off``);
+* ``warm``: packer's warm state, which the plugin checks and points vLLM at.
+
+Reported (min / median / max over rounds): seconds from process start to the engine ready and
+to the first request answered, and the CPU seconds of every process of the start's session
+(sampled from /proc every 0.2 s; the machine may be shared: trust the ratios). Every warm run
+must print the hit line and load vLLM's AOT artifact; token ids are compared across all runs.
+
+Usage: .venv/bin/python benchmarks/vllm_warm.py [--rounds 3] [--layers 4] [--rewarm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_startup import REPO, VENV, env, make_model  # noqa: E402
+
+ARGS = ["--load-format", "packer", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2"]
+CHILD = """
+import json, sys, time
+def main():
+    from vllm import LLM, SamplingParams
+    llm = LLM(sys.argv[1], load_format="packer", dtype="float32", max_model_len=128, max_num_seqs=2)
+    ready = time.time()
+    out = llm.generate([{"prompt_token_ids": list(range(2, 34))}], SamplingParams(temperature=0, max_tokens=8),
+                       use_tqdm=False)
+    print(json.dumps({"ready": ready, "first": time.time(), "ids": list(out[0].outputs[0].token_ids)}), flush=True)
+if __name__ == "__main__":
+    main()
+"""
+HIT = "packer: warm state: hit ("
+AOT = "Directly load AOT compilation from path"
+
+
+def warm_state(model_dir: Path, rewarm: bool) -> Path:
+    """The build behind ``model_dir``, warmed once with ``packer warm`` (the engine arguments above)."""
+    out = Path(os.path.realpath(next(model_dir.glob("*.safetensors")))).parent.parent
+    if rewarm or not list((out / "warm").glob("vllm-*")):
+        r = subprocess.run([sys.executable, "-m", "packer", "warm", str(out), "--python", str(VENV / "bin" / "python"),
+                            "--model-dir", str(model_dir), "--json", "--", *ARGS],
+                           env={**env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1800,
+                           check=False)
+        if r.returncode != 0:
+            raise SystemExit(f"packer warm failed:\n{r.stderr[-3000:]}")
+        print(f"warmed: {json.loads(r.stdout)}", file=sys.stderr)
+    return out
+
+
+def run(model_dir: Path, contender: str) -> dict[str, object]:
+    caches = Path(tempfile.mkdtemp(prefix="vllm-warm-bench-"))
+    extra = {"VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+             "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONPATH": str(REPO),
+             **({"PACKER_WARM": "off"} if contender == "cold" else {})}
+    start = time.time()
+    logs = caches / "log"
+    try:
+        with logs.open("w+") as f:
+            proc = subprocess.Popen([str(VENV / "bin" / "python"), "-c", CHILD, str(model_dir)], stdout=f,
+                                    stderr=subprocess.STDOUT, text=True, env={**env(), **extra}, cwd=caches,
+                                    start_new_session=True)
+            cpu = session_cpu(proc)
+            f.seek(0)
+            log = f.read()
+    finally:
+        shutil.rmtree(caches, ignore_errors=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{contender}: vLLM failed:\n{log[-3000:]}")
+    res = json.loads(next(x for x in log.splitlines() if x.startswith('{"ready"')))
+    return {"ready": res["ready"] - start, "first": res["first"] - start, "cpu": cpu, "ids": res["ids"],
+            "hit": log.count(HIT) == 1 and AOT in log, "line": next((x for x in log.splitlines()
+                                                                     if x.startswith("packer: warm state:")), "")}
+
+
+def session_cpu(proc: subprocess.Popen[str], every: float = 0.2, timeout: float = 1200) -> float:
+    """CPU seconds of every process in ``proc``'s session until it exits (sampled from /proc).
+
+    vLLM's engine-core and worker processes are not all waited for, so the child's own rusage
+    misses them; each process's user+system time is kept as last seen.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    seen: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("a vLLM start took over 20 minutes")
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[3]) == proc.pid:  # the session id (the child leads its own session)
+                    seen[int(d)] = max(seen.get(int(d), 0), int(fields[11]) + int(fields[12]))
+        time.sleep(every)
+    return sum(seen.values()) / tick
+
+
+def stats(values: list[float]) -> str:
+    return f"{min(values):6.1f} / {statistics.median(values):6.1f} / {max(values):6.1f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rewarm", action="store_true")
+    args = ap.parse_args()
+    model_dir = make_model(args.layers)
+    out = warm_state(model_dir, args.rewarm)
+    results: dict[str, list[dict[str, object]]] = {"cold": [], "warm": []}
+    for i in range(args.rounds):
+        for who in (["cold", "warm"] if i % 2 == 0 else ["warm", "cold"]):
+            results[who].append(run(model_dir, who))
+            last = results[who][-1]
+            print(f"round {i + 1} {who}: first answer {last['first']:.1f} s, {last['cpu']:.1f} CPU-s  {last['line']}",
+                  file=sys.stderr)
+    ids = [r["ids"] for rs in results.values() for r in rs]
+    same = all(x == ids[0] for x in ids)
+    hits = all(r["hit"] for r in results["warm"]) and not any(r["hit"] for r in results["cold"])
+    size = sum(p.stat().st_size for p in (out / "warm").rglob("*") if p.is_file())
+    print(f"model dir {model_dir} ({args.layers} layers), warm state {size / 1e6:.1f} MB, {args.rounds} rounds, "
+          f"{os.cpu_count()} cores; token ids equal: {same}; hit line and AOT load in every warm run: {hits}")
+    print(f"{'(min / median / max)':34} {'cold (vLLM default)':>22} {'warm (packer)':>22} {'ratio':>7}")
+    for key, label in (("ready", "process start -> engine ready, s"), ("first", "process start -> first answer, s"),
+                       ("cpu", "CPU seconds, all its processes")):
+        cold = [float(r[key]) for r in results["cold"]]  # type: ignore[arg-type]
+        warm = [float(r[key]) for r in results["warm"]]  # type: ignore[arg-type]
+        ratio = statistics.median(warm) / statistics.median(cold)
+        print(f"{label:34} {stats(cold):>22} {stats(warm):>22} {ratio:6.2f}x")
+    return 0 if same and hits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

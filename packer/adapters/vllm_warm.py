@@ -1,0 +1,309 @@
+"""packer's warm state inside vLLM: hit or miss predicted in one line, the state used on a hit.
+
+:func:`install` runs from the plugin's ``register()`` in every process vLLM starts. It wraps
+``EngineArgs.create_engine_config``, the one place every entry point (``LLM``, the OpenAI
+server, ``vllm serve``) turns engine arguments into a configuration, before any model is
+inspected or compiled:
+
+1. before the configuration is built, the key parts that need no configuration (versions,
+   device, model path, the environment vLLM hashes) are compared with the state's recorded key
+   (:mod:`packer.warm.key`); if they match, the state's files are copied, each checked against
+   its pin on the way (:func:`packer.warm.pins.verified_copy`), into a private directory, and
+   ``VLLM_CACHE_ROOT`` (and Inductor's and Triton's cache directories, where the state has
+   them) point there: vLLM's ``modelinfos`` and compile cache are read from checked bytes;
+2. after it, vLLM's own hash of the configuration is compared, and one line goes to stderr:
+   ``packer: warm state: hit (...)`` or ``packer: warm state: miss (<the part that differs>)``.
+
+A miss or a refused file is never fatal: vLLM compiles as usual. The decision is made once,
+in the process that builds the configuration first; the processes it starts inherit the
+environment (and ``PACKER_WARM_STATE``, which tells them not to decide again).
+``PACKER_WARM=off`` turns the lookup off; ``PACKER_WARM=DIR`` names a state directory. Under
+``PACKER_REQUIRE_SIGNATURE`` a state is refused: it is not covered by the build's signature.
+
+vLLM 0.32 on CPU cannot load its own AOT compile cache: the loader calls ``finalize_loading``
+on the loaded artifact, which on CPU is torch's ``BundledAOTAutogradSerializableCallable``
+(Inductor's function, loaded ready to call), not vLLM's serializable type; its attribute
+lookups fall through to that function, so every warm start logs ``'function' object has no attribute
+'finalize_loading'`` and recompiles. :func:`install` gives exactly that artifact type a no-op
+``finalize_loading`` (nothing is left to finalize), on vLLM
+0.32.x on CPU only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from packer.adapters.stub_code import required_key
+from packer.errors import EngineAdapterError, WarmStateError
+from packer.fsutil import atomic_write_bytes, canonical_json
+from packer.reading import Kind, read_bytes
+from packer.show import show
+from packer.warm.key import BEFORE_CONFIG, difference, explain_config, plain, state_name
+from packer.warm.pins import WARM_DIR, load_state, verified_copy
+
+LINE = "packer: warm state: "
+DECIDED = "PACKER_WARM_STATE"  # set by the deciding process; inherited by the engine's processes
+CAPTURE = "PACKER_WARM_CAPTURE"  # packer warm's run: write the key here instead of looking up a state
+SWITCH = "PACKER_WARM"  # "off", or a state directory
+CACHE_ENV = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
+_CPUINFO = Kind("CPU description", 16 << 20, 0)
+_IGNORED_ARGS = {"model"}  # recorded as model_path
+
+
+def install(find_loader: Callable[..., Path]) -> None:
+    """Hook the warm-state decision into vLLM (and fix 0.32's CPU AOT loading); idempotent.
+
+    ``find_loader(model_dir, artifacts)`` is the load format's own search for a build's
+    ``packer_loader.py`` (the warm state lives in ``warm/`` beside it). A failure here is
+    logged and leaves vLLM as it was: the warm state is never a reason not to start.
+    """
+    try:
+        _install(find_loader)
+    except Exception as e:  # noqa: BLE001 - never fatal for the engine
+        print(show(f"{LINE}miss (packer could not hook into this vLLM: {type(e).__name__}: {e})"),
+              file=sys.stderr, flush=True)
+
+
+def _install(find_loader: Callable[..., Path]) -> None:
+    _fix_cpu_aot_loading()
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+    if getattr(orig, "_packer_warm", False):
+        return
+
+    @functools.wraps(orig)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = _never_fatal(before_config, self, find_loader)
+        config = orig(self, *args, **kwargs)
+        _never_fatal(after_config, self, config, plan)
+        return config
+
+    create_engine_config._packer_warm = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _never_fatal(step: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return step(*args)
+    except Exception as e:  # noqa: BLE001 - the engine starts as it would without packer
+        if os.environ.get(CAPTURE):
+            raise  # packer warm must not record a state it could not key
+        _decide(f"miss (packer's check failed: {type(e).__name__}: {e})")
+        return None
+
+
+def _fix_cpu_aot_loading() -> None:
+    import vllm
+    from vllm.platforms import current_platform
+
+    if not vllm.__version__.startswith("0.32.") or not current_platform.is_cpu():
+        return
+    import torch.compiler
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+
+    orig = torch.compiler.load_compiled_function
+    if getattr(orig, "_packer_cpu_fix", False):
+        return
+
+    @functools.wraps(orig)
+    def load_compiled_function(*args: Any, **kwargs: Any) -> Any:
+        fn = orig(*args, **kwargs)
+        inner = getattr(getattr(fn, "_artifacts", None), "compiled_fn", None)
+        # the wrapper forwards unknown attributes to Inductor's function, hence vLLM's
+        # "'function' object has no attribute 'finalize_loading'"
+        if isinstance(inner, Bundled) and "finalize_loading" not in vars(inner):
+            inner.finalize_loading = _already_loaded  # type: ignore[attr-defined]
+        return fn
+
+    load_compiled_function._packer_cpu_fix = True  # type: ignore[attr-defined]
+    torch.compiler.load_compiled_function = load_compiled_function
+
+
+def _already_loaded(vllm_config: Any) -> None:
+    """``finalize_loading`` of Inductor's CPU artifact: it deserialized ready to call."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """What :func:`before_config` decided, for :func:`after_config`."""
+
+    before: dict[str, Any]
+    capture: Path | None = None
+    state: Path | None = None
+    recorded: dict[str, Any] | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | None:
+    """The first half of the decision (see the module docstring); None when nothing is left to do."""
+    if os.environ.get(DECIDED):
+        return None
+    if os.environ.get(CAPTURE):
+        return Plan(capture=Path(os.environ[CAPTURE]), before=current_key(engine_args))
+    switch = os.environ.get(SWITCH, "")
+    if switch == "off":
+        return None
+    now = current_key(engine_args)
+    name = state_name(now)
+    if switch:
+        state = Path(switch)
+    else:
+        try:
+            extra = dict(getattr(engine_args, "model_loader_extra_config", None) or {})
+            build = find_loader(engine_args.model, extra.get("artifacts")).parent
+        except (EngineAdapterError, OSError, TypeError, ValueError):
+            return None  # not a packer build: not ours to talk about
+        state = build / WARM_DIR / name
+        if not state.is_dir():
+            _decide(f"miss (no warm state {name} in {build / WARM_DIR}; `packer warm` makes one)")
+            return None
+    if required_key():  # served = signed: a state comes after the build, outside its signature
+        _decide(f"miss (refused: PACKER_REQUIRE_SIGNATURE is set and {state} is not covered by the build's "
+                "signature)")
+        return None
+    start = time.perf_counter()
+    try:
+        recorded = load_state(state)
+        why = difference(recorded["key"], now, BEFORE_CONFIG)
+        if why:
+            _decide(f"miss ({why})")
+            return None
+        copy = _private_dir()
+        doc, nbytes = verified_copy(state, copy / "state", recorded)
+    except WarmStateError as e:
+        _decide(f"miss (refused: {e})")
+        return None
+    for root in doc["roots"]:
+        os.environ[CACHE_ENV[root]] = str(copy / "state" / root)
+    os.environ[DECIDED] = "pending"
+    return Plan(before=now, state=state, recorded=doc["key"], nbytes=nbytes, seconds=time.perf_counter() - start)
+
+
+def after_config(engine_args: Any, config: Any, plan: Plan | None) -> None:
+    """The second half: vLLM's own configuration hash, then the one line (or the captured key)."""
+    if plan is None:
+        return
+    # the environment as it was before: building the configuration sets some of vLLM's variables
+    now = {**plan.before, **config_key(engine_args, config)}
+    if plan.capture is not None:
+        atomic_write_bytes(plan.capture, canonical_json(now))
+        return
+    assert plan.recorded is not None and plan.state is not None
+    why = explain_config(plan.recorded, now)
+    if why:
+        _decide(f"miss ({why})")
+        return
+    _decide(f"hit ({now['engine']} {now['engine_version']}, {state_name(now)}, {plan.nbytes / 1e6:.1f} MB "
+            f"checked against the pins of {plan.state} in {plan.seconds:.2f} s)")
+
+
+def _decide(text: str) -> None:
+    os.environ[DECIDED] = text.split(" ", 1)[0]
+    print(show(LINE + text), file=sys.stderr, flush=True)
+
+
+def _private_dir() -> Path:
+    """A fresh directory only this user can read, removed when this process exits."""
+    base = os.environ.get("PACKER_WARM_DIR") or None
+    path = Path(tempfile.mkdtemp(prefix="packer-warm-", dir=base))
+    atexit.register(_remove_if_owner, path, os.getpid())
+    return path
+
+
+def _remove_if_owner(path: Path, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child inherits atexit handlers: only the creator removes it
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def current_key(engine_args: Any) -> dict[str, Any]:
+    """The key parts of this process known before vLLM builds its configuration (:data:`BEFORE_CONFIG`)."""
+    import torch
+    import vllm
+    from vllm import envs
+
+    return {"engine": "vllm", "engine_version": vllm.__version__, "torch": torch.__version__,
+            "python": platform.python_version(), "device": device(), "model_path": str(engine_args.model),
+            "env": plain(envs.compile_factors())}
+
+
+def config_key(engine_args: Any, config: Any) -> dict[str, Any]:
+    """The key parts known once vLLM built its configuration: ``engine_args`` and ``config``."""
+    return {"engine_args": engine_arguments(engine_args), "config": config_hashes(config)}
+
+
+def engine_arguments(engine_args: Any) -> dict[str, Any]:
+    """``{name: value}`` of the engine arguments that differ from their defaults (``model`` aside)."""
+    found = {}
+    for f in dataclasses.fields(engine_args):
+        if f.name in _IGNORED_ARGS:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        value = getattr(engine_args, f.name)
+        try:
+            same = bool(value == default)
+        except Exception:  # noqa: BLE001 - an odd __eq__: record the value
+            same = False
+        if not same and value is not None:  # None: not given (the command line's default for some flags)
+            found[f.name] = plain(value)
+    return found
+
+
+def config_hashes(config: Any) -> dict[str, str]:
+    """vLLM's ``compute_hash()`` of its whole configuration (``all``) and of each section that has one."""
+    out = {"all": str(config.compute_hash())}
+    for f in dataclasses.fields(config):
+        section = getattr(config, f.name, None)
+        hasher = getattr(section, "compute_hash", None)
+        if callable(hasher):
+            try:
+                out[f.name] = str(hasher())
+            except Exception:  # noqa: BLE001 - a section that cannot hash itself is left to "all"
+                continue
+    return out
+
+
+def device() -> dict[str, Any]:
+    """The device kind vLLM runs on: CPU architecture and vector ISA, or the GPU's capability."""
+    from vllm.platforms import current_platform
+
+    kind = str(current_platform.device_type)
+    if kind == "cpu":
+        return {"kind": "cpu", "arch": platform.machine(), "isa": cpu_isa()}
+    cap = current_platform.get_device_capability()
+    arch = f"sm{cap.major}{cap.minor}" if cap is not None else "unknown"
+    return {"kind": kind, "arch": arch, "name": str(current_platform.get_device_name())}
+
+
+def cpu_isa() -> str:
+    """The vector extensions Inductor's C++ code is built for, from ``/proc/cpuinfo``'s flags."""
+    try:  # /proc files report size 0: read up to the cap
+        text = read_bytes("/proc/cpuinfo", _CPUINFO, error=WarmStateError).decode("ascii", "replace")
+    except WarmStateError:
+        return "unknown"
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    isa = [name for name, need in (("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+                                   ("avx2", {"avx2", "fma"}), ("amx", {"amx_tile"}), ("sve", {"sve"}),
+                                   ("neon", {"asimd"})) if need <= flags]
+    return "+".join(isa) or "none"

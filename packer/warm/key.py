@@ -1,0 +1,102 @@
+"""What an engine's warm state depends on, and the first part of it that differs.
+
+A key is a JSON object recorded when the state is captured and computed again at every start
+(by the engine's plugin, :mod:`packer.adapters.vllm_warm`):
+
+=============== ===================================================================
+``engine``      ``"vllm"``
+``engine_version``, ``torch``, ``python``   versions (compiled artifacts hold pickled code objects)
+``device``      ``{"kind": "cpu" | "cuda", "arch": ..., "name": ..., "isa" | "capability": ...}``
+``model_path``  the model directory the engine is given (vLLM hashes it into its key)
+``env``         ``{NAME: value}`` of the environment that enters the engine's compile hash
+``engine_args`` ``{name: value}`` of the engine arguments that are not at their defaults
+``config``      ``{section: hash}``: the engine's own hash of its configuration, per section
+=============== ===================================================================
+
+:data:`BEFORE_CONFIG` can be compared before the engine builds its configuration (so a hit
+can point the engine's cache at the state in time for the first thing it reads); ``config``
+only after. ``engine_args`` explains a ``config`` difference: an argument outside the engine's
+hash (``disable_log_stats``) is no reason to recompile, so arguments alone never decide.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+BEFORE_CONFIG = ("engine", "engine_version", "torch", "python", "device", "model_path", "env")
+ALL = (*BEFORE_CONFIG, "engine_args", "config")
+_SAFE = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def state_name(key: dict[str, Any]) -> str:
+    """The state's directory name: ``<engine>-<device kind>-<arch>`` (``vllm-cpu-x86_64``, ``vllm-cuda-sm90``).
+
+    Raises:
+        ValueError: the key lacks the parts, or they are not plain names.
+    """
+    device = key.get("device") or {}
+    parts = [str(key.get("engine", "")), str(device.get("kind", "")), str(device.get("arch", ""))]
+    name = "-".join(parts)
+    if not all(parts) or not _SAFE.fullmatch(name):
+        raise ValueError(f"warm-state key: engine/device {parts!r} do not make a plain directory name")
+    return name
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON that compares equal exactly when the values do (enums and objects as ``str``)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [plain(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    return str(value)
+
+
+def difference(warmed: dict[str, Any], now: dict[str, Any], parts: tuple[str, ...] = ALL) -> str | None:
+    """The first of ``parts`` where ``now`` differs from ``warmed``, in words; None if none does.
+
+    A mapping part names its first differing entry (``engine argument max_model_len: 128,
+    warmed with 64``); the rest name the part and both values.
+    """
+    for part in parts:
+        a, b = warmed.get(part), now.get(part)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            return _entry_difference(part, a, b)
+        return f"{_LABELS.get(part, part)}: {_short(b)}, warmed with {_short(a)}"
+    return None
+
+
+def explain_config(warmed: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why the engine's configuration hash differs: the engine argument that changed, else the section."""
+    if warmed.get("config") == now.get("config"):
+        return None
+    return difference(warmed, now, ("engine_args",)) or difference(warmed, now, ("config",))
+
+
+_LABELS = {"engine_version": "engine version", "model_path": "model path", "env": "environment",
+           "engine_args": "engine argument", "config": "engine configuration hash"}
+
+
+def _entry_difference(part: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+    label = _LABELS.get(part, part)
+    # an entry set on both sides first: the same flags given through another entry point
+    # (vLLM's command line, LLM(...)) may leave different entries at their defaults
+    for name in [*sorted(set(a) & set(b)), *sorted(set(a) ^ set(b))]:
+        if a.get(name, _UNSET) != b.get(name, _UNSET):
+            was = "not set" if name not in a else _short(a[name])
+            is_ = "not set" if name not in b else _short(b[name])
+            return f"{label} {name}: {is_}, warmed with {was}"
+    return label  # pragma: no cover - unequal mappings differ in some entry
+
+
+_UNSET = object()
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"

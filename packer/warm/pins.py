@@ -1,0 +1,235 @@
+"""The warm state's pins: ``OUT/warm/<name>/manifest.json`` over ``OUT/warm/<name>/files/``.
+
+A state directory holds the files an engine wrote for its start-up, under fixed relative
+paths (``files/<root>/<path>``, a root per cache directory the engine was given: ``vllm`` for
+``VLLM_CACHE_ROOT``, ``inductor``, ``triton``), and one manifest:
+
+``{"schema": 1, "name": ..., "key": {...}, "roots": [...], "files": {rel: {"size", "sha256"}}}``
+
+Compile caches are code (pickles, generated Python, shared objects): nothing in a state is
+used before :func:`verified_copy` has copied it, hashing each byte on the way, into a private
+directory, so a file changed after the check is never the one the engine reads. A changed,
+missing or unpinned file refuses the whole state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
+
+from packer.errors import WarmStateError
+from packer.formats import MANIFEST_NAME
+from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
+from packer.idents import check_rel_name
+from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
+from packer.reading import Kind, open_regular, parse_json, read_bytes
+
+WARM_DIR = "warm"
+MANIFEST = MANIFEST_NAME  # a state's own manifest, named as the build's
+FILES = "files"
+SCHEMA = 1
+ROOTS = ("vllm", "inductor", "triton")  # in this order: VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
+STATE_MANIFEST = Kind("warm-state manifest", 16 << 20, 16)
+CHUNK = 1 << 20
+_HEX64 = leaf("a sha256 (64 lowercase hex digits)",
+              lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v))
+_SHAPE = Obj(required={"schema": leaf("1", lambda v: v == SCHEMA), "name": STR, "key": MapOf(leaf(
+    "any value", lambda v: True)), "roots": ListOf(STR), "files": MapOf(Obj(required={"size": SIZE,
+                                                                                         "sha256": _HEX64}))})
+# what an engine leaves beside its caches that no later start reads: locks and half-written files
+_SKIP_SUFFIXES = (".lock", ".tmp")
+
+
+def state_dirs(out: Path) -> list[Path]:
+    """Every warm state directory of a build output (``OUT/warm/*/``), sorted."""
+    base = out / WARM_DIR
+    if not base.is_dir() or base.is_symlink():
+        return []
+    return sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink())
+
+
+def verify_states(out: Path) -> tuple[set[str], int, list[str]]:
+    """Check every warm state of ``out``: ``(its files relative to out, bytes hashed, state names)``.
+
+    Raises:
+        WarmStateError: the first changed, missing or unpinned file of any state.
+    """
+    rels: set[str] = set()
+    total = 0
+    names = []
+    for state in state_dirs(out):
+        doc, nbytes = check_state(state)
+        total += nbytes
+        names.append(state.name)
+        base = f"{WARM_DIR}/{state.name}"
+        rels |= {f"{base}/{MANIFEST}", *(f"{base}/{FILES}/{rel}" for rel in doc["files"])}
+    return rels, total, names
+
+
+def collect(roots: dict[str, Path]) -> dict[str, Path]:
+    """``{rel: file}`` of every regular file under the cache ``roots`` worth shipping.
+
+    Raises:
+        WarmStateError: a root name outside :data:`ROOTS`, or a link inside a root.
+    """
+    found: dict[str, Path] = {}
+    for root, top in sorted(roots.items()):
+        if root not in ROOTS:
+            raise WarmStateError(f"{top}: unknown warm-state root {root!r} (known: {', '.join(ROOTS)})")
+        if not top.is_dir():
+            continue
+        for path in sorted(top.rglob("*")):
+            if path.is_symlink():
+                raise WarmStateError(f"{path}: a link in the engine's cache; a warm state holds plain files only")
+            if path.is_file() and not path.name.endswith(_SKIP_SUFFIXES):
+                found[f"{root}/{path.relative_to(top).as_posix()}"] = path
+    return found
+
+
+def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, Path]) -> dict[str, Any]:
+    """Copy ``files`` into a new state directory ``dest`` with its manifest; replaces an old one whole.
+
+    The state is assembled beside ``dest`` and renamed into place, so a reader sees the old
+    state or the new one, never a mix.
+
+    Returns:
+        the manifest written.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        pins = {}
+        for rel, src in sorted(files.items()):
+            with open_regular(src, WarmStateError) as f:
+                pins[rel] = _copy_hashed(f, stage / FILES / rel)
+        doc = {"schema": SCHEMA, "name": name, "key": key, "roots": sorted({r.split("/", 1)[0] for r in pins}),
+               "files": pins}
+        atomic_write_bytes(stage / MANIFEST, canonical_json(doc))
+        old = None
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
+            os.replace(dest, old / "state")
+        os.replace(stage, dest)
+        if old is not None:
+            shutil.rmtree(old)
+        return doc
+    except BaseException as e:
+        quiet_cleanup(e, lambda: shutil.rmtree(stage, ignore_errors=True))
+        raise
+
+
+def load_state(state: Path) -> dict[str, Any]:
+    """The checked manifest of a state directory (shape, schema, every path a plain relative one).
+
+    Raises:
+        WarmStateError: missing, too large, not JSON, the wrong shape, or a path that leaves the state.
+    """
+    where = state / MANIFEST
+    raw = read_bytes(where, STATE_MANIFEST, error=WarmStateError, what="the warm state's manifest")
+    doc = parse_json(raw, STATE_MANIFEST, where=str(where), error=WarmStateError, shape=_SHAPE)
+    for rel in doc["files"]:
+        p = check_rel_name(rel, where=f"{where}: files", error=WarmStateError)
+        if p.parts[0] not in ROOTS or len(p.parts) < 2:
+            raise WarmStateError(f"{where}: files: {rel!r} is not under one of the roots {', '.join(ROOTS)}")
+    return dict(doc)
+
+
+def check_state(state: Path) -> tuple[dict[str, Any], int]:
+    """Every pinned file of ``state`` against its pin, and nothing unpinned: ``(manifest, bytes)``.
+
+    Raises:
+        WarmStateError: naming the first changed, missing or unpinned file.
+    """
+    doc = load_state(state)
+    _no_unpinned(state, doc)
+    total = 0
+    for rel, pin in sorted(doc["files"].items()):
+        total += _check_one(state / FILES / rel, pin, sink=None)
+    return doc, total
+
+
+def verified_copy(state: Path, dest: Path, doc: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+    """Copy the pinned files of ``state`` into the new directory ``dest`` (mode 0700), each checked.
+
+    Each file is hashed as it is copied and compared with its pin: what lands in ``dest`` is
+    what was pinned, whatever happens to ``state`` meanwhile. ``dest`` is left out on failure.
+
+    Args:
+        doc: the state's manifest as :func:`load_state` read it, when the caller already decided
+            on it (the copy then follows exactly those pins); default: read here.
+
+    Returns:
+        ``(manifest, bytes copied)``.
+
+    Raises:
+        WarmStateError: the first changed, missing or unpinned file (``dest`` removed).
+    """
+    doc = doc if doc is not None else load_state(state)
+    _no_unpinned(state, doc)
+    dest.mkdir(mode=0o700)
+    total = 0
+    try:
+        for rel, pin in sorted(doc["files"].items()):
+            target = dest / PurePosixPath(rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with _create(target) as sink:
+                total += _check_one(state / FILES / rel, pin, sink=sink)
+    except BaseException as e:
+        quiet_cleanup(e, lambda: shutil.rmtree(dest, ignore_errors=True))
+        raise
+    return doc, total
+
+
+def _no_unpinned(state: Path, doc: dict[str, Any]) -> None:
+    top = state / FILES
+    for path in sorted(top.rglob("*")) if top.is_dir() else []:
+        if path.is_dir() and not path.is_symlink():
+            continue
+        if path.relative_to(top).as_posix() not in doc["files"]:
+            raise WarmStateError(f"{path}: not pinned by {state / MANIFEST}")
+    for path in sorted(state.iterdir()):
+        if path.name not in (MANIFEST, FILES):
+            raise WarmStateError(f"{path}: not part of a warm state (only {MANIFEST} and {FILES}/)")
+
+
+def _check_one(path: Path, pin: dict[str, Any], sink: Any) -> int:
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with open_regular(path, WarmStateError) as f:
+            while chunk := f.read(CHUNK):
+                size += len(chunk)
+                if size > pin["size"]:
+                    break
+                h.update(chunk)
+                if sink is not None:
+                    sink.write(chunk)
+    except OSError as e:
+        raise WarmStateError(f"{path}: pinned but unreadable ({e.strerror or e})") from None
+    if size != pin["size"]:
+        raise WarmStateError(f"{path}: size differs from the pin's {pin['size']} bytes")
+    if h.hexdigest() != pin["sha256"]:
+        raise WarmStateError(f"{path}: sha256 {h.hexdigest()[:16]}… differs from the pin's {pin['sha256'][:16]}…")
+    return size
+
+
+def _copy_hashed(src: Any, dest: Path) -> dict[str, Any]:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    size = 0
+    with _create(dest) as sink:
+        while chunk := src.read(CHUNK):
+            h.update(chunk)
+            sink.write(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _create(path: Path) -> BinaryIO:
+    """A new file for writing (never an existing one, never through a link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb")
