@@ -24,7 +24,7 @@ from packer.stage import Stage, StageContext, StageOutput
 
 def weights_stage(ctx: StageContext) -> StageOutput:
     """Convert the source's checkpoints into ``staging/weights`` (isolated unless ``ctx.sandbox`` is false)."""
-    from packer.component_weights import convert_layout
+    from packer.weights.stage import convert_layout
 
     # With a third core, each weight file's own layer digest is computed while the file is
     # written (an extra hashing thread), and the image stage only copies it. On two cores both

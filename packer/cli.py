@@ -253,7 +253,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
       packer convert last.ckpt -o out --key state_dict --allow-global 'mypkg.config.*'
     """
     from packer.recipe import recipe_from_dict, with_allowed_globals
-    from packer.sandbox import convert_cli
+    from packer.weights.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
                            "tie_prefer": list(tie_prefer)}

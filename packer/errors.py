@@ -3,7 +3,7 @@
 The emitted loader cannot import this module, so the runtime keeps its own two classes under
 names used nowhere else: ``ArtifactMismatchError`` (packer/runtime/env.py) and
 ``BundleFormatError`` (packer/runtime/bundle_reader.py); the build turns the latter into
-:class:`BundleError`. :mod:`packer.sandbox` sends an error across the process boundary by
+:class:`BundleError`. :mod:`packer.weights.sandbox` sends an error across the process boundary by
 class name and finds the class here, so every class the library raises must live here.
 
 Every message is one line that says what was wrong, where (file, key path, tensor or

@@ -11,7 +11,7 @@ import torch
 
 from packer import errors
 from packer.recipe import WeightsConfig
-from packer.sandbox import convert_sandboxed, error_class
+from packer.weights.sandbox import convert_sandboxed, error_class
 from tests.ckpt_factory import save
 
 PACKAGE = Path(errors.__file__).parent

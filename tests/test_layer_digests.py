@@ -21,8 +21,8 @@ from packer.oci.layer import write_layer
 from packer.oci.plan import image_rel, weight_layer_framing
 from packer.oci.tar_writer import Owner, SourceFile, tar_members, tar_pieces, tar_size
 from packer.recipe import ImageConfig, WeightsConfig, recipe_from_dict
-from packer.sandbox import convert_sandboxed
 from packer.weights.convert import convert
+from packer.weights.sandbox import convert_sandboxed
 
 WEIGHTS = "weights/model.safetensors"
 

@@ -24,9 +24,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry points", ("packer.__main__", "packer.cli")),
     ("orchestration", ("packer.build", "packer.build_stages", "packer.publish", "packer.verify",
                        "packer.profile", "packer.push")),
-    ("stages", ("packer.sandbox", "packer.stub", "packer.stub_template", "packer.component_weights", "packer.weights",
-                "packer.weights.*", "packer.bundle", "packer.bundle.*", "packer.oci", "packer.oci.*",
-                "packer.sign", "packer.sign.*")),
+    # every stage in a folder of its own (test_each_stage_has_its_own_folder)
+    ("stages", ("packer.weights", "packer.weights.*", "packer.bundle", "packer.bundle.*", "packer.stub",
+                "packer.stub.*", "packer.oci", "packer.oci.*", "packer.sign", "packer.sign.*")),
     ("stage contract", ("packer.stage", "packer.manifest")),
     ("inputs", ("packer.recipe", "packer.source", "packer.components", "packer.demo", "packer.checkpoint",
                 "packer.checkpoint.*")),
@@ -170,3 +170,15 @@ def test_the_checks_see_what_they_must(tmp_path: Path) -> None:
     assert graph["packer.runtime.c"] == {"packer.errors": 1}
     assert upward_imports(graph) == [
         "packer.runtime.c (layer 'runtime') imports packer.errors (layer 'formats') at line 1"]
+
+
+def test_each_stage_has_its_own_folder() -> None:
+    """packer's top level holds the command line, the build runner, the stage contract, sources
+    and shared helpers; a module of the stages layer lives in its stage's package."""
+    modules = module_files()
+    stages = next(i for i, (name, _) in enumerate(LAYERS) if name == "stages")
+    loose = [m for m, path in modules.items()
+             if m.count(".") == 1 and path.name != "__init__.py" and layer_of(m) == stages]
+    assert loose == [], f"stage modules at packer's top level (move each into its stage's folder): {loose}"
+    packages = {m for m, path in modules.items() if path.name == "__init__.py" and m.count(".") == 1}
+    assert {"packer.weights", "packer.bundle", "packer.stub", "packer.oci", "packer.sign"} <= packages

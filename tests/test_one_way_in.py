@@ -21,8 +21,9 @@ PACKAGE = ROOT / "packer"
 
 # (file relative to the repository, call as raw_reads names it) -> why it is not an input read
 ALLOWED: dict[tuple[str, str], str] = {
-    ("packer/stub.py", ".read_bytes()"): "the runtime package's own installed sources, shipped verbatim into OUT",
-    ("packer/stub.py", ".read_text()"): "the stub template, packer's own installed source",
+    ("packer/stub/__init__.py", ".read_bytes()"):
+        "the runtime package's own installed sources, shipped verbatim into OUT",
+    ("packer/stub/__init__.py", ".read_text()"): "the stub template, packer's own installed source",
     ("packer/weights/writer.py", "os.open"): "re-reads the shard this writer just created with O_EXCL",
     ("packer/weights/verify.py", "safe_open"): "the safetensors library opens the path itself, after "
                                                "reading.check_regular refused anything but a regular file",
@@ -84,7 +85,7 @@ def raw_reads(paths: list[Path], root: Path = ROOT) -> list[tuple[str, int, str]
 
 # what runs in the serving container (the stub, the runtime, the engine adapters) reads through the
 # runtime's own reading module: its side of the rule
-RUNTIME_SIDE = (PACKAGE / "runtime", PACKAGE / "adapters", PACKAGE / "stub_template.py")
+RUNTIME_SIDE = (PACKAGE / "runtime", PACKAGE / "adapters", PACKAGE / "stub" / "template.py")
 
 
 def _build_side() -> list[Path]:

@@ -16,11 +16,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "packer"
 READING = PACKAGE / "runtime" / "reading.py"
 SCOPE = [*sorted((PACKAGE / "runtime").rglob("*.py")), *sorted((PACKAGE / "adapters").rglob("*.py")),
-         PACKAGE / "stub_template.py"]
+         PACKAGE / "stub" / "template.py"]
 
 # (file relative to packer/, function, call) -> why it may read or open by itself
 ALLOWED = {
-    ("stub_template.py", "_read_runtime_file", "os.open"):
+    ("stub/template.py", "_read_runtime_file", "os.open"):
         "the stub reads its runtime before the runtime (and its reading module) is verified; it applies the "
         "same rule itself: O_NONBLOCK, fstat S_ISREG, a size cap",
     ("runtime/bundle_reader.py", "extract", "os.open"): "a directory descriptor of the extraction target (a write)",

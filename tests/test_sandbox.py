@@ -27,7 +27,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 def test_audit_hook_refuses_sockets() -> None:
-    code = ("import socket\nfrom packer.sandbox import _isolate\n"
+    code = ("import socket\nfrom packer.weights.sandbox import _isolate\n"
             "_isolate({'as': 2**34, 'cpu': 60, 'fsize': 2**30})\n"
             "try:\n    socket.socket()\nexcept PermissionError as e:\n    print('refused', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

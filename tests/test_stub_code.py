@@ -1,5 +1,5 @@
 """Only verified code runs: the stub and its runtime from checked bytes, never a bytecode file or
-a module beside them (packer/adapters/stub_code.py, packer/stub_template.py).
+a module beside them (packer/adapters/stub_code.py, packer/stub/template.py).
 
 Each attack is real first (Python's own import runs the planted file, a canary proves it), then
 refused or ignored by the path under test; canaries write a file, which must not appear.

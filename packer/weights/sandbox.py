@@ -149,8 +149,8 @@ def _dir_bytes(path: Path) -> int:
 def _run_child(request: str, out: Path, progress: Progress | None) -> subprocess.CompletedProcess[str]:
     """Run the child; while it works, report the bytes it writes under ``out`` as increments."""
     reported = _dir_bytes(out)  # what was there before is not the child's
-    with subprocess.Popen([sys.executable, "-m", "packer.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen([sys.executable, "-m", "packer.weights.sandbox"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         result: list[tuple[str, str]] = []
         talker = threading.Thread(target=lambda: result.append(proc.communicate(request)), daemon=True)
         talker.start()

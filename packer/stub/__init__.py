@@ -3,7 +3,7 @@
 The runtime is the ``packer/runtime/`` package, shipped byte for byte into
 ``OUT/packer_runtime/`` (names, docstrings and line numbers kept, so a traceback in a serving
 container names real files and lines). Beside it, :func:`render` writes a short stub from
-``stub_template.py``: the marked block becomes the canonical JSON of the embedded manifest and
+``stub/template.py``: the marked block becomes the canonical JSON of the embedded manifest and
 the sha256 of every runtime file, which the stub checks before it imports any of them,
 relative to its own location. Same inputs, same bytes.
 """
@@ -20,9 +20,9 @@ from packer.formats import LOADER_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, file_entry
 from packer.stage import StageOutput
 
-RUNTIME = Path(__file__).parent / "runtime"  # the package shipped as the loader's runtime
+RUNTIME = Path(__file__).parent.parent / "runtime"  # the package shipped as the loader's runtime
 RUNTIME_DIR = "packer_runtime"  # its directory in OUT and the image: not `packer`, never shadowed
-TEMPLATE = Path(__file__).parent / "stub_template.py"
+TEMPLATE = Path(__file__).parent / "template.py"
 BEGIN = "# >>> packer:embedded (replaced by packer.stub when the loader is emitted)\n"
 END = "# <<< packer:embedded\n"
 
@@ -101,7 +101,7 @@ def render(embedded: dict[str, Any], runtime: dict[str, bytes], *,
     Args:
         embedded: the manifest the loader pins (JSON-able).
         runtime: the runtime files by their path under ``RUNTIME_DIR`` (see :func:`runtime_files`).
-        template: the stub's source (default: ``stub_template.py``).
+        template: the stub's source (default: ``stub/template.py``).
 
     Returns:
         ``(file bytes, sha256 of the canonical embedded JSON)``.

@@ -34,7 +34,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
         cfg: the recipe's weights section (``layout`` and ``components`` choose the parts;
             ``files`` given with ``layout = "auto"`` means one plain model).
         single_file: ``src`` is one checkpoint file.
-        dry_run, sandbox, progress, layer_image: as :func:`packer.sandbox.convert_cli`.
+        dry_run, sandbox, progress, layer_image: as :func:`packer.weights.sandbox.convert_cli`.
 
     Returns:
         the files of every component, the section described in this module's docstring,
@@ -43,7 +43,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
     Raises:
         PackerError: from the layout detection or any component's conversion.
     """
-    from packer.sandbox import convert_cli
+    from packer.weights.sandbox import convert_cli
 
     layout = _layout(src, cfg, single_file)
     opts: dict[str, Any] = {"rel_root": staging, "dry_run": dry_run, "sandbox": sandbox, "progress": progress,
