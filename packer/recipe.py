@@ -61,6 +61,8 @@ class WeightsConfig:
     # what the source is (packer.components): "auto" by its marker files, or forced
     layout: str = "auto"
     components: tuple[str, ...] = ()  # build only these components (empty: all)
+    # expanded views are written out: the output may be this many times the input storages' bytes + 1 GiB
+    max_expansion: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,12 @@ def _size(path: str, v: Any) -> int:
     raise _fail(path, 'a size like "5GB"', v)
 
 
+def _ratio(path: str, v: Any) -> float:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"):
+        return float(v)
+    raise _fail(path, "a positive number such as 4 or 100", v)
+
+
 def _regex(path: str, v: Any) -> str:
     s = _str(path, v)
     try:
@@ -327,6 +335,7 @@ _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
     "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
+    "max_expansion": _ratio,
 }
 _BUNDLE = {"include": _str_list, "exclude": _str_list}
 _IMAGE = {

@@ -136,9 +136,12 @@ def is_contiguous(r: TensorRecord) -> bool:
 
 
 def check_bounds(r: TensorRecord, where: Path | str) -> None:
-    """Raise WeightsError unless every element of the view lies inside its storage and the
-    view holds no more bytes than the storage: an expanded view (stride 0, overlapping
-    strides) of a 4-byte storage can describe terabytes, all of which would be written."""
+    """Raise WeightsError unless every element of the view lies inside its storage.
+
+    A view may hold more bytes than its storage (an expanded or overlapping view, stride 0);
+    what that can make packer write is bounded for the whole checkpoint by
+    :func:`check_expansion`, not per view.
+    """
     size = DTYPE_SIZES.get(r.dtype)
     if size is None:
         raise WeightsError(f"{where}: tensor {r.name!r}: dtype {r.dtype} cannot be written")
@@ -152,12 +155,35 @@ def check_bounds(r: TensorRecord, where: Path | str) -> None:
             f"{where}: tensor {r.name!r}: view ends at byte {(last + 1) * size}, past its "
             f"storage {r.storage.key!r} of {r.storage.nbytes} bytes"
         )
-    if r.nbytes > r.storage.nbytes:
-        raise WeightsError(
-            f"{where}: tensor {r.name!r}: view of shape {list(r.shape)} stride {list(r.stride)} holds {r.nbytes} "
-            f"bytes, more than its whole storage {r.storage.key!r} of {r.storage.nbytes} bytes (an expanded or "
-            "overlapping view); packer writes every element, so save it with .contiguous() (or .clone()) first"
-        )
+
+
+EXPANSION_ALLOWANCE = 1 << 30  # bytes any checkpoint may add beyond the multiple of its input
+
+
+def check_expansion(kept: dict[str, TensorRecord], cfg: WeightsConfig) -> None:
+    """Raise WeightsError when the views would make packer write more than
+    ``cfg.max_expansion`` times the bytes of their storages plus 1 GiB.
+
+    Expanded views (stride 0) and overlapping views are materialized: each element is written.
+    That is normal for ``tensor.expand`` at small sizes, but a 16-byte storage can describe
+    terabytes, so the total (in input dtypes, after aliases are merged) is bounded before a
+    byte is written. The message names the view that expands most and the recipe key.
+    """
+    storages = {(str(r.storage.path), r.storage.key): r.storage.nbytes for r in kept.values()}
+    read, written = sum(storages.values()), sum(r.nbytes for r in kept.values())
+    bound = int(cfg.max_expansion * read) + EXPANSION_ALLOWANCE
+    if written <= bound:
+        return
+    name, r = max(kept.items(), key=lambda kv: (kv[1].nbytes - kv[1].storage.nbytes, kv[0]))
+    raise WeightsError(
+        f"{r.storage.path}: tensor {r.name!r} (written as {name!r}): a view of shape {list(r.shape)} "
+        f"stride {list(r.stride)} holds {r.nbytes} bytes "
+        f"over its storage {r.storage.key!r} of {r.storage.nbytes} bytes; with it the output would be "
+        f"{written} bytes from {read} bytes of storage, more than weights.max_expansion = "
+        f"{cfg.max_expansion:g} times that plus 1 GiB ({bound} bytes). packer writes every element of "
+        "an expanded view: if this output size is meant, raise weights.max_expansion in the recipe "
+        "(packer convert --max-expansion)"
+    )
 
 
 def map_name(name: str, cfg: WeightsConfig) -> str:
@@ -278,9 +304,11 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
         The frozen plan: shards with exact headers, the index bytes when sharded, aliases.
 
     Raises:
-        WeightsError: out-of-bounds views, unsupported dtypes, name collisions after renaming.
+        WeightsError: out-of-bounds views, views that expand past ``cfg.max_expansion``,
+            unsupported dtypes, name collisions after renaming.
     """
     kept, aliases = _dedupe(_rename_all(contents, cfg), cfg.tie_prefer, ties)
+    check_expansion(kept, cfg)
     dtypes = {n: _out_dtype(r, cfg) for n, r in kept.items()}
     sizes = {n: kept[n].numel * DTYPE_SIZES[dtypes[n]] for n in sorted(kept)}
     shards = []
