@@ -152,6 +152,9 @@ def convert(
     # (as the build's bundle takes it); beside a file, an unreadable one is not the model's
     ties = read_tie_config(src) if src.is_dir() else read_tie_config(src.parent, strict=False)
     plan = plan_weights(contents, cfg, ties=ties)
+    if plan.metadata:
+        notes.append(f"kept the source's safetensors __metadata__ in every shard: "
+                     f"{listing([k for k, _v in plan.metadata])}")
     section = _section(plan, prefix, inputs, contents)
     if dry_run:
         return StageOutput(section=section, notes=tuple(notes))

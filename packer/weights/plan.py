@@ -28,11 +28,11 @@ from packer.errors import WeightsError
 from packer.formats import CAST_DTYPES
 from packer.fsutil import canonical_json
 from packer.recipe import WeightsConfig
+from packer.weights.metadata import ALIASES_KEY, carried_metadata, utf8_ok
 from packer.weights.ties import TieConfig, split_group
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-ALIASES_KEY = "packer.aliases"
 FLOAT_CODES = frozenset(CAST_DTYPES.values())
 
 
@@ -101,6 +101,7 @@ class WeightsPlan:
     index: bytes | None
     aliases: tuple[tuple[str, str], ...]  # (removed alias, kept name), sorted
     total_size: int
+    metadata: tuple[tuple[str, str], ...] = ()  # the source's __metadata__ every shard carries
 
     @cached_property
     def tensors(self) -> dict[str, tuple[str, PlannedTensor]]:
@@ -199,14 +200,6 @@ def map_name(name: str, cfg: WeightsConfig) -> str:
     return name
 
 
-def _utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _alias_key(r: TensorRecord) -> tuple[Any, ...]:
     return (str(r.storage.path), r.storage.key, r.storage.offset, r.storage_offset,
             r.shape, r.stride, r.dtype)
@@ -225,7 +218,7 @@ def _rename_all(
             if not name or name == "__metadata__":
                 raise WeightsError(f"{here}: tensor name {name!r} cannot be written to "
                                    "safetensors; rename it with weights.renames")
-            if not _utf8(name):
+            if not utf8_ok(name):
                 raise WeightsError(f"{here}: tensor name {name!r} is not valid UTF-8 (it holds a lone "
                                    "surrogate), which safetensors cannot store; rename it with weights.renames")
             if name in out:
@@ -273,8 +266,9 @@ def _split(sizes: dict[str, int], max_shard_size: int) -> list[tuple[str, list[s
     return sorted((f, sorted(names)) for f, names in split.filename_to_tensors.items())
 
 
-def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str]) -> bytes:
-    meta = {"format": "pt"}
+def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str],
+            carried: Sequence[tuple[str, str]] = ()) -> bytes:
+    meta = {**dict(carried), "format": "pt"}
     if aliases:
         meta[ALIASES_KEY] = canonical_json(aliases).decode().rstrip("\n")
     recorded = {t.name: list(t.torch_shape) for t in tensors if t.shape_recorded}
@@ -305,10 +299,13 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
 
     Raises:
         WeightsError: out-of-bounds views, views that expand past ``cfg.max_expansion``,
-            unsupported dtypes, name collisions after renaming.
+            unsupported dtypes, name collisions after renaming, source metadata that cannot be
+            carried (see :func:`packer.weights.metadata.carried_metadata`).
     """
     kept, aliases = _dedupe(_rename_all(contents, cfg), cfg.tie_prefer, ties)
     check_expansion(kept, cfg)
+    carried = carried_metadata(contents, lambda n: map_name(n, cfg), list(kept))
+    aliases.update(carried.aliases)
     dtypes = {n: _out_dtype(r, cfg) for n, r in kept.items()}
     sizes = {n: kept[n].numel * DTYPE_SIZES[dtypes[n]] for n in sorted(kept)}
     shards = []
@@ -318,7 +315,7 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
             planned.append(PlannedTensor(n, kept[n], dtypes[n], pos, pos + sizes[n]))
             pos += sizes[n]
         mine = {a: k for a, k in aliases.items() if k in names}
-        shards.append(ShardPlan(filename, _header(planned, mine), tuple(planned)))
+        shards.append(ShardPlan(filename, _header(planned, mine, carried.keys), tuple(planned)))
     total = sum(sizes.values())
     index = None
     if len(shards) > 1:
@@ -327,4 +324,4 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
             meta[ALIASES_KEY] = dict(sorted(aliases.items()))
         weight_map = {t.name: s.filename for s in shards for t in s.tensors}
         index = canonical_json({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))})
-    return WeightsPlan(tuple(shards), index, tuple(sorted(aliases.items())), total)
+    return WeightsPlan(tuple(shards), index, tuple(sorted(aliases.items())), total, carried.keys)
