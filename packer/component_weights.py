@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.components import Component, SourceLayout, detect_layout, left_out, model_tree
+from packer.formats import foreign_weights
 from packer.recipe import ImageConfig, WeightsConfig
 from packer.stage import Progress, StageOutput
 
@@ -89,12 +90,19 @@ def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> 
 
 
 def _with_left_out(src: Path, out: StageOutput, extra: list[str]) -> StageOutput:
-    """``out`` with every checkpoint of ``src`` it did not read named (note and ``left_out``)."""
+    """``out`` with every checkpoint of ``src`` it did not read named (note and ``left_out``);
+    other frameworks' weight files (GGUF, ONNX...) get a note of their own, saying what they are."""
     used = {i["path"] for i in out.section.get("inputs", [])}
     missed = [*left_out(src, used), *extra]
     if not missed:
         return out
-    shown = ", ".join(missed[:8]) + (f", ... ({len(missed)} in all)" if len(missed) > 8 else "")
-    note = (f"checkpoints in the source that this build leaves out: {shown} (name them in weights.files, "
-            "or check weights.layout / weights.components)")
-    return replace(out, section={**out.section, "left_out": missed}, notes=(*out.notes, note))
+    notes = list(out.notes)
+    ours = [m for m in missed if not foreign_weights(Path(m).name)]
+    if ours:
+        shown = ", ".join(ours[:8]) + (f", ... ({len(ours)} in all)" if len(ours) > 8 else "")
+        notes.append(f"checkpoints in the source that this build leaves out: {shown} (name them in "
+                     "weights.files, or check weights.layout / weights.components)")
+    for m in [m for m in missed if foreign_weights(Path(m).name)][:8]:
+        what = (foreign_weights(Path(m).name) or "").split(", which", 1)[0]
+        notes.append(f"left out: {m}: {what}, which packer does not convert")
+    return replace(out, section={**out.section, "left_out": missed}, notes=tuple(notes))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES
+from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, foreign_weights
 
 MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
            ("peft", "adapter_config.json"))
@@ -202,7 +202,8 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
 
 
 def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:
-    """Checkpoint files under ``root`` (hidden folders skipped, a few levels deep)."""
+    """Checkpoint files under ``root`` (hidden folders skipped, a few levels deep), other
+    frameworks' weight files (GGUF, ONNX, TensorFlow, Flax) included."""
     try:
         entries = sorted(root.iterdir())
     except OSError:
@@ -212,7 +213,7 @@ def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:
             continue
         if p.is_dir() and not p.is_symlink() and depth < _SEARCH_DEPTH:
             yield from _checkpoints(p, depth + 1)
-        elif p.is_file() and p.suffix in WEIGHT_SUFFIXES:
+        elif p.is_file() and (p.suffix in WEIGHT_SUFFIXES or foreign_weights(p.name)):
             yield p
 
 
