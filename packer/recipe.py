@@ -71,6 +71,7 @@ class BundleConfig:
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    remote_code: bool = True  # carry the code files auto_map names (never imported or run by packer)
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,7 @@ _WEIGHTS = {
     "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
     "max_expansion": _ratio,
 }
-_BUNDLE = {"include": _str_list, "exclude": _str_list}
+_BUNDLE = {"include": _str_list, "exclude": _str_list, "remote_code": _bool}
 _IMAGE = {
     "base": _base, "prefix": _str, "compression": _choice(COMPRESSIONS), "owner": _owner,
     "weights": _choice(WEIGHTS_PLACEMENT), "single_layer": _bool, "platform": _platform, "tag": _str,
