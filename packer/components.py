@@ -6,7 +6,11 @@ stack of modules, or a PEFT adapter; detected from the files each library writes
   (``scheduler``, ``tokenizer``) travel in the bundle only.
 * **sentence-transformers**: ``modules.json`` lists the modules; each module folder that holds
   a checkpoint is one (the root transformer, ``2_Dense``...).
-* **PEFT**: ``adapter_config.json`` beside ``adapter_model.*``: the adapter is the one component.
+* **PEFT**: ``adapter_config.json`` beside ``adapter_model.*``: the adapter is a component, and
+  so is every sub-folder with its own ``adapter_config.json`` and weights (the further adapters
+  ``PeftModel.save_pretrained`` writes under their names).
+* **a lone diffusers model** (``config.json`` with ``_class_name`` and ``_diffusers_version``, as
+  ``UNet2DConditionModel.save_pretrained`` writes it): one diffusers component at the root.
 * **model**: anything else, one component at the root (``weights.files`` chooses its files).
 
 Each component is converted on its own into ``weights/<path>/`` (its own shards, index and
@@ -132,7 +136,20 @@ def _module_paths(root: Path) -> list[str]:
     return out
 
 
+def lone_diffusers_model(root: Path) -> bool:
+    """True when ``root`` is one diffusers model on its own (no ``model_index.json``): its
+    ``config.json`` carries ``_class_name`` and ``_diffusers_version``."""
+    config = root / "config.json"
+    if (root / "model_index.json").is_file() or not config.is_file():
+        return False
+    doc = _read_json(config)
+    return isinstance(doc, dict) and isinstance(doc.get("_class_name"), str) and "_diffusers_version" in doc
+
+
 def _diffusers(root: Path) -> list[Component]:
+    if not (root / "model_index.json").is_file():  # forced, or detected: a lone model
+        files = checkpoint_of(root, STEMS["diffusers"]) if lone_diffusers_model(root) else ()
+        return [Component(ROOT_NAME, "", "diffusers", files)] if files else []
     out = []
     for name, library in _diffusers_entries(root):
         if files := checkpoint_of(root / name, STEMS[library]):
@@ -148,6 +165,25 @@ def _sentence_transformers(root: Path) -> list[Component]:
     return out
 
 
+def _adapter_folders(root: Path) -> list[str]:
+    """The sub-folders holding a further PEFT adapter (``adapter_config.json``), weights or not."""
+    try:
+        entries = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    return [p.name for p in entries if (p / "adapter_config.json").is_file() and _NAME.match(p.name)]
+
+
+def _peft(root: Path) -> list[Component]:
+    out = []
+    if files := checkpoint_of(root, STEMS["peft"]):
+        out.append(Component("adapter", "", "peft", files))
+    for name in _adapter_folders(root):
+        if name != "adapter" and (files := checkpoint_of(root / name, STEMS["peft"])):
+            out.append(Component(name, name, "peft", files))
+    return out
+
+
 def named_folders(root: Path) -> frozenset[str]:
     """The sub-folders ``root``'s layout file names: each diffusers component and
     sentence-transformers module, with or without weights (a scheduler, a tokenizer, 1_Pooling).
@@ -160,6 +196,8 @@ def named_folders(root: Path) -> frozenset[str]:
         folders.update(name for name, _ in _diffusers_entries(root))
     if (root / "modules.json").is_file():
         folders.update(path for path in _module_paths(root) if path)
+    if (root / "adapter_config.json").is_file():
+        folders.update(_adapter_folders(root))
     return frozenset(folders)
 
 
@@ -180,6 +218,8 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
     """
     if layout == "auto":
         layout = next((kind for kind, marker in MARKERS if root.is_dir() and (root / marker).is_file()), "model")
+        if layout == "model" and root.is_dir() and lone_diffusers_model(root):
+            layout = "diffusers"
     if layout == "model":
         return SourceLayout("model", (Component(ROOT_NAME, "", "transformers", ()),))
     if layout == "diffusers":
@@ -187,8 +227,7 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
     elif layout == "sentence-transformers":
         comps = _sentence_transformers(root)
     else:
-        files = checkpoint_of(root, "adapter_model")
-        comps = [Component("adapter", "", "peft", files)] if files else []
+        comps = _peft(root)
     if only:
         unknown = sorted(set(only) - {c.name for c in comps})
         if unknown:

@@ -1,0 +1,93 @@
+"""Models of several parts, as their libraries write them, built and loaded back from ``model_dir()``.
+
+A lone diffusers model (``UNet2DConditionModel.save_pretrained``: ``config.json`` with
+``_class_name``) is a diffusers component, its weights ``diffusion_pytorch_model.safetensors``;
+every PEFT adapter folder (``PeftModel.save_pretrained`` of several adapters) is a component.
+Outputs are compared bitwise with the source directory loaded by the same library.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from packer.components import detect_layout
+from tests.built import build_dir
+from tests.component_fixtures import import_loader
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
+    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+
+
+def files_of(d: Path) -> set[str]:
+    return {p.relative_to(d).as_posix() for p in d.rglob("*") if not p.is_dir()}
+
+
+def test_a_lone_diffusers_model_is_a_diffusers_component(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+                                attention_head_dim=2, norm_num_groups=4).eval()
+    src = tmp_path / "unet"
+    unet.save_pretrained(src)
+    assert detect_layout(src).kind == "diffusers"
+    plan = build_dir(src, tmp_path / "plan", dry_run=True)
+    assert "source layout: diffusers; components: model (., diffusers)" in plan.notes
+    out = tmp_path / "out"
+    build_dir(src, out)
+    md = import_loader(out).model_dir()
+    assert {"config.json", "diffusion_pytorch_model.safetensors"} <= files_of(md)
+    latents, t, text = torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 3, 16)
+    with torch.no_grad():
+        want = UNet2DConditionModel.from_pretrained(src).eval()(latents, t, text).sample
+        got = UNet2DConditionModel.from_pretrained(md).eval()(latents, t, text).sample
+    assert torch.equal(got, want)
+
+
+def test_every_peft_adapter_folder_is_a_component(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    base, src = tmp_path / "base", tmp_path / "adapters"
+    LlamaForCausalLM(cfg).save_pretrained(base)
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base),
+                           LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    model.add_adapter("second", LoraConfig(r=2, target_modules=["v_proj"], init_lora_weights=False))
+    model.save_pretrained(src)
+    assert (src / "second" / "adapter_config.json").is_file()
+    plan = build_dir(src, tmp_path / "plan", dry_run=True)
+    assert "source layout: peft; components: adapter (., peft), second (second, peft)" in plan.notes
+    assert plan.manifest["weights"].get("left_out", []) == []
+    out = tmp_path / "out"
+    build_dir(src, out)
+    md = import_loader(out).model_dir()
+    assert {"adapter_config.json", "adapter_model.safetensors", "second/adapter_config.json",
+            "second/adapter_model.safetensors"} <= files_of(md)
+    ids = torch.tensor([[1, 5, 9, 33, 2]])
+
+    def logits(where: Path) -> dict[str, torch.Tensor]:
+        peft_model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), where).eval()
+        peft_model.load_adapter(where / "second", adapter_name="second")
+        out = {}
+        with torch.no_grad():
+            for name in ("default", "second"):
+                peft_model.set_adapter(name)
+                out[name] = peft_model(ids).logits
+        return out
+
+    want, got = logits(src), logits(md)
+    assert not torch.equal(want["default"], want["second"])
+    assert all(torch.equal(got[k], want[k]) for k in want)
