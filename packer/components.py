@@ -5,7 +5,9 @@ stack of modules, or a PEFT adapter; detected from the files each library writes
   checkpoint is one (``unet``, ``vae``, ``text_encoder``...). Folders without weights
   (``scheduler``, ``tokenizer``) travel in the bundle only.
 * **sentence-transformers**: ``modules.json`` lists the modules; each module folder that holds
-  a checkpoint is one (the root transformer, ``2_Dense``...).
+  a checkpoint is one (the root transformer, ``2_Dense``...). A ``Router`` module's
+  ``router_config.json`` lists its routes' module folders (``query_0_StaticEmbedding``,
+  ``document_0_Transformer``...): each of those that holds a checkpoint is one too.
 * **PEFT**: ``adapter_config.json`` beside ``adapter_model.*``: the adapter is a component, and
   so is every sub-folder with its own ``adapter_config.json`` and weights (the further adapters
   ``PeftModel.save_pretrained`` writes under their names).
@@ -157,11 +159,26 @@ def _diffusers(root: Path) -> list[Component]:
     return out
 
 
+def _router_paths(root: Path, module: str) -> list[str]:
+    """The route module folders a sentence-transformers ``Router`` at ``module`` lists in its
+    ``router_config.json`` (``structure``: route -> folder names), relative to ``root``; [] if none."""
+    marker = root / module / "router_config.json"
+    if not marker.is_file():
+        return []
+    config = _read_json(marker)
+    structure = config.get("structure") if isinstance(config, dict) else None
+    if not isinstance(structure, dict) or not all(isinstance(v, list) for v in structure.values()):
+        raise WeightsError(f"{marker}: structure is not an object of folder lists")
+    names = dict.fromkeys(_checked_name(marker, n) for folders in structure.values() for n in folders)
+    return [f"{module}/{n}" if module else n for n in names]
+
+
 def _sentence_transformers(root: Path) -> list[Component]:
     out = []
     for path in _module_paths(root):
-        if files := checkpoint_of(root / path, "model"):
-            out.append(Component(path or ROOT_NAME, path, "transformers", files))
+        for sub in [path, *_router_paths(root, path)]:
+            if files := checkpoint_of(root / sub, "model"):
+                out.append(Component(sub or ROOT_NAME, sub, "transformers", files))
     return out
 
 
@@ -195,7 +212,8 @@ def named_folders(root: Path) -> frozenset[str]:
     if (root / "model_index.json").is_file():
         folders.update(name for name, _ in _diffusers_entries(root))
     if (root / "modules.json").is_file():
-        folders.update(path for path in _module_paths(root) if path)
+        for path in _module_paths(root):
+            folders.update(p for p in [path, *_router_paths(root, path)] if p)
     if (root / "adapter_config.json").is_file():
         folders.update(_adapter_folders(root))
     return frozenset(folders)

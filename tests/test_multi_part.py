@@ -91,3 +91,39 @@ def test_every_peft_adapter_folder_is_a_component(tmp_path: Path) -> None:
     want, got = logits(src), logits(md)
     assert not torch.equal(want["default"], want["second"])
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_sentence_transformers_router_routes_are_components(tmp_path: Path) -> None:
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Router, StaticEmbedding, Transformer
+    from tokenizers import Tokenizer
+    from transformers import BertConfig, BertModel
+
+    from tests.hf_fixtures import word_tokenizer
+
+    base = tmp_path / "bert"
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         intermediate_size=48, max_position_embeddings=40)).save_pretrained(base)
+    word_tokenizer(base, 64)
+    static = StaticEmbedding(Tokenizer.from_file(str(base / "tokenizer.json")), embedding_dim=8)
+    router = Router.for_query_document(query_modules=[static],
+                                       document_modules=[Transformer(str(base)), Pooling(32), Dense(32, 8)])
+    src = tmp_path / "st"
+    SentenceTransformer(modules=[router], device="cpu").save(str(src))
+    plan = build_dir(src, tmp_path / "plan", dry_run=True)
+    assert ("source layout: sentence-transformers; components: query_0_StaticEmbedding (query_0_StaticEmbedding, "
+            "transformers), document_0_Transformer (document_0_Transformer, transformers), document_2_Dense "
+            "(document_2_Dense, transformers)") in plan.notes
+    out = tmp_path / "out"
+    build_dir(src, out)
+    md = import_loader(out).model_dir()
+    assert {"router_config.json", "query_0_StaticEmbedding/model.safetensors", "query_0_StaticEmbedding/tokenizer.json",
+            "document_0_Transformer/model.safetensors", "document_1_Pooling/config.json",
+            "document_2_Dense/model.safetensors"} <= files_of(md)
+    want, got = SentenceTransformer(str(src), device="cpu"), SentenceTransformer(str(md), device="cpu")
+    texts = ["w1 w2 w3", "w4 w5"]
+    assert torch.equal(got.encode_query(texts, convert_to_tensor=True), want.encode_query(texts, convert_to_tensor=True))
+    assert torch.equal(got.encode_document(texts, convert_to_tensor=True),
+                       want.encode_document(texts, convert_to_tensor=True))
