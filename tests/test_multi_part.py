@@ -124,6 +124,7 @@ def test_sentence_transformers_router_routes_are_components(tmp_path: Path) -> N
             "document_2_Dense/model.safetensors"} <= files_of(md)
     want, got = SentenceTransformer(str(src), device="cpu"), SentenceTransformer(str(md), device="cpu")
     texts = ["w1 w2 w3", "w4 w5"]
-    assert torch.equal(got.encode_query(texts, convert_to_tensor=True), want.encode_query(texts, convert_to_tensor=True))
+    assert torch.equal(got.encode_query(texts, convert_to_tensor=True),
+                       want.encode_query(texts, convert_to_tensor=True))
     assert torch.equal(got.encode_document(texts, convert_to_tensor=True),
                        want.encode_document(texts, convert_to_tensor=True))
