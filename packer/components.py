@@ -33,6 +33,7 @@ from typing import Any
 
 from packer.errors import WeightsError
 from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, foreign_weights
+from packer.idents import check_rel_name
 
 MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
            ("peft", "adapter_config.json"))
@@ -58,11 +59,19 @@ class Component:
     path: str
     library: str
     files: tuple[str, ...]
+    own_stem: str | None = None  # a variant (weights.variants) keeps its own name: "model.int8"
 
     @property
     def stem(self) -> str:
         """The weight file's stem in the model directory (``diffusion_pytorch_model``)."""
-        return STEMS.get(self.library, "model")
+        return self.own_stem or STEMS.get(self.library, "model")
+
+    @property
+    def out(self) -> str:
+        """Its folder under ``weights/`` in OUT (a variant's own, beside its folder's model)."""
+        if self.own_stem is None:
+            return self.path
+        return f"{self.path}/variants/{self.own_stem}" if self.path else f"variants/{self.own_stem}"
 
 
 @dataclass(frozen=True)
@@ -75,11 +84,12 @@ class SourceLayout:
     @property
     def multi(self) -> bool:
         """True unless it is one plain model at the root (today's single conversion)."""
-        return self.kind != "model"
+        return self.kind != "model" or len(self.components) > 1
 
     def describe(self) -> str:
         """One line for the build's notes and ``--dry-run``."""
-        parts = ", ".join(f"{c.name} ({c.path or '.'}, {c.library})" for c in self.components)
+        parts = ", ".join(f"{c.name} ({c.path or '.'}, {c.library}"
+                          f"{f', as {c.stem}.safetensors' if c.own_stem else ''})" for c in self.components)
         return f"source layout: {self.kind}; components: {parts}"
 
 
@@ -258,6 +268,32 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
     return SourceLayout(layout, tuple(comps))
 
 
+def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -> SourceLayout:
+    """``layout`` plus one component per ``weights.variants`` file, written under its own name.
+
+    A library may load a second weight file by name beside the model's (``model.int8.safetensors``
+    next to ``model.safetensors``); each variant is converted on its own, as one file named
+    ``<its stem>.safetensors`` in its folder of the model directory.
+
+    Raises:
+        WeightsError: a name that is no relative file name, not a checkpoint file, missing, or
+            that is also another component's name.
+    """
+    comps = list(layout.components)
+    for rel in variants:
+        where = "weights.variants"
+        name = check_rel_name(rel, where=where, error=WeightsError)
+        stem, suffix = name.name[: -len(name.suffix)] if name.suffix else name.name, name.suffix
+        if suffix not in WEIGHT_SUFFIXES or not _NAME.match(stem) or not (root / rel).is_file():
+            raise WeightsError(f"{where}: {rel!r} is not a checkpoint file in {root} "
+                               f"({'/'.join(WEIGHT_SUFFIXES)})")
+        if any(c.name == stem for c in comps):
+            raise WeightsError(f"{where}: {rel!r} would be named {stem!r}, as another component is")
+        folder = str(name.parent) if str(name.parent) != "." else ""
+        comps.append(Component(stem, folder, "transformers", (name.name,), own_stem=stem))
+    return SourceLayout(layout.kind, tuple(comps))
+
+
 def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:
     """Checkpoint files under ``root`` (hidden folders skipped, a few levels deep), other
     frameworks' weight files (GGUF, ONNX, TensorFlow, Flax) included."""
@@ -301,7 +337,7 @@ def model_tree(section: dict[str, Any]) -> list[list[str]]:
     pairs = []
     for comp in components_of(section):
         base = comp.get("path", "")
-        stem = STEMS.get(comp.get("library", "transformers"), "model")
+        stem = comp.get("stem") or STEMS.get(comp.get("library", "transformers"), "model")
         for rel in [*comp["files"], *([comp["index"]] if comp.get("index") else [])]:
             name = _renamed(Path(rel).name, stem)
             pairs.append([f"{base}/{name}" if base else name, rel])

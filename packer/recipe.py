@@ -61,6 +61,9 @@ class WeightsConfig:
     # what the source is (packer.components): "auto" by its marker files, or forced
     layout: str = "auto"
     components: tuple[str, ...] = ()  # build only these components (empty: all)
+    # weight files a library loads by name beside the model's ("model.int8.safetensors"): each
+    # converted on its own and kept under its own name
+    variants: tuple[str, ...] = ()
     # expanded views are written out: the output may be this many times the input storages' bytes + 1 GiB
     max_expansion: float = 4.0
 
@@ -336,7 +339,7 @@ _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
     "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
-    "max_expansion": _ratio,
+    "max_expansion": _ratio, "variants": _str_list,
 }
 _BUNDLE = {"include": _str_list, "exclude": _str_list, "remote_code": _bool}
 _IMAGE = {

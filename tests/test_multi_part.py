@@ -128,3 +128,41 @@ def test_sentence_transformers_router_routes_are_components(tmp_path: Path) -> N
                        want.encode_query(texts, convert_to_tensor=True))
     assert torch.equal(got.encode_document(texts, convert_to_tensor=True),
                        want.encode_document(texts, convert_to_tensor=True))
+
+
+def test_weight_variants_are_kept_under_their_own_names(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    full = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    int8 = {"w": torch.randint(-128, 127, (4, 4), dtype=torch.int8), "scale": torch.rand(4)}
+    save_file(full, src / "model.safetensors")
+    save_file(int8, src / "model.int8.safetensors")
+    plain = build_dir(src, tmp_path / "plain", dry_run=True)
+    assert plain.manifest["weights"]["left_out"] == ["model.int8.safetensors"]
+    plan = build_dir(src, tmp_path / "plan", dry_run=True, weights={"variants": ["model.int8.safetensors"]})
+    assert ("source layout: model; components: model (., transformers), model.int8 (., transformers, "
+            "as model.int8.safetensors)") in plan.notes
+    assert plan.manifest["weights"].get("left_out", []) == []
+    out = tmp_path / "out"
+    build_dir(src, out, weights={"variants": ["model.int8.safetensors"]})
+    pl = import_loader(out)
+    md = pl.model_dir()
+    assert {"model.safetensors", "model.int8.safetensors"} <= files_of(md)
+    for name, want in (("model.safetensors", full), ("model.int8.safetensors", int8)):
+        got = load_file(md / name)
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert set(pl.load_weights("cpu")) == set(full)  # the root model is still the default
+    assert set(pl.load_weights("cpu", component="model.int8")) == set(int8)
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    verified = CliRunner().invoke(main, ["verify", str(out)])
+    assert verified.exit_code == 0, verified.output
+    from packer.errors import WeightsError
+
+    for bad, reason in (("../x.safetensors", "not a relative file name"), ("config.json", "not a checkpoint file")):
+        with pytest.raises(WeightsError, match=reason):
+            build_dir(src, tmp_path / "bad", dry_run=True, weights={"variants": [bad]})
