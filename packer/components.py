@@ -263,8 +263,12 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
                                f"with weights here (found: {', '.join(c.name for c in comps) or 'none'})")
         comps = [c for c in comps if c.name in only]
     if not comps:
-        raise WeightsError(f"{root}: a {layout} layout ({dict(MARKERS)[layout]}) but no component holds a "
-                           "checkpoint; set weights.layout = \"model\" to convert the root alone")
+        marker = "config.json" if layout == "diffusers" and not (root / "model_index.json").is_file() \
+            else dict(MARKERS)[layout]
+        at_root = any(p.suffix in WEIGHT_SUFFIXES for p in _checkpoints(root, _SEARCH_DEPTH))
+        way = ("set weights.layout = \"model\" to convert the root alone" if at_root
+               else "nor does the root: there are no weights here to build")
+        raise WeightsError(f"{root}: a {layout} layout ({marker}) but no component holds a checkpoint; {way}")
     return SourceLayout(layout, tuple(comps))
 
 

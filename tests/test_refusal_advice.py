@@ -203,3 +203,20 @@ def test_a_foreign_file_beside_the_weights_is_named_left_out(tmp_path: Path, nam
     result = build_dir(src, tmp_path / "out", dry_run=True)
     assert result.manifest["weights"]["left_out"] == [name]
     assert f"left out: {name}: {what}, which packer does not convert" in result.notes
+
+
+def test_a_layout_without_weights_advises_only_what_builds(tmp_path: Path) -> None:
+    from packer.errors import WeightsError
+
+    src = tmp_path / "src"
+    (src / "1_Pooling").mkdir(parents=True)
+    (src / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "1_Pooling",
+                                                   "type": "sentence_transformers.models.Pooling"}]))
+    with pytest.raises(WeightsError, match="no component holds a checkpoint; nor does the root: there are no "
+                                           "weights here to build"):
+        build_dir(src, tmp_path / "a", dry_run=True)
+    torch.save({"w": torch.ones(2)}, src / "weights.pt")
+    with pytest.raises(WeightsError, match=r'set weights.layout = "model" to convert the root alone'):
+        build_dir(src, tmp_path / "b", dry_run=True)
+    followed = build_dir(src, tmp_path / "c", dry_run=True, weights={"layout": "model"})  # the advice, followed
+    assert list(followed.manifest["weights"]["tensors"]) == ["w"]
