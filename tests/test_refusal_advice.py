@@ -220,3 +220,14 @@ def test_a_layout_without_weights_advises_only_what_builds(tmp_path: Path) -> No
         build_dir(src, tmp_path / "b", dry_run=True)
     followed = build_dir(src, tmp_path / "c", dry_run=True, weights={"layout": "model"})  # the advice, followed
     assert list(followed.manifest["weights"]["tensors"]) == ["w"]
+
+
+def test_a_module_beside_top_level_tensors_keeps_the_placeholder_advice(tmp_path: Path) -> None:
+    """A module object next to the tensors is an entry beside the state dict: its flags, followed, convert."""
+    torch.save({"w": torch.arange(4.0), "act": torch.nn.ReLU()}, tmp_path / "ckpt.pt")
+    code, output = convert(tmp_path / "ckpt.pt", tmp_path / "refused")
+    line = one_line(output)
+    assert code == 1 and "--allow-global torch.nn.modules.activation.ReLU" in line and MODULE_ADVICE not in line
+    code, output = convert(tmp_path / "ckpt.pt", tmp_path / "out", "--allow-global", "torch.nn.modules.activation.ReLU")
+    assert code == 0, output
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["w"], torch.arange(4.0))

@@ -25,7 +25,7 @@ import shlex
 from typing import Any
 
 from packer.checkpoint.placeholders import PLACEHOLDER_TYPES, GlobalPolicy, PlaceholderDict
-from packer.checkpoint.tree import Global, PickleDict
+from packer.checkpoint.tree import Global, PickleDict, TensorRef
 from packer.errors import CheckpointError, DisallowedGlobalError
 
 MAX_NAMED = 40  # globals named in one message; the flags list is cut at the same place
@@ -121,10 +121,15 @@ def _state_dict_key(value: object) -> str | None:
 
 
 def module_refusal(where: str, value: object) -> str | None:
-    """The refusal of a pickled model object (:func:`pickled_module`), unless a state dict
-    sits beside it at the top (then a key is the way out, as :func:`one_message` says)."""
+    """The refusal of a pickled model object (:func:`pickled_module`), unless the weights sit
+    beside it at the top: a state dict under a key (then the key is the way out, as
+    :func:`one_message` says), or tensors of the top-level dict itself (the module is then
+    an entry beside them, as hyper-parameters are)."""
     module = pickled_module(value)
-    if module is None or (module[1] is not None and _state_dict_key(value)):
+    if module is None:
+        return None
+    if module[1] is not None and isinstance(value, dict) and (
+            _state_dict_key(value) or any(isinstance(v, TensorRef) for v in value.values())):
         return None
     return module_message(where, module)
 
