@@ -89,7 +89,7 @@ class SourceLayout:
     def describe(self) -> str:
         """One line for the build's notes and ``--dry-run``."""
         parts = ", ".join(f"{c.name} ({c.path or '.'}, {c.library}"
-                          f"{f', as {c.stem}.safetensors' if c.own_stem else ''})" for c in self.components)
+                          f"{f', as {c.stem}{SAFETENSORS_SUFFIX}' if c.own_stem else ''})" for c in self.components)
         return f"source layout: {self.kind}; components: {parts}"
 
 
