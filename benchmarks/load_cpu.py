@@ -4,7 +4,8 @@ Generates a >= 1 GB model once under benchmarks/_work/ (safetensors + the same w
 torch pickle), then measures, interleaved, min/median/max of:
 
 * time to a usable state dict: ``Loader.load_weights("cpu")`` (mapped views),
-  ``safetensors.torch.load_file``, ``torch.load(weights_only=True, mmap=False)``;
+  ``safetensors.torch.load_file``, ``torch.load(weights_only=True, mmap=True)`` (lazy views of the
+  file, the fair peer of packer's mapped views) and ``mmap=False`` (an eager read);
 * a forced private copy: ``load_weights("cpu", copy=True)`` (fresh memory, 4 KiB pages and
   again on huge pages with ``PACKER_HUGEPAGES=1``) and
   ``load_into(module)`` (existing tensors) against one ``readinto`` of the whole file into a
@@ -168,11 +169,12 @@ def main() -> int:
     for p in (st, pt):
         readinto_whole(p, bytearray(p.stat().st_size))  # warm the page cache
     module = module_like(m)
-    keys = ("packer", "safetensors", "torch.load", "copy", "copy-thp", "into", "readinto")
+    keys = ("packer", "safetensors", "torch.load-mmap", "torch.load", "copy", "copy-thp", "into", "readinto")
     runs: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(args.reps):  # interleaved: every candidate once per round
         runs["packer"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu")))
         runs["safetensors"].append(timed(lambda: load_file(str(st))))
+        runs["torch.load-mmap"].append(timed(lambda: torch.load(str(pt), weights_only=True, mmap=True)))
         runs["torch.load"].append(timed(lambda: torch.load(str(pt), weights_only=True, mmap=False)))
         runs["copy"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu", copy=True)))
         os.environ["PACKER_HUGEPAGES"] = "1"
@@ -190,8 +192,10 @@ def main() -> int:
     print(row("packer load_weights(cpu): usable state dict", runs["packer"], extra="mapped views"))
     print(row("safetensors.torch.load_file", runs["safetensors"],
               extra=f"packer is {med['safetensors'] / med['packer']:.1f}x faster (median)"))
-    print(row("torch.load(weights_only=True) of a pickle", runs["torch.load"],
-              extra=f"packer is {med['torch.load'] / med['packer']:.0f}x faster (median)"))
+    print(row("torch.load(weights_only=True, mmap=True) of a pickle", runs["torch.load-mmap"],
+              extra=f"packer is {med['torch.load-mmap'] / med['packer']:.1f}x faster (median; both lazy views)"))
+    print(row("torch.load(weights_only=True, mmap=False) of a pickle", runs["torch.load"],
+              extra=f"packer is {med['torch.load'] / med['packer']:.0f}x faster (median; an eager read)"))
     print(row("packer load_weights(cpu, copy=True): private copy", runs["copy"], extra=f"{gbps['copy']:.2f} GB/s"))
     print(row("the same on huge pages (PACKER_HUGEPAGES=1)", runs["copy-thp"], extra=f"{gbps['copy-thp']:.2f} GB/s"))
     print(row("packer load_into(module on cpu): into existing tensors", runs["into"],

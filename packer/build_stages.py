@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from packer.errors import SignError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
+from packer.reading import SIGNATURE, read_bytes
 from packer.stage import Stage, StageContext, StageOutput
 
 
@@ -121,7 +123,7 @@ def provenance_stage(ctx: StageContext) -> StageOutput:
     from packer.sign.provenance import SLSA_PROVENANCE_V1, write_provenance
 
     out = write_provenance(ctx.staging, final_manifest(ctx), load_signing_key(ctx.recipe.sign_key() or ""))
-    attach_provenance(ctx.staging, (ctx.staging / out.files[0].path).read_bytes(),
+    attach_provenance(ctx.staging, read_bytes(ctx.staging / out.files[0].path, SIGNATURE, error=SignError),
                       tag=ctx.outputs["image"].section["tag"], predicate_type=SLSA_PROVENANCE_V1)
     return out
 

@@ -1,7 +1,8 @@
 """The ``packer`` command line: parse options, call one library function, print.
 
 No logic lives here. Library errors (:class:`PackerError`) become one line on stderr and exit
-code 1 in one place (:func:`_common`); click's usage errors exit with 2. Everything printed goes
+code 1 (a :class:`~packer.errors.UsageError` 2) in one place (:func:`_common`); click's usage
+errors exit with 2. Everything printed goes
 through :meth:`Ctx.log`, :meth:`Ctx.emit` or :func:`_error`, which show input text escaped
 (:mod:`packer.show`): a message built anywhere in the library cannot reach the terminal raw. Library modules are
 imported inside the commands so that ``packer --help`` stays fast and never imports torch.
@@ -25,7 +26,7 @@ import click
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
 from packer.formats import CAST_DTYPES, MANIFEST_NAME
-from packer.fsutil import check_regular
+from packer.reading import check_regular
 from packer.show import show, show_json
 
 
@@ -143,7 +144,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
             fn(ctx, **kwargs)
         except (PackerError, ImportError) as e:  # a missing package is named as itself
             _error(e, str(missing_dependency(e) if isinstance(e, ImportError) else e), debug)
-            sys.exit(1)
+            sys.exit(e.exit_code if isinstance(e, PackerError) else 1)
         except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
@@ -418,14 +419,14 @@ def profile(ctx: Ctx, out: Path, device: str, verify_: bool) -> None:
 @click.option("--tls-verify/--no-tls-verify", default=True, show_default=True)
 @_common
 def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
-    """Push OUT's image to a registry REF (through skopeo).
+    """Verify OUT, then push its image to a registry REF (through skopeo).
 
     \b
     Example:
       packer push dist registry.example.com/team/model:1.0
     """
-    from packer.oci.push import push as run_push
     from packer.oci.referrer import referrers_tag
+    from packer.push import push as run_push
 
     pushed = run_push(out, ref, tls_verify=tls_verify)
     for where, digest in pushed.items():

@@ -24,7 +24,6 @@ diffusion_pytorch_model.safetensors``, ``text_encoder/model.safetensors``,
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,13 +32,13 @@ from typing import Any
 
 from packer.errors import WeightsError
 from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, foreign_weights
-from packer.idents import check_rel_name
+from packer.idents import check_rel_name, shown
+from packer.reading import JSON_DOC, MARKER, parse_json, read_bytes, read_json
 
 MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
            ("peft", "adapter_config.json"))
 STEMS = {"transformers": "model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
 ROOT_NAME = "model"  # the root component's name (sentence-transformers' transformer, a plain model)
-MAX_MARKER_BYTES = 1 << 20  # these JSON files are a few hundred bytes
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 _SEARCH_DEPTH = 3  # how deep a left-out checkpoint is looked for
 
@@ -93,18 +92,41 @@ class SourceLayout:
         return f"source layout: {self.kind}; components: {parts}"
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Duplicate(f"the key {shown(key)} appears twice")
+        out[key] = value
+    return out
+
+
+class _Duplicate(Exception):  # noqa: N818 - not a ValueError: it passes the parser's own handling
+    pass
+
+
 def _read_json(path: Path) -> Any:
+    raw = read_bytes(path, MARKER, error=WeightsError)
     try:
-        if path.stat().st_size > MAX_MARKER_BYTES:
-            raise ValueError(f"larger than {MAX_MARKER_BYTES} bytes")
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{path}: unreadable: {e}") from e
+        return parse_json(raw, MARKER, where=str(path), error=WeightsError, object_pairs_hook=_no_duplicates)
+    except _Duplicate as e:
+        raise WeightsError(f"{path}: {e}; each component folder is named once") from None
+
+
+def _once(marker: Path, names: list[str]) -> list[str]:
+    """``names``, refusing one listed twice (two components would convert into one folder)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise WeightsError(f"{marker}: the folder {shown(name or '.')} is listed twice; "
+                               "each component folder is named once")
+        seen.add(name)
+    return names
 
 
 def _checked_name(marker: Path, name: Any) -> str:
     if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
-        raise WeightsError(f"{marker}: component {str(name)[:80]!r} is not a plain folder name; "
+        raise WeightsError(f"{marker}: component {shown(name)} is not a plain folder name; "
                            "fix the file or set weights.layout = \"model\"")
     return name
 
@@ -127,9 +149,11 @@ def _diffusers_entries(root: Path) -> list[tuple[str, str]]:
     index = _read_json(marker)
     if not isinstance(index, dict):
         raise WeightsError(f"{marker}: not an object")
-    return [(_checked_name(marker, key), "diffusers" if value[0] == "diffusers" else "transformers")
-            for key, value in sorted(index.items())
-            if not key.startswith("_") and isinstance(value, list) and len(value) == 2]
+    entries = [(_checked_name(marker, key), "diffusers" if value[0] == "diffusers" else "transformers")
+               for key, value in sorted(index.items())
+               if not key.startswith("_") and isinstance(value, list) and len(value) == 2]
+    _once(marker, [name for name, _ in entries])
+    return entries
 
 
 def _module_paths(root: Path) -> list[str]:
@@ -145,21 +169,21 @@ def _module_paths(root: Path) -> list[str]:
             raise WeightsError(f"{marker}: a module without a path: {str(m)[:80]!r}")
         path = path.strip("/")
         out.append(_checked_name(marker, path) if path else path)
-    return out
+    return _once(marker, out)
 
 
 def lone_diffusers_model(root: Path) -> bool:
     """True when ``root`` is one diffusers model on its own (no ``model_index.json``): its
     ``config.json`` carries ``_class_name`` and ``_diffusers_version``."""
     config = root / "config.json"
-    if (root / "model_index.json").is_file() or not config.is_file():
+    if (root / "model_index.json").exists() or not config.is_file():
         return False
-    doc = _read_json(config)
+    doc = read_json(config, JSON_DOC, error=WeightsError)  # a model's config, not a small layout file
     return isinstance(doc, dict) and isinstance(doc.get("_class_name"), str) and "_diffusers_version" in doc
 
 
 def _diffusers(root: Path) -> list[Component]:
-    if not (root / "model_index.json").is_file():  # forced, or detected: a lone model
+    if not (root / "model_index.json").exists():  # forced, or detected: a lone model (a FIFO is refused below)
         files = checkpoint_of(root, STEMS["diffusers"]) if lone_diffusers_model(root) else ()
         return [Component(ROOT_NAME, "", "diffusers", files)] if files else []
     out = []

@@ -8,7 +8,7 @@ class name and finds the class here, so every class the library raises must live
 
 Every message is one line that says what was wrong, where (file, key path, tensor or
 member name) and, where there is one, what to do about it. The CLI turns any
-:class:`PackerError` into exit code 1; nothing else in the library prints or exits.
+:class:`PackerError` into its ``exit_code`` (1; :class:`UsageError` 2); nothing else in the library prints or exits.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 class PackerError(Exception):
     """Base class: a failed build, bad input or a mismatch (exit code 1)."""
+
+    exit_code = 1
 
     def with_context(self, context: str) -> PackerError:
         """Return a copy of this error whose message is prefixed with ``context: ``.
@@ -87,6 +89,13 @@ class BundleError(PackerError):
 
 class ImageError(PackerError):
     """Building, reading or pushing the OCI image failed."""
+
+
+class UsageError(PackerError):
+    """An argument that is not what the command takes (a push REF that is no registry
+    reference): exit code 2, as click's usage errors, but one line."""
+
+    exit_code = 2
 
 
 class VerifyError(PackerError):

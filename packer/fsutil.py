@@ -9,15 +9,17 @@ import json
 import os
 import queue
 import shutil
-import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any
 
-from packer.errors import PackerError
+from packer.reading import check_regular as check_regular  # moved to packer.reading; kept for callers
+from packer.reading import file_kind as file_kind
+from packer.reading import not_regular as not_regular
+from packer.reading import open_regular
 
 CHUNK = 8 * 2**20
 
@@ -43,11 +45,12 @@ def sha256_file(path: str | Path, stop: threading.Event | None = None) -> tuple[
     """Return ``(size, sha256 hex)`` of a file, read in large chunks.
 
     Raises:
-        OSError: unreadable; InterruptedError: ``stop`` was set before the end.
+        PackerError: not a regular file; OSError: unreadable; InterruptedError: ``stop`` was set
+            before the end.
     """
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:  # a FIFO is refused, never waited on
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -230,7 +233,8 @@ def link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, tmp)
     except OSError:  # another file system, or links not allowed: copy instead
-        shutil.copyfile(src, tmp)
+        with open_regular(src) as f, open(tmp, "xb") as out:
+            shutil.copyfileobj(f, out, CHUNK)
     os.replace(tmp, dst)
 
 
@@ -252,57 +256,3 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o666) -> None
     """Write ``data`` to ``path`` atomically."""
     with atomic_open(path, mode) as f:
         f.write(data)
-
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def file_kind(mode: int) -> str:
-    """What ``mode`` (``st_mode``) describes, in words: ``"a regular file"``, ``"a FIFO (named pipe)"``..."""
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
-
-
-def not_regular(path: str | Path, mode: int, error: type[PackerError]) -> PackerError:
-    """The one-line refusal of an input that is not a regular file (``mode`` says what it is)."""
-    return error(f"{path}: is {file_kind(mode)}, not a regular file; packer reads only regular files "
-                 "(a FIFO, device or socket could block or never end): copy the data into a file")
-
-
-def check_regular(path: str | Path, error: type[PackerError] = PackerError) -> os.stat_result:
-    """``os.stat(path)`` (links followed), refusing anything but a regular file before it is opened.
-
-    Raises:
-        error: ``path`` is a directory, FIFO, socket or device (:func:`not_regular`).
-        OSError: ``path`` cannot be stat'ed (missing...).
-    """
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise not_regular(path, st.st_mode, error)
-    return st
-
-
-def open_regular(path: str | Path, error: type[PackerError] = PackerError) -> BinaryIO:
-    """Open an input file for reading, refusing anything but a regular file without blocking.
-
-    The type is checked before the open (a device is never opened), and again on the open
-    descriptor: the open itself is non-blocking, so a FIFO swapped in between returns at once
-    and is refused instead of waiting for a writer.
-
-    Raises:
-        error: not a regular file (:func:`not_regular`).
-        OSError: missing or unreadable.
-    """
-    check_regular(path, error)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise not_regular(path, mode, error)
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise

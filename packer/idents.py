@@ -23,7 +23,6 @@ from packer.errors import PackerError
 # algorithm -> hex digits of its digest (the OCI image spec's registered algorithms)
 DIGEST_HEX = {"sha256": 64, "sha512": 128}
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
-MAX_REF_FILE = 4096  # a ref file holds 40 hex digits and a newline
 MAX_REF_NAME = 255
 # git check-ref-format: no control characters, space, ~ ^ : ? * [ \ anywhere
 _REF_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
@@ -72,25 +71,6 @@ def check_revision(value: str, *, where: str, error: ErrorClass) -> str:
     raise error(f"{where}: revision {shown(value)} is neither a commit hash nor a branch or tag name")
 
 
-def read_ref_file(path: Path, *, where: str, error: ErrorClass) -> str:
-    """The commit hash a hub cache's ``refs/<name>`` file holds (surrounding whitespace allowed).
-
-    Raises:
-        error: the file is unreadable, too large, or holds anything but one commit hash (a
-            path into another repository, an absolute path...); the message names the file.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_REF_FILE + 1)
-    except OSError as e:
-        raise error(f"{where}: cannot read {path}: {e.strerror or e}") from e
-    text = raw.decode("ascii", "replace").strip()
-    if len(raw) > MAX_REF_FILE or not is_commit(text):
-        raise error(f"{where}: {path} does not hold a commit hash (40 hex digits), got {shown(text)}; "
-                    "delete it and download the model again")
-    return text
-
-
 def check_rel_name(value: object, *, where: str, error: ErrorClass) -> PurePosixPath:
     """A relative POSIX file name from an input (``model-00001-of-00002.safetensors``, ``a/b.json``).
 
@@ -109,15 +89,18 @@ def check_rel_name(value: object, *, where: str, error: ErrorClass) -> PurePosix
 def link_roots(src: Path) -> tuple[Path, ...]:
     """Where paths found under the source directory ``src`` may lead, resolved.
 
-    ``src`` itself; for a Hugging Face cache snapshot (``<repo>/snapshots/<commit>`` beside
-    ``<repo>/blobs``) the snapshot as it lies in its repository and that repository's
-    ``blobs/``, so a link into another snapshot, another repository or out of the cache leads
-    outside.
+    ``src`` itself; inside a Hugging Face cache snapshot (``<repo>/snapshots/<commit>`` beside
+    ``<repo>/blobs``), for the snapshot or a folder of it (a diffusers component, a
+    sentence-transformers module), that folder as it lies in its repository and that
+    repository's ``blobs/``: the cache links every file there. A link into another snapshot,
+    another repository, another folder of the snapshot or out of the cache leads outside.
     """
     src = Path(src)
-    if src.parent.name == "snapshots" and (src.parent.parent / "blobs").is_dir():
-        repo = Path(os.path.realpath(src.parent.parent))
-        return repo / "snapshots" / src.name, repo / "blobs"
+    for up, snapshot in enumerate((src, *src.parents)):
+        if snapshot.parent.name == "snapshots" and (snapshot.parent.parent / "blobs").is_dir():
+            repo = Path(os.path.realpath(snapshot.parent.parent))
+            inner = src.parts[len(src.parts) - up:] if up else ()
+            return repo.joinpath("snapshots", snapshot.name, *inner), repo / "blobs"
     return (Path(os.path.realpath(src)),)
 
 

@@ -4,9 +4,8 @@ A shape is data: :class:`Obj` (required and optional keys; other keys pass throu
 OCI specs allow extensions), :class:`ListOf`, :class:`MapOf`, :class:`Nullable` and leaf
 checks (:data:`STR`, :data:`SIZE`, :func:`leaf`). :func:`check_shape` walks a parsed
 document once against it; the first fault becomes one line naming the file, the JSON path
-(``manifests[0].digest``) and what was expected. :func:`parse_json` refuses documents that
-are too large or nested too deeply before the parser sees them (Python's parser recurses, so
-a 100,000-deep array would end in ``RecursionError``).
+(``manifests[0].digest``) and what was expected. Documents are parsed with their bounds by
+:func:`packer.reading.parse_json`, which takes a shape too.
 """
 
 from __future__ import annotations
@@ -18,10 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from packer.idents import ErrorClass, shown
-
-# a string, or an unterminated one up to the end: one left-to-right pass, whatever the input
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
 class Shape(Protocol):
@@ -148,25 +143,3 @@ def check_shape(doc: Any, shape: Shape, *, where: str, error: ErrorClass) -> Non
     if f := shape.fault(doc, ""):
         path, expected, value = f
         raise error(f"{where}: {path or 'top level'}: expected {expected}, got {described(value)}")
-
-
-def parse_json(raw: bytes, *, where: str, error: ErrorClass, max_bytes: int, max_depth: int) -> Any:
-    """Parse ``raw`` after checking its size and nesting depth (strings do not count).
-
-    Raises:
-        error: larger than ``max_bytes``, nested deeper than ``max_depth`` or unbalanced, not
-            UTF-8 JSON.
-    """
-    if len(raw) > max_bytes:
-        raise error(f"{where}: {len(raw)} bytes, over the limit of {max_bytes} for this document")
-    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    for _ in range(max_depth):  # each pass removes the innermost level: linear in size x depth
-        if not brackets:
-            break
-        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
-    if brackets:
-        raise error(f"{where}: arrays and objects nested deeper than {max_depth} levels (or unbalanced)")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise error(f"{where}: not JSON: {e}") from None

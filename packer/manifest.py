@@ -9,7 +9,7 @@ written by the image stage. Timings never enter it: they go to ``build-timings.j
 
 from __future__ import annotations
 
-import json
+import os
 import platform
 from collections.abc import Iterable
 from importlib import metadata
@@ -20,6 +20,7 @@ import packer
 from packer.errors import VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json
+from packer.reading import MANIFEST, parse_json, read_bytes
 
 SCHEMA_VERSION = 1
 TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical
@@ -74,13 +75,20 @@ def load_manifest(out: Path) -> dict[str, Any]:
     Raises:
         VerifyError: missing, unreadable or not a packer manifest.
     """
+    return read_manifest(out)[1]
+
+
+def read_manifest(out: Path) -> tuple[bytes, dict[str, Any]]:
+    """``(bytes, parsed)`` of ``OUT/manifest.json`` (regular, bounded, nesting within bounds).
+
+    Raises:
+        VerifyError: missing, unreadable or not a packer manifest.
+    """
     path = out / MANIFEST_NAME
-    try:
-        data = json.loads(path.read_bytes())
-    except FileNotFoundError as e:
-        raise VerifyError(f"{path}: missing; is {out} a packer build output?") from e
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{path}: unreadable: {e}") from e
+    if not os.path.lexists(path):
+        raise VerifyError(f"{path}: missing; is {out} a packer build output?")
+    raw = read_bytes(path, MANIFEST, error=VerifyError, where=f"{path}: unreadable")
+    data = parse_json(raw, MANIFEST, where=f"{path}: unreadable", error=VerifyError)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION or not isinstance(data.get("files"), dict):
         raise VerifyError(f"{path}: not a packer manifest of schema {SCHEMA_VERSION}")
-    return data
+    return raw, data

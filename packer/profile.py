@@ -2,11 +2,12 @@
 
 The loader prints its stage table as one JSON line (``PACKER_STARTUP_LOG=json``) and
 ``python -X importtime`` adds one line per import; both arrive on stderr and are parsed here.
+OUT is an input: a FIFO or device anywhere in it is refused before the child starts, which
+would block on it, and each report line is parsed with the bounds of :mod:`packer.reading`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 from packer.errors import LoaderError
 from packer.formats import LOADER_NAME
+from packer.reading import REPORT, irregular_entries, not_regular, parse_json
 
 TOP_IMPORTS = 10
 _STAGE_KEYS = ("stage", "seconds", "bytes", "gbps")
@@ -29,6 +31,7 @@ def parse_stderr(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
     stages: list[dict[str, Any]] = []
     imports: list[dict[str, Any]] = []
     other: list[str] = []
+    total: float | None = None
     for line in text.splitlines():
         if line.startswith("import time:"):
             parts = [p.strip() for p in line[len("import time:"):].split("|")]
@@ -39,9 +42,11 @@ def parse_stderr(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
         rec = _json_line(line)
         if rec is not None and "startup" in rec:
             stages += [{k: s.get(k) for k in _STAGE_KEYS} for s in rec["startup"]]
-            stages.append({"stage": "total", "seconds": rec.get("total_s"), "bytes": 0, "gbps": None})
+            total = rec.get("total_s")  # since the process's first stage: the last line's is the whole
         elif line.strip():
             other.append(line)
+    if stages:
+        stages.append({"stage": "total", "seconds": total, "bytes": 0, "gbps": None})
     imports.sort(key=lambda r: (-r["cumulative_us"], r["module"]))
     return stages, imports, other
 
@@ -50,8 +55,8 @@ def _json_line(line: str) -> dict[str, Any] | None:
     if not line.startswith("{"):
         return None
     try:
-        rec = json.loads(line)
-    except ValueError:
+        rec = parse_json(line, REPORT, where="the self-test's report", error=LoaderError)
+    except LoaderError:
         return None
     return rec if isinstance(rec, dict) else None
 
@@ -75,6 +80,8 @@ def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
     loader = Path(out_dir).absolute() / LOADER_NAME  # the child runs in OUT: a relative path would name OUT twice
     if not loader.is_file():
         raise LoaderError(f"{loader}: missing; build first with `packer build -o {out_dir}`")
+    if odd := irregular_entries(loader.parent):  # the self-test would block on the first one it opens
+        raise not_regular(odd[0], os.stat(odd[0]).st_mode, LoaderError)
     cmd = [sys.executable, "-X", "importtime", str(loader), "--selftest", "--device", device]
     if verify:
         cmd.append("--verify")

@@ -7,6 +7,7 @@ expected, e.g. ``weights.max_shard_size: expected a size like "5GB", got 12``.
 
 from __future__ import annotations
 
+import posixpath
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 from packer.errors import RecipeError
 from packer.formats import CAST_DTYPES, LAYOUTS
 from packer.fsutil import open_regular
+from packer.show import show
 
 DTYPES = tuple(CAST_DTYPES)
 COMPRESSIONS = ("gzip", "zstd", "none")
@@ -274,9 +276,21 @@ def _user(path: str, v: Any) -> str:
     return v
 
 
+def _is_clean_abs(v: str) -> bool:
+    """An absolute path as Docker's WORKDIR records it (``path.Clean``): no ``..``, ``.``,
+    ``//`` or trailing ``/``, so the image config and the Dockerfile say the same."""
+    return v.startswith("/") and not v.startswith("//") and posixpath.normpath(v) == v and ".." not in v.split("/")
+
+
 def _abs_path(path: str, v: Any) -> str:
-    if not isinstance(v, str) or not v.startswith("/") or ".." in v.split("/"):
-        raise _fail(path, "an absolute path without '..'", v)
+    if not isinstance(v, str) or not _is_clean_abs(v):
+        raise _fail(path, "an absolute path, clean (no '..', '.', '//' or trailing '/'), such as /srv", v)
+    return v
+
+
+def _prefix(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not _is_clean_abs(v.rstrip("/") or "/"):
+        raise _fail(path, "an absolute path, clean (no '..', '.' or '//'), such as /models", v)
     return v
 
 
@@ -284,9 +298,59 @@ def _env(path: str, v: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(v, dict):
         raise _fail(path, 'a table of strings such as {HF_HUB_OFFLINE = "1"}', v)
     for key, value in v.items():
-        if not _ENV_NAME.match(key) or not isinstance(value, str) or "\0" in value:
+        if not _ENV_NAME.match(key) or not isinstance(value, str):
             raise _fail(f"{path}.{key}", "a variable name (letters, digits, _) with a string value", value)
     return tuple(sorted(v.items()))
+
+
+# What a recipe string may hold: printable text as show.py decides (str.isprintable: no C0 or
+# C1 control, DEL, lone surrogate, format character such as a bidi override or BOM, line or
+# paragraph separator, non-ASCII space), plus the few controls a key has a use for. Names,
+# versions, tags and paths end up in the Dockerfile, annotations and terminals; an exec-form
+# argument may be a multi-line `python -c` script, which JSON (the image config, the
+# Dockerfile's CMD) carries exactly; an ENV value cannot hold a line break in a Dockerfile.
+_ARGV_EXTRA = frozenset("\t\n")
+_ENV_EXTRA = frozenset("\t")
+
+
+def _extra_allowed(path: str) -> frozenset[str]:
+    if re.fullmatch(r"image\.(entrypoint|cmd)\[\d+\]", path):
+        return _ARGV_EXTRA
+    if path.startswith("image.env.") and path.count(".") == 2:
+        return _ENV_EXTRA
+    return frozenset()
+
+
+def _refuse_text(path: str, text: str) -> None:
+    if text.isprintable():
+        return
+    allowed = _extra_allowed(path)
+    bad = next((ch for ch in text if not ch.isprintable() and ch not in allowed), None)
+    if bad is not None:
+        raise RecipeError(f"{show(path)}: character '{show(bad)}' (U+{ord(bad):04X}) is not allowed here: "
+                          "recipe strings hold printable text only")
+
+
+def refuse_controls(path: str, value: Any) -> None:
+    """Refuse, in every string (and table key) of a raw recipe, what :func:`show` would escape.
+
+    Allowed besides printable text: tab in ``image.env`` values, tab and newline in
+    ``image.entrypoint`` and ``image.cmd`` elements.
+
+    Raises:
+        RecipeError: ``<key path>: character '\\n' (U+000A) is not allowed here: ...``.
+    """
+    if isinstance(value, str):
+        _refuse_text(path, value)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str):
+                _refuse_text(sub, key)
+            refuse_controls(sub, item)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            refuse_controls(f"{path}[{i}]", item)
 
 
 def _table(path: str, v: Any) -> Mapping[str, Any]:
@@ -343,7 +407,7 @@ _WEIGHTS = {
 }
 _BUNDLE = {"include": _str_list, "exclude": _str_list, "remote_code": _bool}
 _IMAGE = {
-    "base": _base, "prefix": _str, "compression": _choice(COMPRESSIONS), "owner": _owner,
+    "base": _base, "prefix": _prefix, "compression": _choice(COMPRESSIONS), "owner": _owner,
     "weights": _choice(WEIGHTS_PLACEMENT), "single_layer": _bool, "platform": _platform, "tag": _str,
     "base_name": _base_name, "entrypoint": _argv, "cmd": _argv, "user": _user, "workdir": _abs_path,
     "env": _env,
@@ -356,8 +420,10 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
     """Validate raw recipe data and return a :class:`Recipe`.
 
     Raises:
-        RecipeError: naming the key path and the expectation.
+        RecipeError: naming the key path and the expectation, or a character no string of
+            that key may hold (see :func:`refuse_controls`).
     """
+    refuse_controls("", raw)
     top = _fields("", raw, {
         "name": _str, "version": _str, "source": _str,
         "weights": lambda p, v: WeightsConfig(**_fields(p, _table(p, v), _WEIGHTS)),
@@ -369,9 +435,6 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
     for required in ("name", "version", "source"):
         if required not in top:
             raise RecipeError(f"{required}: missing required key")
-    prefix = top.get("image", ImageConfig()).prefix
-    if not prefix.startswith("/") or ".." in prefix.split("/"):
-        raise _fail("image.prefix", "an absolute path without '..'", prefix)
     return Recipe(**top, base_dir=base_dir)
 
 

@@ -7,22 +7,28 @@ data. The emitted loader cannot import packer and keeps its own reader in ``pack
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from packer.errors import PackerError
-from packer.fsutil import open_regular
+from packer.reading import open_regular, parse_json
 
 # safetensors refuses larger headers: MAX_HEADER_SIZE = 100_000_000 (decimal bytes, not
 # 100 MiB) in huggingface/safetensors, safetensors/src/tensor.rs.
 MAX_HEADER_BYTES = 100_000_000
 
 
-class _Refused(ValueError):
+MAX_HEADER_DEPTH = 16  # a header nests 3 deep (name, entry, shape)
+
+
+class _Refused(Exception):  # noqa: N818 - not a ValueError: it passes the parser's own handling
     """Valid JSON that the safetensors library refuses (its parser is serde_json, into unsigned
     integers and Rust strings)."""
+
+
+class _Invalid(PackerError):
+    """Not JSON, or JSON nested too deep (reworded by :func:`read_header`)."""
 
 
 def _utf8(text: str) -> str:
@@ -84,11 +90,12 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
         raise fail(f"declares {n} bytes (file {size}, cap {MAX_HEADER_BYTES})")
     raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_int=_unsigned)
+        header = parse_json(raw, where="", error=_Invalid, max_bytes=MAX_HEADER_BYTES,
+                            max_depth=MAX_HEADER_DEPTH, object_pairs_hook=_no_duplicates, parse_int=_unsigned)
     except _Refused as e:
         raise fail(str(e)) from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise fail(f"invalid JSON ({str(e)[:80]})") from None
+    except _Invalid as e:
+        raise fail(f"invalid JSON ({str(e).removeprefix(': ').removeprefix('not JSON: ')[:80]})") from None
     if not isinstance(header, dict):
         raise fail("not a JSON object")
     return header, 8 + n

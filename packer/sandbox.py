@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from packer import errors
 from packer.fsutil import FileEntry
+from packer.reading import REPORT, parse_json
 from packer.recipe import ImageConfig, Rename, WeightsConfig
 from packer.stage import Progress, StageOutput
 
@@ -92,7 +93,7 @@ def _framing(image: ImageConfig | None, mtime: int | None) -> LayerFraming | Non
 
 
 def _child_main() -> int:
-    request = json.loads(sys.stdin.read())
+    request = parse_json(sys.stdin.buffer.read(), REPORT, where="the sandbox request", error=errors.CheckpointError)
     _isolate(request["limits"])
     from packer.weights.convert import convert
 
@@ -197,8 +198,8 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
     if proc.returncode < 0:
         raise errors.CheckpointError(f"converting {src}: {_killed_reason(proc.returncode)}")
     try:
-        reply = json.loads(proc.stdout)
-    except ValueError:
+        reply = parse_json(proc.stdout, REPORT, where="the reader's reply", error=errors.CheckpointError)
+    except errors.CheckpointError:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise errors.CheckpointError(f"converting {src}: reader process failed: {last}") from None
     if "error" in reply:

@@ -25,7 +25,8 @@ from typing import Any
 from packer.errors import SourceError
 from packer.formats import WEIGHT_PATTERNS
 from packer.fsutil import file_kind
-from packer.idents import check_revision, confined, is_commit, read_ref_file
+from packer.idents import check_revision, confined, is_commit
+from packer.reading import read_ref_file
 from packer.recipe import Recipe
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")

@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from packer.bundle import verify_bundle
-from packer.components import components_of
+from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none
-from packer.manifest import TIMINGS, load_manifest, split_artifact
+from packer.idents import shown
+from packer.manifest import TIMINGS, read_manifest, split_artifact
 from packer.oci.referrer import referrer_blobs
 from packer.oci.verify import verify_image
+from packer.reading import member
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
 from packer.weights.verify import verify_weights
@@ -87,6 +89,24 @@ def _check_no_extras(out: Path, listed: set[str], unlisted: tuple[str, ...]) -> 
             continue
         if rel not in listed and rel not in (MANIFEST_NAME, TIMINGS, *unlisted):
             raise VerifyError(f"{path}: not listed in the manifest")
+
+
+def _check_names(out: Path, listed: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """Every path the manifest names is a plain relative name inside OUT, and every file a
+    stage's section names is one the manifest lists (and so hashes): no name from the
+    manifest reaches outside OUT, before anything is opened."""
+    where = out / MANIFEST_NAME
+    for rel in listed:
+        member(out, rel, where=where, error=VerifyError)
+    try:
+        named = artifact_files(manifest["weights"]) if manifest.get("weights") else []
+        if manifest.get("bundle"):
+            named.append(manifest["bundle"]["file"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise VerifyError(f"{where}: a malformed weights or bundle section ({type(e).__name__}: {e})") from None
+    for rel in named:
+        if not isinstance(rel, str) or rel not in listed:
+            raise VerifyError(f"{where}: a section names {shown(rel)}, which the manifest's files do not list")
 
 
 def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
@@ -155,9 +175,10 @@ def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
 
 
 def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
-    manifest = load_manifest(out)
-    _check_self(out, (out / MANIFEST_NAME).read_bytes(), manifest)
+    raw, manifest = read_manifest(out)
+    _check_self(out, raw, manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
+    _check_names(out, listed, manifest)
     signed = bool(manifest.get("signature"))
     image = manifest.get("image") or {}
     referrer = referrer_blobs(out, index_digest=image["index_digest"]) if signed and image else []

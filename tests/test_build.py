@@ -454,3 +454,11 @@ def test_weights_progress_is_reported_with_and_without_the_sandbox(tmp_path: Pat
     assert got and all(n > 0 for n in got)  # increments, never a running total
     # in process: the tensor bytes as written; sandboxed: the bytes the child wrote (headers too)
     assert sum(got) == (weights if sandbox else tensors)
+
+
+def test_dockerfile_comments_name_each_file_once(demo_out: Path) -> None:
+    text = (demo_out / "Dockerfile").read_text()
+    manifest = json.loads((demo_out / "manifest.json").read_bytes())
+    members = ", ".join(m["name"] for m in manifest["bundle"]["members"])
+    assert f"# model files: {members} (from bundle.tar.zst)\n" in text
+    assert text.count("bundle.tar.zst") == 2  # the model files' source and the bundle layer's file

@@ -60,8 +60,11 @@ def test_a_missing_input_is_bad_input_exit_1(tmp_path: Path, args: list[str], li
         ('name = "x"\nversion = "1"\n', "source: missing required key"),
         ('name = "x"\nversion = "1"\nsource = "./nowhere"\n', "does not exist"),
         ('name = "x"\nversion = \n', "line 2"),
+        ('name = "x\\nRUN id"\nversion = "1"\nsource = "demo"\n', "name: character '\\n' (U+000A) is not allowed"),
+        ('name = "x"\nversion = "1"\nsource = "demo"\n[image]\nworkdir = "/srv\\u001b[2J"\n',
+         "image.workdir: character '\\x1b' (U+001B) is not allowed"),
     ],
-    ids=["unknown-key", "wrong-type", "missing-key", "missing-source", "bad-toml"],
+    ids=["unknown-key", "wrong-type", "missing-key", "missing-source", "bad-toml", "newline", "escape"],
 )
 def test_bad_recipe_is_one_line_exit_1_and_writes_nothing(tmp_path: Path, body: str, fragment: str) -> None:
     recipe = tmp_path / "r.toml"

@@ -16,8 +16,8 @@ from packer.idents import (
     is_commit,
     is_ref_name,
     link_roots,
-    read_ref_file,
 )
+from packer.reading import read_ref_file
 from tests.hf_cache import populate_cache
 
 SHA256 = hashlib.sha256(b"").hexdigest()
@@ -76,6 +76,10 @@ def test_link_roots_of_a_hub_snapshot_and_a_directory(tmp_path: Path) -> None:
     repo = tmp_path.resolve() / "models--acme--tiny"
     assert link_roots(snap) == (repo / "snapshots" / snap.name, repo / "blobs")
     assert link_roots(tmp_path) == (tmp_path.resolve(),)
+    # a component folder of the snapshot: the folder, and still its repository's blobs
+    snap = populate_cache(tmp_path, "acme/sd", {"unet/a/w.bin": b"w"})
+    repo = tmp_path.resolve() / "models--acme--sd"
+    assert link_roots(snap / "unet" / "a") == (repo / "snapshots" / snap.name / "unet" / "a", repo / "blobs")
 
 
 def test_confined(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from packer.errors import ImageError
-from packer.jsonshape import SIZE, STR, ListOf, MapOf, Nullable, Obj, check_shape, parse_json
+from packer.jsonshape import SIZE, STR, ListOf, MapOf, Nullable, Obj, check_shape
+from packer.reading import parse_json
 
 DOC = Obj(required={"items": ListOf(Obj(required={"name": STR}, optional={"size": SIZE}))},
           optional={"labels": MapOf(STR), "cmd": Nullable(ListOf(STR))})

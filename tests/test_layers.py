@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # those below it, never one above. "packer.oci.*" covers every module inside packer.oci.
     ("entry points", ("packer.__main__", "packer.cli")),
     ("orchestration", ("packer.build", "packer.build_stages", "packer.publish", "packer.verify",
-                       "packer.profile")),
+                       "packer.profile", "packer.push")),
     ("stages", ("packer.sandbox", "packer.stub", "packer.stub_template", "packer.component_weights", "packer.weights",
                 "packer.weights.*", "packer.bundle", "packer.bundle.*", "packer.oci", "packer.oci.*",
                 "packer.sign", "packer.sign.*")),
@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # entered by a serving engine (vLLM's plugin entry point), beside the runtime; import the engine lazily
     ("engine adapters", ("packer.adapters", "packer.adapters.*")),
     ("formats", ("packer", "packer.errors", "packer.fsutil", "packer.formats", "packer.tarfmt",
-                 "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape",
+                 "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape", "packer.reading",
                  "packer.show")),
     # shipped into the serving container: may import nothing from the build side
     ("runtime", ("packer.runtime", "packer.runtime.*")),

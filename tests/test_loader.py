@@ -537,3 +537,21 @@ def test_gc_keeps_pipeline_buffers(two_shards: tuple[Path, dict[str, Any]]) -> N
     sd = loader(root, m).load_weights("cpu", pipeline=True)
     gc.collect()
     assert_same(sd, reference(root, m))
+
+
+def test_one_process_prints_growing_totals_and_the_last_is_the_whole_start_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from packer.runtime.timeline import Timeline
+
+    monkeypatch.setenv("PACKER_STARTUP_LOG", "text")
+    tl = Timeline()
+    t0 = tl.t0
+    tl.add("headers", t0 + 1.0, t0 + 1.5)
+    first = io.StringIO()
+    tl.flush(first)
+    tl.add("read", t0 + 2.0, t0 + 4.0)
+    second = io.StringIO()
+    tl.flush(second)
+    assert first.getvalue().splitlines()[-1] == "[startup] total: 0.50s since the first stage (this call: 0.50s)"
+    assert second.getvalue().splitlines() == ["[startup] read: 2.00s",
+                                              "[startup] total: 3.00s since the first stage (this call: 2.00s)"]

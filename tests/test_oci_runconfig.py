@@ -107,5 +107,5 @@ def test_the_dockerfile_says_what_the_config_says(tmp_path: Path) -> None:
     cfg = replace(ImageConfig(), user="1000:0", env=(("HF_HUB_OFFLINE", "1"),), cmd=("python3", "serve.py"))
     build(tmp_path, cfg)
     text = (tmp_path / "Dockerfile").read_text()
-    assert 'ENV HF_HUB_OFFLINE="1"' in text and "USER 1000:0" in text and "WORKDIR /models" in text
+    assert "ENV HF_HUB_OFFLINE=1\n" in text and "USER 1000:0" in text and "WORKDIR /models" in text
     assert 'CMD ["python3", "serve.py"]' in text and "docker.io/nvidia/cuda:" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,111 @@ def test_parse_size(n: int, unit: str) -> None:
 def test_parse_size_rejects_garbage_cleanly(text: str) -> None:
     with contextlib.suppress(ValueError):
         assert parse_size(text) >= 0
+
+
+# Every string a recipe can hold, each key once (the schema check below keeps it complete).
+EVERY_STRING = {
+    "name": "m", "version": "1", "source": "demo",
+    "weights": {"files": ["*.bin"], "key": "state_dict", "strip_prefixes": ["module."],
+                "renames": [{"pattern": "a", "replace": "b"}], "dtype": "float16", "max_shard_size": "5GB",
+                "tie_prefer": ["lm_head.weight"], "allow_globals": ["m.C"], "layout": "auto",
+                "components": ["unet"]},
+    "bundle": {"include": ["*.json"], "exclude": ["x.json"]},
+    "image": {"base": "oci:/srv/base:v1", "base_name": "docker.io/library/debian:12", "prefix": "/models",
+              "compression": "gzip", "owner": "0:0", "weights": "layer", "platform": "linux/amd64", "tag": "t",
+              "entrypoint": ["python3"], "cmd": ["serve.py"], "user": "model", "workdir": "/srv",
+              "env": {"A": "1"}},
+    "runtime": {"device": "cuda", "warmup": [{"name": "input_ids", "shape": [1], "dtype": "int64"}]},
+    "sign": {"key": "k.pem"},
+}
+
+
+def _string_leaves(value: object, path: str = "") -> list[str]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _string_leaves(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _string_leaves(v, f"{path}[{i}]")]
+    return [path] if isinstance(value, str) else []
+
+
+def _with(raw: object, path: str, text: str) -> object:
+    """``raw`` with the string at ``path`` (``a.b[0].c``) given ``text`` in its middle."""
+    head, _, rest = path.partition(".")
+    name, _, index = head.partition("[")
+    if isinstance(raw, dict):
+        item = raw[name]
+        if index:
+            i = int(index.split("]")[0])
+            tail = path[len(f"{name}[{i}]"):].lstrip(".")
+            new = list(item)
+            new[i] = _with(item[i], tail, text) if tail else item[i][:1] + text + item[i][1:]
+            return {**raw, name: new}
+        return {**raw, name: _with(item, rest, text) if rest else item[:1] + text + item[1:]}
+    raise AssertionError(path)
+
+
+def test_every_key_is_in_the_sample() -> None:
+    from packer import recipe
+
+    sample = EVERY_STRING
+    tables = {"weights": recipe._WEIGHTS, "bundle": recipe._BUNDLE, "image": {**recipe._IMAGE},
+              "runtime": recipe._RUNTIME, "sign": recipe._SIGN}
+    tables["image"].pop("single_layer")  # not a string
+    for section, spec in tables.items():
+        assert set(spec) == set(sample[section]), section
+    recipe_from_dict(sample)  # the sample itself is valid
+
+
+LEAVES = _string_leaves(EVERY_STRING)
+# the few controls a key has a use for: an exec-form argument may be a multi-line script
+ALLOWED = {"image.entrypoint[0]": "\t\n", "image.cmd[0]": "\t\n", "image.env.A": "\t"}
+
+
+@pytest.mark.parametrize("path", LEAVES)
+@pytest.mark.parametrize("char", ["\n", "\r", "\x1b", "\x00", "\x7f", "\x85", "\u202e", "\u2028", "\ufeff", "\ud800"])
+def test_every_string_refuses_control_characters(path: str, char: str) -> None:
+    raw = _with(EVERY_STRING, path, char)
+    if char in ALLOWED.get(path, ""):
+        recipe_from_dict(raw)  # type: ignore[arg-type]
+        return
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict(raw)  # type: ignore[arg-type]
+    shown = {"\n": "\\n", "\r": "\\r"}.get(char) or (
+        f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+    assert str(e.value) == (f"{path}: character '{shown}' (U+{ord(char):04X}) is not allowed here: "
+                            "recipe strings hold printable text only")
+
+
+@pytest.mark.parametrize("path", LEAVES)
+def test_tab_is_refused_outside_env_values_and_commands(path: str) -> None:
+    raw = _with(EVERY_STRING, path, "\t")
+    if "\t" in ALLOWED.get(path, ""):
+        image = recipe_from_dict(raw).image  # type: ignore[arg-type]
+        assert "\t" in "".join([*(image.entrypoint or ()), *(image.cmd or ()), *dict(image.env).values()])
+    else:
+        with pytest.raises(RecipeError, match=rf"^{re.escape(path)}: character '\\t'"):
+            recipe_from_dict(raw)  # type: ignore[arg-type]
+
+
+def test_a_control_character_in_a_table_key_is_refused() -> None:
+    with pytest.raises(RecipeError, match=r"^image\.env\.A\\nRUN: character '\\n'"):
+        recipe_from_dict({**BASE, "image": {"env": {"A\nRUN": "1"}}})
+
+
+def test_a_recipe_file_with_a_newline_in_workdir_fails_in_one_line(tmp_path: Path) -> None:
+    p = tmp_path / "r.toml"
+    p.write_text('name = "x"\nversion = "1"\nsource = "demo"\n[image]\nworkdir = "/srv\\nRUN touch /pwned"\n')
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    assert str(e.value) == (f"{p}: image.workdir: character '\\n' (U+000A) is not allowed here: "
+                            "recipe strings hold printable text only")
+
+
+@pytest.mark.parametrize("key", ["workdir", "prefix"])
+@pytest.mark.parametrize("path", ["/a//b", "/a/./b", "//a", "/a/.."])
+def test_paths_are_clean_so_docker_records_them_unchanged(key: str, path: str) -> None:
+    with pytest.raises(RecipeError, match=rf"^image\.{key}: expected an absolute path, clean"):
+        recipe_from_dict({**BASE, "image": {key: path}})
+    recipe_from_dict({**BASE, "image": {"prefix": "/models/"}})  # a trailing '/' is dropped from a prefix
+    with pytest.raises(RecipeError, match=r"^image\.workdir: expected an absolute path, clean"):
+        recipe_from_dict({**BASE, "image": {"workdir": "/srv/"}})  # but WORKDIR would drop it too

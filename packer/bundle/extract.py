@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from packer.errors import BundleError
-from packer.fsutil import check_regular, umask
+from packer.fsutil import umask
+from packer.reading import check_regular
 from packer.runtime import bundle_reader as reader
 from packer.tarfmt import DIR_MODE
 

@@ -20,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import BundleError
-from packer.fsutil import open_regular
 from packer.idents import check_rel_name, shown
-from packer.jsonshape import parse_json
+from packer.reading import JSON_DOC, Kind, read_bytes, read_json
 
 # where transformers looks for auto_map (model, tokenizer, processors)
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
                 "image_processor_config.json", "feature_extractor_config.json", "video_preprocessor_config.json")
-MAX_CONFIG_BYTES = 32 << 20  # a tokenizer_config.json with many added tokens is a few MB
-MAX_CODE_BYTES = 8 << 20  # one modeling file; real ones are tens of kB
+CODE = Kind("code file", 8 << 20, 0)  # one modeling file; real ones are tens of kB
 MAX_FILES = 64
 # transformers' own rules (dynamic_module_utils.get_relative_imports), applied to text lines
 _RELATIVE = re.compile(r"^\s*from\s+\.(\S+)\s+import|^\s*import\s+\.(\S+)\s*$", re.M)
@@ -40,17 +38,6 @@ class RemoteCode:
 
     files: tuple[str, ...] = ()  # ``modeling_x.py`` ..., sorted
     elsewhere: tuple[str, ...] = ()  # ``org/repo--modeling_x.XModel`` ..., sorted
-
-
-def _read(path: Path, limit: int) -> bytes:
-    try:
-        with open_regular(path, BundleError) as f:
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise BundleError(f"{path}: cannot read: {e.strerror or e}") from e
-    if len(raw) > limit:
-        raise BundleError(f"{path}: larger than {limit >> 20} MiB")
-    return raw
 
 
 def _references(auto_map: Any) -> Iterator[str]:
@@ -79,8 +66,7 @@ def _named(src: Path) -> tuple[dict[str, str], list[str]]:
         path = src / name
         if not path.is_file():
             continue
-        doc = parse_json(_read(path, MAX_CONFIG_BYTES), where=str(path), error=BundleError,
-                         max_bytes=MAX_CONFIG_BYTES, max_depth=64)
+        doc = read_json(path, JSON_DOC, error=BundleError)
         for ref in _references(doc.get("auto_map") if isinstance(doc, dict) else None):
             if "--" in ref:
                 elsewhere.append(ref)
@@ -97,7 +83,8 @@ def remote_code(src: Path) -> RemoteCode:
         the root of ``src``), and the references to code in other repositories.
 
     Raises:
-        BundleError: a config that is not JSON or too large, a reference that is no
+        BundleError: a config that is not JSON or too large (:data:`packer.reading.JSON_DOC`),
+            a code file over 8 MiB, a reference that is no
             ``module.Class``, a named or imported file that is missing, more than 64 files.
     """
     named, elsewhere = _named(src)
@@ -113,7 +100,7 @@ def remote_code(src: Path) -> RemoteCode:
         found[rel] = why
         if len(found) > MAX_FILES:
             raise BundleError(f"{src}: auto_map needs more than {MAX_FILES} code files")
-        text = _read(src / rel, MAX_CODE_BYTES).decode("utf-8", "replace")
+        text = read_bytes(src / rel, CODE, error=BundleError).decode("utf-8", "replace")
         for m in _RELATIVE.finditer(text):
             module = m.group(1) or m.group(2)
             if module.isidentifier():  # a sub-package (".sub.mod") is no file transformers copies

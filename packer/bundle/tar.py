@@ -14,7 +14,7 @@ from typing import Any
 from packer import tarfmt
 from packer.bundle.plan import BundleMember, BundlePlan
 from packer.errors import BundleError
-from packer.fsutil import open_regular
+from packer.reading import open_regular
 
 _CHUNK = 1 << 20
 

@@ -25,7 +25,7 @@ from packer.checkpoint.torch_zip import load_torch_zip
 from packer.checkpoint.tree import TensorRef, children, named_walk, tensor_counts
 from packer.errors import CheckpointError
 from packer.formats import CTRANSLATE2
-from packer.fsutil import open_regular
+from packer.reading import open_regular
 
 _I64 = 2**63
 _COMPLEX = {"complex32", "chalf", "complex64", "cfloat", "complex128", "cdouble"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import BinaryIO
 
@@ -17,6 +16,7 @@ from packer.checkpoint.records import (
     torch_shape,
 )
 from packer.errors import CheckpointError
+from packer.reading import JSON_DOC, parse_json
 from packer.safetensors_header import read_header
 
 _COMPLEX = {"C128", "C32"}
@@ -108,8 +108,8 @@ def _recorded_shapes(path: Path, meta: dict[str, str]) -> dict[str, object]:
     if raw is None:
         return {}
     try:
-        shapes = json.loads(raw)
-    except ValueError:
+        shapes = parse_json(raw, JSON_DOC, where=str(path), error=CheckpointError)
+    except CheckpointError:
         raise _fail(path, f"__metadata__ {TORCH_SHAPES_KEY}", "not JSON") from None
     return shapes if isinstance(shapes, dict) else {}
 

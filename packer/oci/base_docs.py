@@ -28,13 +28,11 @@ from packer.jsonshape import (
     Nullable,
     Obj,
     Shape,
-    check_shape,
     leaf,
-    parse_json,
 )
+from packer.reading import OCI_DOC, parse_json, read_bytes
 
-MAX_DOC_BYTES = 4 * 2**20  # the registries' manifest limit; configs with long histories fit
-MAX_DEPTH = 32  # image documents nest 5 deep; extensions get room, a parser bomb does not
+MAX_DOC_BYTES = OCI_DOC.max_bytes  # the registries' manifest limit; configs with long histories fit
 
 DIGEST = leaf("a digest like sha256:<64 hex digits>", lambda v: digest_parts(v) is not None)
 STRINGS = ListOf(STR, expected="an array of strings")
@@ -50,6 +48,9 @@ INDEX = Obj(required={"manifests": ListOf(DESCRIPTOR)},
 MANIFEST = Obj(required={"config": DESCRIPTOR, "layers": ListOf(DESCRIPTOR)},
                optional={"schemaVersion": INT, "mediaType": STR, "annotations": MapOf(STR)},
                expected="an image manifest (an object with config and layers)")
+REFERRER = Obj(required={"config": DESCRIPTOR, "layers": ListOf(DESCRIPTOR)},
+               optional={"subject": DESCRIPTOR, "annotations": MapOf(STR)},
+               expected="an image manifest with config, layers and a subject descriptor")
 RUN_CONFIG = Obj(optional={"Env": Nullable(STRINGS), "Cmd": Nullable(STRINGS), "Entrypoint": Nullable(STRINGS),
                            "User": STR, "WorkingDir": STR, "Labels": Nullable(MapOf(STR)), "StopSignal": STR})
 HISTORY = Obj(optional={"created": STR, "created_by": STR, "comment": STR, "author": STR, "empty_layer": BOOL})
@@ -96,15 +97,10 @@ def blob_file(layout: Path, desc: dict[str, Any]) -> tuple[Path, str]:
 
 def _read(path: Path, shape: Shape, where: str, sha256: str | None = None) -> dict[str, Any]:
     """Read (at most the cap), check the digest, parse with bounds and check ``shape``."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_DOC_BYTES + 1)
-    except OSError as e:
-        raise ImageError(f"{where}: cannot read: {e.strerror or e}") from e
+    raw = read_bytes(path, OCI_DOC, error=ImageError, where=where)
     if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
         raise ImageError(f"{where}: its bytes do not match its digest")
-    doc = parse_json(raw, where=where, error=ImageError, max_bytes=MAX_DOC_BYTES, max_depth=MAX_DEPTH)
-    check_shape(doc, shape, where=where, error=ImageError)
+    doc: dict[str, Any] = parse_json(raw, OCI_DOC, where=where, error=ImageError, shape=shape)
     return doc
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -17,6 +16,7 @@ from packer.oci.base import REF_NAME, BaseImage, link_blobs, resolve_base
 from packer.oci.dockerfile import (
     LAYERS_DIR,
     Standalone,
+    check_run_config,
     link_tarball,
     tarball_name,
     write_docker_files,
@@ -29,6 +29,7 @@ from packer.oci.modelpack import write_modelpack
 from packer.oci.plan import ImagePlan, PlannedLayer, model_files, plan_layers
 from packer.oci.runconfig import base_name, created_epoch, image_annotations, run_config
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
+from packer.reading import MANIFEST, parse_json
 from packer.recipe import ImageConfig
 from packer.stage import Progress, StageOutput
 
@@ -39,10 +40,7 @@ def source_date_epoch() -> int:
 
 
 def _json_or_empty(raw: bytes) -> dict[str, Any]:
-    try:
-        parsed = json.loads(raw) if raw else {}
-    except ValueError as e:
-        raise ImageError(f"{MANIFEST_NAME}: the artifact manifest is not JSON: {e}") from e
+    parsed = parse_json(raw, MANIFEST, where=f"{MANIFEST_NAME}: the artifact manifest", error=ImageError) if raw else {}
     if not isinstance(parsed, dict):
         raise ImageError(f"{MANIFEST_NAME}: the artifact manifest is not a JSON object")
     return parsed
@@ -183,6 +181,7 @@ def build_image(
     """
     plan = plan_image(cfg=cfg, name=name, version=version, artifact_files=artifact_files,
                       artifact_manifest=artifact_manifest, loader_paths=loader_paths)
+    check_run_config(plan, cfg)  # what OUT/Dockerfile cannot say fails here, before any layer
     if dry_run:
         return StageOutput(section={"plan": plan.as_json()})
     epoch = created_epoch(source)

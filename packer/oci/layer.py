@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import mmap
 import os
 import re
 import threading
@@ -30,6 +29,7 @@ from typing import IO, Any, Protocol, cast
 from packer.errors import ImageError
 from packer.fsutil import TempFile
 from packer.oci.tar_writer import FileRange
+from packer.reading import map_readonly, open_regular
 
 CHUNK = 16 * 2**20
 HASH_CHUNK = 64 * 2**20
@@ -92,7 +92,7 @@ class _HashingFile:
         if self.hashing and size:  # (an empty file cannot be mapped, and has nothing to hash)
             _copy_range_fast(src, size, self)
             return
-        with open(src, "rb") as f:
+        with open_regular(src, ImageError) as f:
             _check_size(f.fileno(), src, size)
             _copy_fd(f.fileno(), self.fd, size, src)
         self.size += size
@@ -132,9 +132,10 @@ def _copy_range_fast(src: Path, size: int, out: _HashingFile) -> None:
 
     Only for uncompressed layers, where the blob digest is the diff_id: one hash.
     """
-    with open(src, "rb") as f:
+    fd, mm, _ = map_readonly(src, ImageError)
+    with os.fdopen(fd, "rb") as f:
         _check_size(f.fileno(), src, size)
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        assert mm is not None  # size > 0 (the caller copies empty files the plain way)
         error: list[BaseException] = []
 
         def copy() -> None:
@@ -185,7 +186,7 @@ def _copy_fd(src_fd: int, dst_fd: int, size: int, src: Path) -> None:
 def _copy_range(src: Path, size: int, sink: _Sink, diff: Any, buf: bytearray) -> None:
     view = memoryview(buf)
     left = size
-    with open(src, "rb", buffering=0) as f:
+    with open_regular(src, ImageError) as f:
         _check_size(f.fileno(), src, size)
         while left:
             n = f.readinto(view[: min(left, len(buf))])

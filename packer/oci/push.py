@@ -11,11 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
-from packer.fsutil import canonical_json
+from packer.fsutil import atomic_open, atomic_write_bytes, canonical_json
+from packer.idents import digest_parts, shown
 from packer.oci.base import OCI_INDEX, REF_NAME
+from packer.oci.base_docs import INDEX, REFERRER
 from packer.oci.layout import OCI_LAYOUT
 from packer.oci.modelpack import ARTIFACT_TYPE, modelpack_tag
 from packer.oci.referrer import is_referrer, referrers_tag
+from packer.oci.registry_ref import check_ref
+from packer.reading import OCI_DOC, blob_path, open_regular, read_json, read_text
+
+
+def _index(image: Path) -> list[dict[str, Any]]:
+    """The descriptors ``image/index.json`` lists, each digest already of the digest grammar."""
+    doc = read_json(image / "index.json", OCI_DOC, error=ImageError, shape=INDEX,
+                    where=f"{image / 'index.json'}: cannot read the image index")
+    return list(doc["manifests"])
 
 
 def image_tags(out_dir: Path) -> tuple[str, str | None]:
@@ -26,12 +37,8 @@ def image_tags(out_dir: Path) -> tuple[str, str | None]:
         ImageError: no readable layout, or not one tagged image (and at most one ModelPack view).
     """
     index_path = Path(out_dir) / "image" / "index.json"
-    try:
-        manifests = json.loads(index_path.read_bytes()).get("manifests") or []
-    except (OSError, ValueError, AttributeError) as e:
-        raise ImageError(f"{index_path}: cannot read the image index: {e}") from e
     tags = {True: [], False: []}  # type: dict[bool, list[str | None]]
-    for m in manifests:
+    for m in _index(index_path.parent):
         if not is_referrer(m):  # found by its subject, never by a tag (packer.oci.referrer)
             tags[m.get("artifactType") == ARTIFACT_TYPE].append((m.get("annotations") or {}).get(REF_NAME))
     images, views = tags[False], tags[True]
@@ -54,51 +61,59 @@ def _copy(skopeo: str, src: str, dest: str, *, tls_verify: bool, timeout: float,
         if proc.returncode != 0:
             msg = (proc.stderr.strip().splitlines() or ["no message"])[-1]
             raise ImageError(f"push to {dest}: skopeo failed: {msg}")
-        return digest_file.read_text().strip()
+        digest = read_text(digest_file, error=ImageError, where=f"push to {dest}: skopeo's digest file").strip()
+        if digest_parts(digest) is None:
+            raise ImageError(f"push to {dest}: skopeo reported {shown(digest)}, not a digest")
+        return digest
 
 
-def _referrers(image: Path, subject: str) -> list[dict[str, Any]]:
-    """The index entries of ``image``'s referrers whose manifest's subject is ``subject``."""
+def _referrers(image: Path) -> list[tuple[object, dict[str, Any], list[Path]]]:
+    """Every referrer in ``image``: its subject's digest, its index entry and its blobs (the
+    referrer manifest's, its config's, its layers'), every path made from a checked digest."""
     found = []
-    for desc in json.loads((image / "index.json").read_bytes()).get("manifests") or []:
-        if is_referrer(desc):
-            blob = image / "blobs" / "sha256" / str(desc.get("digest", "")).removeprefix("sha256:")
-            if ((json.loads(blob.read_bytes()).get("subject") or {}).get("digest")) == subject:
-                found.append(desc)
+    for i, desc in enumerate(_index(image)):
+        if not is_referrer(desc):
+            continue
+        blob = blob_path(image, desc["digest"], where=f"{image / 'index.json'}: manifests[{i}].digest",
+                         error=ImageError)
+        manifest = read_json(blob, OCI_DOC, error=ImageError, shape=REFERRER)
+        named = [("config", manifest["config"]), *((f"layers[{j}]", d) for j, d in enumerate(manifest["layers"]))]
+        blobs = [blob, *(blob_path(image, d["digest"], where=f"{blob}: {field}.digest", error=ImageError)
+                         for field, d in named)]
+        found.append(((manifest.get("subject") or {}).get("digest"), desc, blobs))
     return found
 
 
-def _push_referrers(skopeo: str, image: Path, subject: str, repo: str, *, tls_verify: bool,
-                    timeout: float) -> dict[str, str]:
+def _push_referrers(skopeo: str, referrers: list[tuple[object, dict[str, Any], list[Path]]], subject: str,
+                    repo: str, *, tls_verify: bool, timeout: float) -> dict[str, str]:
     """Push the referrers of ``subject`` under the referrers tag schema's tag (``sha256-<hex>``).
 
     Registries without the referrers API (distribution 2.x, Debian's docker-registry) find a
     subject's referrers by that tag, which holds an image index listing them; skopeo (which
     knows no referrers API) copies the index and, with ``--all``, the referrer manifests and
     blobs. A registry with the API indexes the pushed manifests by their ``subject`` as well.
+    ``referrers`` is :func:`_referrers` of the layout, read before anything was pushed.
     """
+    found = [(desc, paths) for of, desc, paths in referrers if of == subject]
+    if not found:
+        return {}
     with tempfile.TemporaryDirectory(prefix="packer-referrers-") as tmp:
         layout = Path(tmp)
         blobs = layout / "blobs" / "sha256"
         blobs.mkdir(parents=True)
-        try:
-            descs = _referrers(image, subject)
-            for desc in descs:  # the referrer, its empty config and its one layer: small files
-                manifest = json.loads((image / "blobs" / "sha256" / desc["digest"][7:]).read_bytes())
-                for d in (desc, manifest["config"], *manifest["layers"]):
-                    shutil.copyfile(image / "blobs" / "sha256" / d["digest"][7:], blobs / d["digest"][7:])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ImageError(f"{image}: cannot read the provenance referrer ({e}); run packer verify") from e
-        if not descs:
-            return {}
+        for _, paths in found:  # the referrer, its empty config and its one layer: small files
+            for path in paths:
+                with open_regular(path, ImageError) as src, atomic_open(blobs / path.name) as dst:
+                    shutil.copyfileobj(src, dst)
+        descs = [desc for desc, _ in found]
         tag = referrers_tag(subject)
         listed = [{k: v for k, v in d.items() if k != "artifactType"} for d in descs]
         raw = _go_order({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": listed})
         hexd = hashlib.sha256(raw).hexdigest()
         listing: dict[str, Any] = {"mediaType": OCI_INDEX, "digest": f"sha256:{hexd}", "size": len(raw)}
-        (blobs / hexd).write_bytes(raw)
-        (layout / "oci-layout").write_bytes(OCI_LAYOUT)
-        (layout / "index.json").write_bytes(canonical_json(
+        atomic_write_bytes(blobs / hexd, raw)
+        atomic_write_bytes(layout / "oci-layout", OCI_LAYOUT)
+        atomic_write_bytes(layout / "index.json", canonical_json(
             {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [{**listing, "annotations": {REF_NAME: tag}}]}))
         dest = f"{repo}:{tag}"
         return {dest: _copy(skopeo, f"oci:{layout}:{tag}", f"docker://{dest}", tls_verify=tls_verify,
@@ -152,22 +167,29 @@ def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3
         ``{reference pushed: manifest digest}``, the image first (for the referrers tag: the
         digest of the index listing them).
 
+    This copies; it does not verify OUT against its manifest (``packer push`` runs
+    :func:`packer.push.push`, which does that first). Every digest it reads is checked against
+    the digest grammar before it names a file, and before the first copy.
+
     Raises:
-        ImageError: skopeo is not installed, or a copy failed (with skopeo's message).
+        UsageError: ``ref`` is not a registry reference (:func:`packer.oci.registry_ref.check_ref`).
+        ImageError: an unreadable layout or a malformed digest in it, skopeo is not installed,
+            or a copy failed (with skopeo's message).
     """
+    dest = check_ref(ref)
     image = Path(out_dir).resolve() / "image"
-    tag, view = image_tags(out_dir)  # the input first
+    tag, view = image_tags(out_dir)  # the input first: every digest checked before the first copy
+    referrers = _referrers(image)
     skopeo = shutil.which("skopeo")
     if skopeo is None:
         raise ImageError("push: skopeo is not installed; install it (apt-get install skopeo) "
                          "or push OUT/image with another OCI tool")
-    dest = ref.removeprefix("docker://")
     pushed = {dest: _copy(skopeo, f"oci:{image}:{tag}", f"docker://{dest}", tls_verify=tls_verify,
                           timeout=timeout)}
     if view is not None:
         view_dest = modelpack_tag(dest)
         pushed[view_dest] = _copy(skopeo, f"oci:{image}:{view}", f"docker://{view_dest}",
                                   tls_verify=tls_verify, timeout=timeout)
-    pushed.update(_push_referrers(skopeo, image, pushed[dest], _repository(dest), tls_verify=tls_verify,
+    pushed.update(_push_referrers(skopeo, referrers, pushed[dest], _repository(dest), tls_verify=tls_verify,
                                   timeout=timeout))
     return pushed

@@ -22,15 +22,16 @@ that index with exactly this one entry appended (:func:`referrer_blobs`), and
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError, VerifyError
 from packer.formats import PROVENANCE_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json
-from packer.idents import digest_parts, shown
+from packer.idents import ErrorClass, shown
 from packer.oci.base import OCI_INDEX, OCI_MANIFEST, REF_NAME
+from packer.oci.base_docs import INDEX, MANIFEST, REFERRER
+from packer.reading import OCI_DOC, SIGNATURE, blob_path, parse_json, read_bytes, read_json
 from packer.runtime.signature import SIGSTORE_BUNDLE_V03
 
 ARTIFACT_TYPE = SIGSTORE_BUNDLE_V03
@@ -79,28 +80,23 @@ def _index_entry(manifest: dict[str, Any]) -> dict[str, Any]:
             "annotations": dict(manifest["annotations"])}
 
 
-def _image(image_dir: Path, index: dict[str, Any], tag: str, err: type[Exception]) -> tuple[dict[str, Any], str]:
+def _image(image_dir: Path, index: dict[str, Any], tag: str, err: ErrorClass) -> tuple[dict[str, Any], str]:
     """The tagged image's index entry and its manifest's creation time."""
     found = [d for d in index.get("manifests") or [] if (d.get("annotations") or {}).get(REF_NAME) == tag
              and "artifactType" not in d]
     if len(found) != 1:
         raise err(f"{image_dir / 'index.json'}: expected one image tagged {tag!r}, found {len(found)}")
-    blob = image_dir / "blobs" / "sha256" / str(found[0]["digest"]).removeprefix("sha256:")
-    try:
-        manifest = json.loads(blob.read_bytes())
-    except (OSError, ValueError) as e:
-        raise err(f"{blob}: cannot read the image manifest: {e}") from e
+    blob = blob_path(image_dir, found[0].get("digest"), where=image_dir / "index.json", error=err)
+    manifest = read_json(blob, OCI_DOC, error=err, shape=MANIFEST, where=f"{blob}: cannot read the image manifest")
     return found[0], str((manifest.get("annotations") or {}).get(CREATED, ""))
 
 
-def _read_index(image_dir: Path, err: type[Exception]) -> tuple[bytes, dict[str, Any]]:
+def _read_index(image_dir: Path, err: ErrorClass) -> tuple[bytes, dict[str, Any]]:
     path = image_dir / "index.json"
-    try:
-        raw = path.read_bytes()
-        index = json.loads(raw)
-    except (OSError, ValueError) as e:
-        raise err(f"{path}: cannot read the image index: {e}") from e
-    if not isinstance(index, dict) or index.get("mediaType", OCI_INDEX) != OCI_INDEX:
+    where = f"{path}: cannot read the image index"
+    raw = read_bytes(path, OCI_DOC, error=err, where=where)
+    index = parse_json(raw, OCI_DOC, where=where, error=err, shape=INDEX)
+    if index.get("mediaType", OCI_INDEX) != OCI_INDEX:
         raise err(f"{path}: not an OCI image index")
     return raw, index
 
@@ -155,21 +151,12 @@ def referrer_blobs(out_dir: Path, *, index_digest: str) -> list[str]:
     pinned = canonical_json({**index, "manifests": manifests[:-1]})
     if "sha256:" + hashlib.sha256(pinned).hexdigest() != index_digest:
         raise VerifyError(f"{where}: without the provenance referrer, differs from the manifest's image index")
-    try:
-        blob = image_dir / "blobs" / "sha256" / _hex(manifests[-1].get("digest"), where)
-        manifest = json.loads(blob.read_bytes())
-        descs = [manifest["config"], *manifest["layers"]]
-        hexes = [_hex(manifests[-1].get("digest"), where), *(_hex(d.get("digest"), blob) for d in descs)]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise VerifyError(f"{where}: the provenance referrer is unreadable: {e}") from None
-    return [f"image/blobs/sha256/{h}" for h in hexes]
-
-
-def _hex(digest: object, where: Path) -> str:
-    parts = digest_parts(digest)
-    if parts is None or parts[0] != "sha256":
-        raise VerifyError(f"{where}: {shown(digest)} is not a sha256 digest")
-    return parts[1]
+    blob = blob_path(image_dir, manifests[-1].get("digest"), where=where, error=VerifyError)
+    manifest = read_json(blob, OCI_DOC, error=VerifyError, shape=REFERRER,
+                         where=f"{where}: the provenance referrer is unreadable: {blob}")
+    descs = [manifest["config"], *manifest["layers"]]
+    paths = [blob, *(blob_path(image_dir, d["digest"], where=blob, error=VerifyError) for d in descs)]
+    return [p.relative_to(out_dir).as_posix() for p in paths]
 
 
 def check_referrer(out_dir: Path, bundle: bytes, *, tag: str, predicate_type: str) -> None:
@@ -194,8 +181,8 @@ def check_referrer(out_dir: Path, bundle: bytes, *, tag: str, predicate_type: st
     for blob in (EMPTY, bundle, canonical_json(want)):
         path = image_dir / "blobs" / "sha256" / hashlib.sha256(blob).hexdigest()
         try:
-            same = path.read_bytes() == blob
-        except OSError:
+            same = read_bytes(path, OCI_DOC if blob != bundle else SIGNATURE, error=VerifyError) == blob
+        except VerifyError:
             same = False
         if not same:
             raise VerifyError(f"{path}: missing or not the provenance referrer's blob")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import calendar
 import gzip
 import hashlib
-import json
 import os
 import tarfile
 import time
@@ -23,8 +22,10 @@ from typing import IO, Any, cast
 from packer.errors import ImageArtifactMismatchError, ImageError, VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import HashThread
+from packer.jsonshape import ListOf, Obj
 from packer.oci import modelpack
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
+from packer.oci.base_docs import CONFIG, DIGEST, INDEX, MANIFEST
 from packer.oci.layer import COMPRESSION_OF, MEDIA_TYPES
 from packer.oci.layout import (
     ANNOTATION_OWNER,
@@ -37,6 +38,8 @@ from packer.oci.plan import WEIGHTS_DIR, image_rel, model_files
 from packer.oci.referrer import ARTIFACT_TYPE as REFERRER_TYPE
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
+from packer.reading import MANIFEST as MANIFEST_DOC
+from packer.reading import OCI_DOC, blob_path, open_regular, parse_json, read_bytes, read_json
 from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
 
 CHUNK = 16 * 2**20
@@ -70,11 +73,12 @@ def _fail(where: str, what: str) -> VerifyError:
     return VerifyError(f"{where}: {what}")
 
 
-def _blob_path(image: Path, digest: str) -> Path:
-    algo, _, hexd = str(digest).partition(":")
-    if algo != "sha256" or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd):
-        raise _fail(str(image), f"malformed digest {digest!r}")
-    return image / "blobs" / "sha256" / hexd
+def _blob_path(image: Path, digest: object) -> Path:
+    return blob_path(image, digest, where=image, error=VerifyError)
+
+
+_SHAPES = {OCI_MANIFEST: MANIFEST, OCI_CONFIG: CONFIG,
+           modelpack.CONFIG_TYPE: Obj(optional={"modelfs": Obj(optional={"diffIds": ListOf(DIGEST)})})}
 
 
 def _check_json_blob(image: Path, desc: dict[str, Any], media: str) -> dict[str, Any]:
@@ -83,11 +87,13 @@ def _check_json_blob(image: Path, desc: dict[str, Any], media: str) -> dict[str,
         raise _fail(str(image), f"{desc.get('digest')}: media type {got!r}, expected {media}")
     path = _blob_path(image, desc.get("digest", ""))
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise _fail(str(path), f"missing blob ({e.strerror})") from e
+        raw = read_bytes(path, OCI_DOC, error=VerifyError)
+    except VerifyError as e:
+        if not path.exists():
+            raise _fail(str(path), "missing blob") from e
+        raise
     _check_digest(path, desc, len(raw), "sha256:" + hashlib.sha256(raw).hexdigest())
-    data = json.loads(raw)
+    data: dict[str, Any] = parse_json(raw, OCI_DOC, where=str(path), error=VerifyError, shape=_SHAPES[media])
     if data.get("mediaType", media) != media:
         raise _fail(str(path), f"mediaType {data.get('mediaType')!r}, expected {media}")
     return data
@@ -190,7 +196,7 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
         raise _fail(str(path), f"layer media type {media!r} is not one of {known}")
     found: Expected = {}
     try:
-        raw = open(path, "rb")  # noqa: SIM115 - closed in finally, read again on error
+        raw = open_regular(path, VerifyError)  # closed in finally, read again on error
     except OSError as e:
         raise _fail(str(path), f"missing blob ({e.strerror})") from e
     reader = _HashingReader(raw)
@@ -268,10 +274,10 @@ def expected_files(artifact_manifest: bytes, ann: dict[str, Any], where: str) ->
     prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
     external = ann.get(ANNOTATION_WEIGHTS) == "external"
     try:
-        artifact = json.loads(artifact_manifest)
+        artifact = parse_json(artifact_manifest, MANIFEST_DOC, where=f"{where}: {MANIFEST_NAME}", error=VerifyError)
         files = artifact["files"]
         _, members = model_files(artifact)
-    except (ValueError, KeyError, TypeError, ImageError) as e:
+    except (KeyError, TypeError, AttributeError, ImageError) as e:
         raise _fail(where, f"the artifact manifest is not JSON with a 'files' map: {e}") from e
     root = f"/{prefix}/" if prefix else "/"
     expected: Expected = {f"{root}{MANIFEST_NAME}": (len(artifact_manifest),
@@ -355,16 +361,11 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
     """
     image = Path(out_dir) / "image"
     checked: set[str] = set()
-    try:
-        marker = (image / "oci-layout").read_bytes()
-    except OSError as e:
-        raise _fail(str(image), f"not a readable OCI layout: {e}") from e
+    marker = read_bytes(image / "oci-layout", OCI_DOC, error=VerifyError, where=f"{image}: not a readable OCI layout")
     if marker != OCI_LAYOUT:
         raise _fail(str(image / "oci-layout"), "not an OCI image layout 1.0.0 marker")
-    try:
-        index = json.loads((image / "index.json").read_bytes())
-    except (OSError, ValueError) as e:
-        raise _fail(str(image / "index.json"), f"unreadable: {e}") from e
+    index = read_json(image / "index.json", OCI_DOC, error=VerifyError, shape=INDEX,
+                      where=f"{image / 'index.json'}: unreadable")
     if index.get("schemaVersion") != 2 or index.get("mediaType", OCI_INDEX) != OCI_INDEX:
         raise _fail(str(image / "index.json"), "not an OCI image index (schemaVersion 2)")
     manifests = index.get("manifests") or []

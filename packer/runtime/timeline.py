@@ -51,19 +51,27 @@ class Timeline:
             self.add(name, start, time.perf_counter(), box["bytes"])
 
     def flush(self, stream: IO[str] | None = None) -> None:
-        """Print the stages recorded since the last flush and a total (``PACKER_STARTUP_LOG``)."""
+        """Print the stages recorded since the last flush and the total (``PACKER_STARTUP_LOG``).
+
+        The total runs from the process's first recorded stage to the end of the newest one, so a
+        process that flushes after each verb prints growing totals and its last is the whole
+        start-up; ``this call`` (JSON ``call_s``) is the span of the stages printed now.
+        """
         mode = setting("startup_log")  # read at each print: the timeline is the process's
         with self._lock:
             new, self._printed = self.stages[self._printed:], len(self.stages)
+            first = min(s["start_s"] for s in self.stages) if self.stages else 0.0
         if not new or mode in ("off", "0", "none", "false"):
             return
-        total = max(s["start_s"] + s["seconds"] for s in new) - min(s["start_s"] for s in new)
+        end = max(s["start_s"] + s["seconds"] for s in new)
+        total, call = end - first, end - min(s["start_s"] for s in new)
         out = stream or sys.stderr
         if mode == "json":
-            out.write(json.dumps({"startup": new, "total_s": round(total, 6)}) + "\n")
+            out.write(json.dumps({"startup": new, "total_s": round(total, 6), "call_s": round(call, 6)}) + "\n")
         else:
-            for s in [*new, {"stage": "total", "seconds": total, "bytes": 0}]:
+            for s in new:
                 out.write(f"[startup] {s['stage']}: {_fmt_stage(s)}\n")
+            out.write(f"[startup] total: {total:.2f}s since the first stage (this call: {call:.2f}s)\n")
         out.flush()
 
     def chrome_trace(self, path: str | Path) -> None:

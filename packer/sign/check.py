@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME
 from packer.oci.referrer import check_referrer
+from packer.reading import MANIFEST, Kind, parse_json, read_bytes
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.signature import (
     MAX_SIGNED_BYTES,
@@ -32,26 +34,31 @@ from packer.runtime.signature import (
     signed_digests,
     statement_of,
 )
+from packer.sign.keys import load_public_key
 from packer.sign.provenance import SLSA_PROVENANCE_V1, provenance_subjects
+
+_SIGNED = Kind("signature file", MAX_SIGNED_BYTES, 32)  # a Sigstore bundle nests 5 deep, its statement 6
 
 
 def _read(path: Path) -> bytes:
+    """A signature file's bytes (a regular file, bounded) whose JSON, and its payload's, nest
+    within bounds: the statement parsers after this never meet a parser bomb."""
+    if not os.path.lexists(path):
+        raise VerifyError(f"{path}: missing; the manifest says the build is signed")
+    data = read_bytes(path, _SIGNED, error=VerifyError)
+    parse_json(data, _SIGNED, where=str(path), error=VerifyError)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SIGNED_BYTES + 1)
-    except FileNotFoundError:
-        raise VerifyError(f"{path}: missing; the manifest says the build is signed") from None
-    except OSError as e:
-        raise VerifyError(f"{path}: unreadable ({e.strerror or e})") from e
-    if len(data) > MAX_SIGNED_BYTES:
-        raise VerifyError(f"{path}: larger than {MAX_SIGNED_BYTES} bytes")
+        payload = read_bundle(data, str(path))[0]
+    except ArtifactMismatchError:
+        return data  # the caller reads it again and reports what is wrong
+    parse_json(payload, _SIGNED, where=f"{path}: the signed payload", error=VerifyError)
     return data
 
 
 def _check_subjects(statement: dict[str, Any], out: Path, manifest: dict[str, Any], where: str) -> None:
     if statement.get("predicateType") != SLSA_PROVENANCE_V1:
         raise VerifyError(f"{where}: predicate {statement.get('predicateType')!r}; expected {SLSA_PROVENANCE_V1!r}")
-    raw = (out / MANIFEST_NAME).read_bytes()
+    raw = read_bytes(out / MANIFEST_NAME, MANIFEST, error=VerifyError)
     want = {s["name"]: s["digest"]["sha256"] for s in provenance_subjects(manifest, hashlib.sha256(raw).hexdigest())}
     try:
         got = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
@@ -114,11 +121,9 @@ def verify_signatures(out: Path, manifest: dict[str, Any], public_key: Path) -> 
     """
     if not manifest.get("signature"):
         raise VerifyError(f"{out / MANIFEST_NAME}: the build is not signed (built without --sign-key)")
-    try:
-        pem = public_key.read_bytes()
-    except OSError as e:
-        raise VerifyError(f"{public_key}: cannot read the public key ({e.strerror or e})") from e
+    pem = load_public_key(public_key, VerifyError)
     sig = out / SIGNATURE_NAME
+    _read(sig)  # model_signing opens it itself: a regular file, bounded, first
     problem = digest_difference(_model_signing_verify(sig, public_key), model_files(manifest), str(sig),
                                 "the manifest")
     if problem:

@@ -20,6 +20,8 @@ from typing import Any
 
 from packer.errors import DependencyError, SignError
 from packer.fsutil import canonical_json
+from packer.idents import ErrorClass
+from packer.reading import KEY, read_bytes
 from packer.runtime.signature import INTOTO_PAYLOAD, SIGSTORE_BUNDLE_V03, dsse_pae, public_key_hint
 
 PASSWORD_ENV = "PACKER_SIGN_KEY_PASSWORD"
@@ -71,10 +73,7 @@ def load_signing_key(path: str | Path) -> SigningKey:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     path = Path(path)
-    try:
-        pem = path.read_bytes()
-    except OSError as e:
-        raise SignError(f"{path}: cannot read the signing key ({e.strerror or e})") from e
+    pem = read_bytes(path, KEY, error=SignError, what="the signing key")
     password = os.environ.get(PASSWORD_ENV)
     try:
         key = serialization.load_pem_private_key(pem, password.encode() if password else None)
@@ -87,6 +86,31 @@ def load_signing_key(path: str | Path) -> SigningKey:
         raise SignError(f"{path}: a {kind} key; model_signing verifies EC keys on P-256, P-384 or P-521 "
                         "(openssl ecparam -genkey -name prime256v1 -noout | openssl pkcs8 -topk8 -nocrypt)")
     return SigningKey(path, key, public_key_hint(key.public_key()))
+
+
+def load_public_key(path: Path, error: ErrorClass) -> bytes:
+    """The PEM bytes of the EC public key at ``path`` (P-256, P-384 or P-521), checked.
+
+    Raises:
+        error: unreadable, not a PEM public key, or another kind of key or curve (an RSA or
+            Ed25519 key: one line saying which keys are accepted).
+        DependencyError: the ``sign`` extra is not installed.
+    """
+    require_sign_extra()
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    pem = read_bytes(path, KEY, error=error, what="the public key")
+    try:
+        key = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError) as e:
+        raise error(f"{path}: not a PEM public key ({str(e).strip()[:120]})") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in _HASHES:
+        kind = key.curve.name if isinstance(key, ec.EllipticCurvePublicKey) else \
+            type(key).__name__.lstrip("_").removesuffix("PublicKey")
+        raise error(f"{path}: the key is {kind}; model.sig and the provenance verify with EC public keys on "
+                    "P-256, P-384 or P-521 only (the public half of packer's --sign-key)")
+    return pem
 
 
 def public_pem(key: SigningKey) -> bytes:

@@ -17,7 +17,6 @@ named by the recipe or the command line is taken as named.
 
 from __future__ import annotations
 
-import json
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,10 +26,13 @@ from packer.errors import WeightsError
 from packer.formats import WEIGHT_PATTERNS, foreign_weights
 from packer.fsutil import not_regular
 from packer.idents import check_rel_name, confined, link_roots
+from packer.jsonshape import STR, MapOf, Obj
+from packer.reading import JSON_DOC, read_json
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")
-MAX_INDEX_BYTES = 64 * 2**20  # real indexes are kilobytes to a few MB; this bounds the JSON parse
+MAX_INDEX_BYTES = JSON_DOC.max_bytes  # real indexes are kilobytes to a few MB; this bounds the JSON parse
+_INDEX = Obj({"weight_map": MapOf(STR, expected="an object of tensor name -> shard file name")})
 
 
 @dataclass(frozen=True)
@@ -131,17 +133,8 @@ def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
 
 
 def _from_index(src: Path, index: Path) -> InputSet:
-    try:
-        if index.stat().st_size > MAX_INDEX_BYTES:
-            raise ValueError(f"larger than {MAX_INDEX_BYTES >> 20} MiB")
-        data = json.loads(index.read_bytes())
-        weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ValueError("weight_map is not an object of strings")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise WeightsError(f"{index}: not a checkpoint index: {e}") from e
+    data = read_json(index, JSON_DOC, error=WeightsError, shape=_INDEX, where=f"{index}: not a checkpoint index")
+    weight_map = data["weight_map"]
     shards: list[Path] = []
     for name in dict.fromkeys(sorted(weight_map.values())):
         path = index.parent / check_rel_name(name, where=f"{index}: shard", error=WeightsError)

@@ -12,12 +12,12 @@ own output keeps its aliases.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from packer.checkpoint.records import TORCH_SHAPES_KEY, CheckpointContents, listing
 from packer.errors import WeightsError
+from packer.reading import JSON_DOC, parse_json
 
 ALIASES_KEY = "packer.aliases"
 _OURS = frozenset({"format", TORCH_SHAPES_KEY})  # written afresh from the records
@@ -32,10 +32,7 @@ class CarriedMetadata:
 
 
 def _input_aliases(c: CheckpointContents, raw: str) -> dict[str, str]:
-    try:
-        aliases = json.loads(raw)
-    except ValueError:
-        aliases = None
+    aliases = parse_json(raw, JSON_DOC, where=f"{c.path}: __metadata__ {ALIASES_KEY}", error=WeightsError)
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                 for k, v in aliases.items()):
         raise WeightsError(f"{c.path}: __metadata__ {ALIASES_KEY} is not a JSON object of names")

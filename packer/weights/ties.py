@@ -15,13 +15,13 @@ the checkpoint shares its storage with the embedding.
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
+from packer.reading import Kind, read_json
 
 # module names (the component before weight/bias) of input embeddings
 _INPUT_MODULES = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in",
@@ -30,6 +30,7 @@ _INPUT_MODULES = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embed
 _HEAD = re.compile(r"(^|\.)(lm_head|proj_out|embed_out|output|output_layer|lm_logits|generator_lm_head|"
                    r"predictions\.decoder|lm_head\.decoder|cls\.decoder)$")
 MAX_CONFIG_BYTES = 16 * 2**20
+_CONFIG = Kind("model config", MAX_CONFIG_BYTES, 64)
 
 
 def _module(name: str) -> str:
@@ -79,15 +80,13 @@ def read_tie_config(directory: Path | None, *, strict: bool = True) -> TieConfig
         return TieConfig()
     path = directory / "config.json"
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ValueError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB")
-        data = json.loads(path.read_bytes())
+        data = read_json(path, _CONFIG, error=WeightsError, where=f"{path}: cannot read the model config")
         if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
+            raise WeightsError(f"{path}: cannot read the model config: not a JSON object")
+    except WeightsError:
         if not strict:
             return TieConfig()
-        raise WeightsError(f"{path}: cannot read the model config: {e}") from e
+        raise
     value = data.get("tie_word_embeddings")
     text = data.get("text_config")
     if value is None and isinstance(text, dict):

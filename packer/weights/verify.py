@@ -8,13 +8,13 @@ manifest's sha256s pin the bytes).
 
 from __future__ import annotations
 
-import json
-import mmap
+import os
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError, missing_dependency
+from packer.reading import JSON_DOC, check_regular, map_readonly, parse_json, read_json
 from packer.safetensors_header import read_header_file
 from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
 from packer.weights.writer import CHUNK, Sources, tensor_chunks
@@ -30,6 +30,7 @@ def library_table(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[st
     try:
         from safetensors import safe_open
 
+        check_regular(path, VerifyError)  # the library opens the path itself: never a FIFO
         with safe_open(str(path), framework="numpy") as f:
             table = {}
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -65,12 +66,14 @@ def _check_table(path: Path, shard: ShardPlan, label: Path) -> None:
 def _compare_bytes(
     path: Path, shard: ShardPlan, sources: Sources, skip: Collection[str], label: Path
 ) -> None:
-    with open(path, "rb") as f:
-        if f.seek(0, 2) != shard.size:
-            raise VerifyError(f"{label}: size {f.tell()} != planned {shard.size}")
-        if not shard.data_size:
+    fd, mm, size = map_readonly(path, VerifyError)
+    with os.fdopen(fd, "rb"):
+        if size != shard.size:
+            raise VerifyError(f"{label}: size {size} != planned {shard.size}")
+        if not shard.data_size or mm is None:
+            if mm is not None:
+                mm.close()
             return
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         data = memoryview(mm)[len(shard.header):]
         for t in shard.tensors:
             if t.name not in skip:
@@ -148,7 +151,8 @@ def verify_weights(out_dir: Path, section: dict[str, Any]) -> None:
             if header[n]["data_offsets"] != list(v["data_offsets"]):
                 raise VerifyError(f"{path}: tensor {n!r}: data_offsets differ from the manifest")
         file_aliases = {a: k for a, k in aliases.items() if k in mine}
-        if json.loads(meta.get(ALIASES_KEY, "{}")) != file_aliases:
+        if parse_json(meta.get(ALIASES_KEY, "{}"), JSON_DOC, where=f"{path}: metadata {ALIASES_KEY}",
+                      error=VerifyError) != file_aliases:
             raise VerifyError(f"{path}: metadata {ALIASES_KEY} differs from the manifest")
         end = max((v["data_offsets"][1] for v in mine.values()), default=0)
         if path.stat().st_size != start + end:
@@ -166,10 +170,7 @@ def _verify_index(out_dir: Path, section: dict[str, Any]) -> None:
             raise VerifyError(f"{out_dir}: {len(section.get('files', []))} shards but no index")
         return
     path = out_dir / rel
-    try:
-        index = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{path}: cannot read index: {e}") from e
+    index = read_json(path, JSON_DOC, error=VerifyError, where=f"{path}: cannot read index")
     base = str(Path(rel).parent)
     want_map = {n: str(Path(v["file"]).relative_to(base) if base != "." else v["file"])
                 for n, v in section["tensors"].items()}

@@ -25,7 +25,8 @@ from typing import Any
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
 from packer.errors import WeightsError
 from packer.formats import CAST_DTYPES
-from packer.fsutil import HashThread, open_regular, umask
+from packer.fsutil import HashThread, umask
+from packer.reading import map_readonly
 from packer.stage import Progress
 from packer.weights.plan import PlannedTensor, ShardPlan
 
@@ -53,11 +54,8 @@ class Sources:
 
     def get(self, path: Path) -> tuple[int, memoryview]:
         if path not in self._open:
-            f = open_regular(path, WeightsError)  # the file the reader saw; never a FIFO swapped in
-            fd = os.dup(f.fileno())
-            f.close()
-            size = os.fstat(fd).st_size
-            self._open[path] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None)
+            fd, mm, _ = map_readonly(path, WeightsError)  # the file the reader saw; never a FIFO swapped in
+            self._open[path] = (fd, mm)
         fd, mm = self._open[path]
         return fd, memoryview(mm) if mm is not None else memoryview(b"")
 
