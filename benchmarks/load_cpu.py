@@ -78,6 +78,18 @@ def generate(size_gb: float) -> tuple[Path, Path]:
     return save_model(WORK, size_gb, first, layer)
 
 
+def packer_layout(st: Path) -> Path:
+    """``st`` converted by packer (tensors laid out as a build lays them out: 64-byte aligned
+    where the sizes allow it), under ``WORK/packer/weights`` (cached)."""
+    from packer.recipe import WeightsConfig
+    from packer.weights.convert import convert
+
+    out = WORK / "packer" / "weights"
+    if not (out / "model.safetensors").exists():
+        convert(st, out, WeightsConfig(), verify=False)
+    return out / "model.safetensors"
+
+
 def manifest(st: Path, *, aliases: dict[str, str] | None = None, device: str = "cpu") -> dict[str, Any]:
     """The embedded manifest a build would give the loader for the single file ``st``."""
     with open(st, "rb") as f:
@@ -164,24 +176,25 @@ def main() -> int:
     os.environ["PACKER_STARTUP_LOG"] = "off"
     st, pt = generate(args.size_gb)
     size = st.stat().st_size
-    m = manifest(st)
+    built = packer_layout(st)  # packer loads what packer built; the peers read the library's file
+    m, root = manifest(built), built.parent.parent
     buf = bytearray(size)  # preallocated (and touched) once, as the reference requires
-    for p in (st, pt):
+    for p in (st, pt, built):
         readinto_whole(p, bytearray(p.stat().st_size))  # warm the page cache
     module = module_like(m)
     keys = ("packer", "safetensors", "torch.load-mmap", "torch.load", "copy", "copy-thp", "into", "readinto")
     runs: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(args.reps):  # interleaved: every candidate once per round
-        runs["packer"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu")))
+        runs["packer"].append(timed(lambda: Loader(m, root, timeline=Timeline()).load_weights("cpu")))
         runs["safetensors"].append(timed(lambda: load_file(str(st))))
         runs["torch.load-mmap"].append(timed(lambda: torch.load(str(pt), weights_only=True, mmap=True)))
         runs["torch.load"].append(timed(lambda: torch.load(str(pt), weights_only=True, mmap=False)))
-        runs["copy"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu", copy=True)))
+        runs["copy"].append(timed(lambda: Loader(m, root, timeline=Timeline()).load_weights("cpu", copy=True)))
         os.environ["PACKER_HUGEPAGES"] = "1"
-        runs["copy-thp"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_weights("cpu", copy=True)))
+        runs["copy-thp"].append(timed(lambda: Loader(m, root, timeline=Timeline()).load_weights("cpu", copy=True)))
         del os.environ["PACKER_HUGEPAGES"]
-        runs["into"].append(timed(lambda: Loader(m, WORK, timeline=Timeline()).load_into(module)))
-        runs["readinto"].append(timed(lambda: readinto_whole(st, buf)))
+        runs["into"].append(timed(lambda: Loader(m, root, timeline=Timeline()).load_into(module)))
+        runs["readinto"].append(timed(lambda: readinto_whole(built, buf)))
     imports = import_cost(args.reps, compile_=False)
     compiled = import_cost(args.reps, compile_=True)
     med = {k: statistics.median(v) for k, v in runs.items()}

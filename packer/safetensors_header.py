@@ -27,10 +27,6 @@ class _Refused(Exception):  # noqa: N818 - not a ValueError: it passes the parse
     integers and Rust strings)."""
 
 
-class _Invalid(PackerError):
-    """Not JSON, or JSON nested too deep (reworded by :func:`read_header`)."""
-
-
 def _utf8(text: str) -> str:
     if not text.isascii():
         try:
@@ -90,11 +86,11 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
         raise fail(f"declares {n} bytes (file {size}, cap {MAX_HEADER_BYTES})")
     raw = f.read(n)
     try:
-        header = parse_json(raw, where="", error=_Invalid, max_bytes=MAX_HEADER_BYTES,
+        header = parse_json(raw, where="", error=error, max_bytes=MAX_HEADER_BYTES,
                             max_depth=MAX_HEADER_DEPTH, object_pairs_hook=_no_duplicates, parse_int=_unsigned)
     except _Refused as e:
         raise fail(str(e)) from None
-    except _Invalid as e:
+    except error as e:  # not JSON, or nested too deep: reworded with the file's name
         raise fail(f"invalid JSON ({str(e).removeprefix(': ').removeprefix('not JSON: ')[:80]})") from None
     if not isinstance(header, dict):
         raise fail("not a JSON object")

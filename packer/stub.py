@@ -11,6 +11,7 @@ relative to its own location. Same inputs, same bytes.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,6 @@ RUNTIME_DIR = "packer_runtime"  # its directory in OUT and the image: not `packe
 TEMPLATE = Path(__file__).parent / "stub_template.py"
 BEGIN = "# >>> packer:embedded (replaced by packer.stub when the loader is emitted)\n"
 END = "# <<< packer:embedded\n"
-LINE = 112  # longest string literal line we write (ruff's limit is 120)
 
 
 def _escape(ch: str) -> str:
@@ -36,19 +36,49 @@ def _escape(ch: str) -> str:
     return f"\\x{o:02x}" if o < 256 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
 
 
-def _literal_lines(text: str, indent: str = "    ") -> list[str]:
-    """``text`` as adjacent single-quoted ASCII literals, each line at most ``LINE`` chars."""
-    out: list[str] = []
-    parts: list[str] = []
-    width = len(indent) + 2
-    for ch in text:
-        piece = _escape(ch)
-        if width + len(piece) > LINE and parts:
-            out.append(f"{indent}'{''.join(parts)}'")
-            parts, width = [], len(indent) + 2
-        parts.append(piece)
-        width += len(piece)
-    out.append(f"{indent}'{''.join(parts)}'")
+_RECORD = 6  # an object of at most this many plain members is one entry: one line
+
+
+def _json(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _plain(v: Any) -> bool:
+    """A scalar, or a list of scalars (a shape, a pair of offsets)."""
+    return not isinstance(v, dict | list) or (isinstance(v, list) and not any(isinstance(x, dict | list) for x in v))
+
+
+def _entry_lines(v: Any) -> list[str]:
+    """Canonical JSON of ``v`` cut into lines between entries, never inside one: an object of
+    objects (or a long one) gets a line per member, a record (a few plain members: a file's
+    size and sha256, a tensor's dtype, shape and offsets) stays whole with its key, so
+    ``grep <sha256> packer_loader.py`` finds the file's line."""
+    if not isinstance(v, dict | list) or not v:
+        return [_json(v)]
+    if len(v) <= _RECORD and all(map(_plain, v.values() if isinstance(v, dict) else v)):
+        return [_json(v)]
+    members = ([[_json(k) + ":" + first, *rest] for k, (first, *rest) in
+                ((k, _entry_lines(x)) for k, x in sorted(v.items()))] if isinstance(v, dict)
+               else [_entry_lines(x) for x in v])
+    lines: list[str] = []
+    for i, m in enumerate(members):
+        lines += [*m[:-1], m[-1] + ("," if i < len(members) - 1 else "")]
+    open_, close = "{}" if isinstance(v, dict) else "[]"
+    lines[0] = open_ + lines[0]
+    lines[-1] += close  # the same line when there is one
+    return lines
+
+
+def _manifest_literal(embedded: dict[str, Any], data: bytes) -> list[str]:
+    """The embedded manifest as adjacent literals, one entry a line (a line over ruff's 120
+    columns says ``noqa: E501``: an entry is never cut); joined they are exactly ``data``."""
+    lines = _entry_lines(embedded)
+    if "".join(lines) != data.decode().rstrip("\n"):
+        raise StubError("the embedded manifest does not render back to its canonical JSON")
+    out = []
+    for line in lines:
+        text = "    '" + "".join(map(_escape, line)) + "'"
+        out.append(text + "  # noqa: E501" if len(text) > 120 else text)
     return out
 
 
@@ -85,7 +115,7 @@ def render(embedded: dict[str, Any], runtime: dict[str, bytes], *,
     data = canonical_json(embedded)
     digests = "".join(f"    {ascii(rel)}: '{hashlib.sha256(body).hexdigest()}',\n"
                       for rel, body in sorted(runtime.items()))
-    block = (BEGIN + "_MANIFEST_JSON = (\n" + "\n".join(_literal_lines(data.decode().rstrip("\n")))
+    block = (BEGIN + "_MANIFEST_JSON = (\n" + "\n".join(_manifest_literal(embedded, data))
              + f"\n)\n_RUNTIME_DIR = {RUNTIME_DIR!r}\n_RUNTIME_SHA256: dict[str, str] = {{\n{digests}}}\n" + END)
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)

@@ -11,14 +11,22 @@ serving container"). ``python packer_loader.py --selftest [--device cpu|cuda] [-
 checks a node; ``python packer_loader.py --model-dir`` prints a model directory for engines.
 """
 
-from __future__ import annotations
-
-import hashlib
+# No ``from __future__`` import: nothing is imported before the next lines (sys and os are
+# loaded before any script runs, so they come from the interpreter, never from a file here).
+import os
 import sys
-from importlib.machinery import FileFinder, SourceFileLoader
-from importlib.util import module_from_spec, spec_from_file_location
-from pathlib import Path
-from types import CodeType, ModuleType
+
+if __name__ == "__main__":  # a script: its folder is sys.path[0], where a torch.py would shadow torch
+    _HERE = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
+
+import hashlib  # noqa: E402 (after the line above on purpose)
+import stat  # noqa: E402
+from contextlib import suppress  # noqa: E402
+from importlib.machinery import FileFinder, SourceFileLoader  # noqa: E402
+from importlib.util import module_from_spec, spec_from_file_location  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import CodeType, ModuleType  # noqa: E402
 
 # >>> packer:embedded (replaced by packer.stub when the loader is emitted)
 _MANIFEST_JSON = "{}"
@@ -54,18 +62,39 @@ class _CheckedSource(SourceFileLoader):
         return compile(self.get_data(path), path, "exec", dont_inherit=True)
 
 
+_MAX_RUNTIME_FILE = 4 * 2**20  # packer_runtime/*.py: a few hundred lines each
+
+
+def _read_runtime_file(path: Path) -> bytes:
+    """One runtime file, a regular file of at most ``_MAX_RUNTIME_FILE`` bytes (the runtime's
+    reading module is not verified yet: this is its one rule, written out)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO cannot block the open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(0, "not a regular file")
+        if st.st_size > _MAX_RUNTIME_FILE:
+            raise OSError(0, f"{st.st_size} bytes, over the cap of {_MAX_RUNTIME_FILE}")
+        data = os.pread(fd, st.st_size, 0)
+        if len(data) != st.st_size:
+            raise OSError(0, "shrank while being read")
+        return data
+    finally:
+        os.close(fd)
+
+
 def _checked_runtime(root: Path) -> dict[str, bytes]:
     """Every runtime file's bytes by absolute path, each checked against the manifest."""
     fix = f"ship the {_RUNTIME_DIR}/ directory this build wrote beside {Path(__file__).name}"
     checked = {}
     for rel, want in sorted(_RUNTIME_SHA256.items()):
         try:
-            data = (root / rel).read_bytes()
+            data = _read_runtime_file(root / rel)
         except OSError as e:
-            raise _RuntimeMismatchError(f"packer_loader: {_RUNTIME_DIR}/{rel}: {e.strerror}; {fix}") from None
+            raise _RuntimeMismatchError(f"packer_loader: {root / rel}: {e.strerror}; {fix}") from None
         got = hashlib.sha256(data).hexdigest()
         if got != want:
-            raise _RuntimeMismatchError(f"packer_loader: {_RUNTIME_DIR}/{rel}: sha256 {got[:16]}..., this "
+            raise _RuntimeMismatchError(f"packer_loader: {root / rel}: sha256 {got[:16]}..., this "
                                         f"build's manifest says {want[:16]}...; {fix}")
         checked[str(root / rel)] = data
     return checked
@@ -96,6 +125,21 @@ def _import_runtime() -> ModuleType:
     return __import__(f"{name}.loader", fromlist=["loader"])
 
 
+def _drop_own_bytecode() -> None:
+    """Remove the bytecode file ``import packer_loader`` wrote beside this file just now, so the
+    build stays as it was made (``packer verify`` refuses any file it did not write)."""
+    cached = globals().get("__cached__")
+    if __name__ == "__main__" or not cached:
+        return
+    folder = Path(__file__).resolve().parent / "__pycache__"
+    if Path(cached).resolve().parent != folder:  # PYTHONPYCACHEPREFIX: not beside the build
+        return
+    for step in (Path(cached).unlink, folder.rmdir):  # the folder only when nothing else is in it
+        with suppress(OSError):  # a read-only mount, or nothing was written
+            step()
+
+
+_drop_own_bytecode()
 try:
     _loader = _import_runtime()
 except _RuntimeMismatchError as _e:

@@ -7,11 +7,15 @@ import io
 import json
 import struct
 import tarfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from packer.runtime.engines import CpuEngine
 
 
 def _entry(path: Path) -> dict[str, Any]:
@@ -37,6 +41,17 @@ def write_raw_safetensors(path: Path, tensors: list[tuple[str, str, list[int], b
     text = json.dumps(header, separators=(",", ":")).encode() + b" " * pad
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def misaligned(root: Path, m: dict[str, Any], align: int = 64) -> set[str]:
+    """The non-empty tensors of ``m`` whose file offset is not ``align``-aligned (a mapping's
+    view of them would not be either: a mapping starts page aligned)."""
+    starts = {}
+    for rel in m["weights"]["files"]:
+        with open(root / rel, "rb") as f:
+            starts[rel] = 8 + struct.unpack("<Q", f.read(8))[0]
+    return {n for n, t in m["weights"]["tensors"].items()
+            if t["data_offsets"][1] > t["data_offsets"][0] and (starts[t["file"]] + t["data_offsets"][0]) % align}
 
 
 def describe(root: Path, rels: list[str], *, aliases: dict[str, str] | None = None,
@@ -67,9 +82,33 @@ def make_loader(root: Path, m: dict[str, Any], **opts: Any) -> Any:
     return ld
 
 
+def write_aligned(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` in a safetensors file laid out as packer lays out its own (data 64-aligned,
+    tensors in :func:`packer.weights.plan.file_order`)."""
+    from packer.weights.plan import ALIGN, file_order
+
+    raw = {n: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+           for n, t in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    data = b""
+    for n in file_order(sorted(raw), {n: len(b) for n, b in raw.items()}):
+        dtype = str(tensors[n].dtype).removeprefix("torch.")
+        header[n] = {"dtype": _CODES[dtype], "shape": list(tensors[n].shape),
+                     "data_offsets": [len(data), len(data) + len(raw[n])]}
+        data += raw[n]
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+          "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
 def make_artifacts(root: Path, shards: list[dict[str, torch.Tensor]], *,
-                   aliases: dict[str, str] | None = None) -> dict[str, Any]:
-    """Write ``shards`` with safetensors the Hugging Face way and describe them."""
+                   aliases: dict[str, str] | None = None, aligned: bool = True) -> dict[str, Any]:
+    """Write ``shards`` as packer lays them out (``aligned``), else with the safetensors
+    library (8-aligned), with a Hugging Face index when sharded; describe them."""
     (root / "weights").mkdir(parents=True, exist_ok=True)
     if len(shards) == 1:
         rels = ["weights/model.safetensors"]
@@ -78,7 +117,10 @@ def make_artifacts(root: Path, shards: list[dict[str, torch.Tensor]], *,
                 for i in range(1, len(shards) + 1)]
     weight_map = {}
     for rel, tensors in zip(rels, shards, strict=True):
-        save_file(tensors, str(root / rel))
+        if aligned:
+            write_aligned(root / rel, tensors)
+        else:
+            save_file(tensors, str(root / rel))
         weight_map.update({k: Path(rel).name for k in tensors})
     index = None
     if len(shards) > 1:
@@ -131,3 +173,49 @@ def make_out(out: Path, *, bundle: bool = True) -> dict[str, Any]:
         m["files"]["bundle.tar.zst"] = {k: m["bundle"][k] for k in ("size", "sha256")}
     emit_loader(out, m)
     return m
+
+
+def _digest(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for _, src in pairs:
+        h.update(src.numpy().tobytes())
+    return h.hexdigest()
+
+
+class WatchedEngine(CpuEngine):
+    """The CPU engine, checking from its own side what the ring promises it.
+
+    ``overwritten``: copies whose source bytes changed between the copy being issued (the
+    slot's read done) and the copy running: a slot refilled while its copy waited.
+    ``max_pending``: the most copies issued and not yet done at once (at most one per slot).
+    """
+
+    def __init__(self, copy_delay: float = 0.0) -> None:
+        self.pending = self.max_pending = self.overwritten = self.copies = 0
+        self._count = threading.Lock()
+        super().__init__(copy_delay)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> threading.Event:
+        done = threading.Event()
+        with self._count:
+            self.pending += 1
+            self.max_pending = max(self.max_pending, self.pending)
+        self._q.put((pairs, done, _digest(pairs)))  # type: ignore[arg-type]
+        return done
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            pairs, done, digest = item  # type: ignore[misc]
+            try:
+                if self.copy_delay:
+                    time.sleep(self.copy_delay)
+                if _digest(pairs) != digest:
+                    self.overwritten += 1
+                for dst, src in pairs:
+                    dst.copy_(src)
+            except BaseException as e:  # reported by wait()/finish()
+                self._error = e
+            with self._count:
+                self.pending -= 1
+                self.copies += 1
+            done.set()

@@ -11,7 +11,7 @@ from packer.runtime.assign import LoadResult
 from packer.runtime.empty import init_empty
 from packer.runtime.loading import Loader
 from packer.runtime.timeline import Timeline
-from tests.loader_fixtures import make_artifacts
+from tests.loader_fixtures import make_artifacts, misaligned
 
 
 class Rotary(torch.nn.Module):
@@ -78,11 +78,17 @@ def test_assigned_parameters_are_views_of_the_mapping_and_forward_matches(tmp_pa
     result = ld.load_into(model, device="cpu")
     assert (result.missing, result.unexpected) == ([], [])
     mapped = list(ld.load_weights("cpu").values())  # the same files mapped again: other storages
-    own = [p for p in model.parameters()]
-    assert not any(storage_inside(p, mapped) for p in own)
-    # every parameter lies inside one shard mapping: no second allocation
-    bases = {p.untyped_storage().data_ptr() for p in own}
-    assert len(bases) == shards and all(p.untyped_storage().nbytes() > p.nbytes for p in own)
+    own = dict(model.named_parameters())
+    assert not any(storage_inside(p, mapped) for p in own.values())
+    assert all(p.data_ptr() % 64 == 0 for p in own.values())
+    # every parameter whose file offset is 64-aligned lies inside its shard's mapping; only the
+    # others are copies (odd sizes after odd sizes), and the notes say how many
+    copied = misaligned(tmp_path, ld.manifest)
+    assert copied and sorted(ld.last_copied) == sorted(copied)
+    assert f"{len(copied)} tensors copied to 64-byte aligned memory" in " ".join(result.notes)
+    views = [p for n, p in own.items() if n not in copied]
+    bases = {p.untyped_storage().data_ptr() for p in views}
+    assert len(bases) == shards and all(p.untyped_storage().nbytes() > p.nbytes for p in views)
     assert model.head.weight is model.embed.weight
     ids = torch.tensor([[1, 5, 7, 3]])
     with torch.no_grad():

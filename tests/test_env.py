@@ -36,3 +36,21 @@ def test_expandable_segments_only_on_request_never_over_the_user(env: dict[str, 
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == want
     assert ("PACKER_EXPANDABLE_SEGMENTS=1 ignored" in r.stderr) is warned
+
+
+def test_torch_is_reached_through_one_accessor_that_imports_it() -> None:
+    """Runtime helpers called before anything imported torch import it (they used to look it
+    up in sys.modules and raise KeyError)."""
+    code = ("import sys\n"
+            "from packer.runtime.env import torch_dtype\n"
+            "from packer.runtime import graphs\n"
+            "assert 'torch' not in sys.modules\n"
+            "print(torch_dtype('BF16', 't')[0])\n"
+            "print(graphs._clone_out(3))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["torch.bfloat16", "3"]
+    # no module of the runtime looks torch up in sys.modules without importing it
+    src = Path(__file__).resolve().parents[1] / "packer" / "runtime"
+    assert not [p.name for p in src.glob("*.py") if 'sys.modules["torch"]' in p.read_text()]

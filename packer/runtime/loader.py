@@ -27,8 +27,6 @@ Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to che
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import threading
@@ -41,8 +39,9 @@ from .empty import init_empty
 from .env import ArtifactMismatchError, torch_dtype
 from .graphs import warmup
 from .loading import Loader
+from .reading import entry_kind, inside, loads_json, sha256_regular
 from .ring import release_ring
-from .settings import RuntimeSettings
+from .settings import RuntimeSettings, setting
 from .shards import pread_exact
 from .timeline import TIMELINE, Timeline, import_torch
 from .warm import prepare_loader, serve_warm, start_warm
@@ -79,7 +78,7 @@ class Build:
 
     def manifest(self) -> dict[str, Any]:
         """The manifest this build's loader pins (a fresh copy at each call)."""
-        data: dict[str, Any] = json.loads(self._json)
+        data: dict[str, Any] = loads_json(self._json, f"{self.home / 'packer_loader.py'}: the embedded manifest")
         return data
 
     def settings(self) -> RuntimeSettings:
@@ -94,6 +93,10 @@ class Build:
         base = root or settings.artifacts or self.home
         key = (str(base), settings.weights_dir)
         if key not in self._loaders:
+            if entry_kind(base) != "dir":  # an explicit root that holds no build: never a fall back
+                named = "root=" if root else "PACKER_ARTIFACTS"
+                raise ArtifactMismatchError(f"{Path(base).absolute()}: not a directory, and {named} names it "
+                                            "as this build's artifacts")
             if settings.require_signature:  # PACKER_REQUIRE_SIGNATURE: refuse before anything is loaded
                 from .signature import require_signature
 
@@ -205,17 +208,42 @@ def report(trace: str | Path | None = None) -> list[dict[str, Any]]:
     return [dict(s) for s in TIMELINE.stages]
 
 
-def _why(e: Exception) -> str:
-    """One line for a failure; a missing package is named as itself, never as an artifact fault."""
+def _why(e: Exception, root: Path | None = None) -> str:
+    """One line for a failure: the message, then its exception type and the artifacts'
+    absolute directory (unless the message names it already); a missing package is named as
+    itself, never as an artifact fault. With ``PACKER_DEBUG=1`` the traceback goes first."""
+    if _debug():
+        import traceback
+
+        traceback.print_exception(e, file=sys.stderr)
     if isinstance(e, ImportError):
         top = (e.name or "a package").split(".")[0]
-        return f"packer_loader needs {top}: {e} (pip install {top})"
-    return str(e).removeprefix("packer_loader: ")
+        text = f"packer_loader needs {top}: {e} (pip install {top})"
+    else:
+        text = str(e).removeprefix("packer_loader: ")
+    where = f", artifacts in {root}" if root is not None and str(root) not in text else ""
+    hint = "" if _debug() else "; PACKER_DEBUG=1 prints the traceback"
+    return f"{text} [{type(e).__name__}{where}{hint}]"
+
+
+def _debug() -> bool:
+    try:
+        return bool(setting("debug"))
+    except ValueError:  # a bad PACKER_DEBUG is the failure being reported: no traceback then
+        return False
+
+
+def _artifacts(build: Build, root: str | None) -> Path | None:
+    """The absolute artifact directory a command works on (None when settings are unreadable)."""
+    try:
+        return Path(root or build.settings().artifacts or build.home).resolve()
+    except ValueError:
+        return None
 
 
 def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Compare every loaded tensor's bytes with the file; return the problems found."""
-    torch = sys.modules["torch"]
+    torch = import_torch()
     problems = []
     w = loader.manifest["weights"]
     for alias, kept in w.get("aliases", {}).items():
@@ -248,10 +276,10 @@ def selftest(loader: Loader, device: str, verify: bool) -> list[str]:
         if loader.manifest.get("bundle"):
             root = loader.bundle_dir()
             for m in loader.manifest["bundle"].get("members", []):
-                p = root / m["name"]
-                if not p.is_file() or p.stat().st_size != m["size"]:
+                p = inside(root, m["name"], "the manifest's bundle members")
+                if entry_kind(p) != "file" or p.stat().st_size != m["size"]:
                     problems.append(f"bundle member {m['name']!r} missing or of another size")
-                elif verify and hashlib.sha256(p.read_bytes()).hexdigest() != m["sha256"]:
+                elif verify and sha256_regular(p)[1] != m["sha256"]:
                     problems.append(f"bundle member {m['name']!r}: sha256 differs")
     return problems
 
@@ -273,7 +301,7 @@ def main(build: Build, argv: list[str] | None = None) -> int:
         try:
             print(build.model_dir(root=args.root))
         except Exception as e:  # one line, exit 1, as the self-test
-            sys.stderr.write(f"packer_loader: model dir failed: {_why(e)}\n")
+            sys.stderr.write(f"packer_loader: model dir failed: {_why(e, _artifacts(build, args.root))}\n")
             return 1
         return 0
     if not args.selftest:
@@ -291,7 +319,7 @@ def main(build: Build, argv: list[str] | None = None) -> int:
         problems = selftest(loader, device, args.verify)
     except Exception as e:  # any failure is a failed self-test, reported in one line
         TIMELINE.flush()
-        sys.stderr.write(f"packer_loader: self-test failed: {_why(e)}\n")
+        sys.stderr.write(f"packer_loader: self-test failed: {_why(e, _artifacts(build, args.root))}\n")
         return 1
     TIMELINE.flush()
     if args.trace:

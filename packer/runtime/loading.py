@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,9 +26,11 @@ from .engines import CopyEngine, make_engine
 from .env import ArtifactMismatchError
 from .into import finish_into, into_cpu, plan_into, target_device
 from .layout import Layout, plan_layout
+from .reading import check_rel, open_regular
 from .ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
+from .served import check_extracted
 from .settings import RuntimeSettings
-from .shards import Shard, check_sha256, open_shard, sha256_fd, shard_tensors
+from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, sha256_fd, shard_tensors
 from .timeline import TIMELINE, Timeline, import_torch
 
 if TYPE_CHECKING:
@@ -58,6 +61,7 @@ class Loader:
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.timeline = timeline or TIMELINE
         self.last_stats: RingStats | None = None
+        self.last_copied: list[str] = []  # tensors the last load copied to aligned memory (CPU)
         self.auto_flush = True  # print the stage table after each verb (the self-test prints once)
         self.settings = settings or RuntimeSettings.from_sources(os.environ, manifest.get("runtime"))
         self.slots = self.settings.ring_slots
@@ -65,6 +69,7 @@ class Loader:
         self.readers = self.settings.readers
         self.make_engine: Callable[[torch.device], CopyEngine] = make_engine  # tests slow the engine down
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
+        self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine.
@@ -72,7 +77,11 @@ class Loader:
         A weight file (``weights/...``) is under ``weights_dir`` when one is given; else under
         the root as in OUT, or, in an image's model directory, at the root's top beside the
         config (where packer's image puts it), whichever exists.
+
+        Raises:
+            ArtifactMismatchError: ``rel`` is not a plain relative path (absolute, ``..``...).
         """
+        check_rel(rel, "the manifest's files")
         if not rel.startswith("weights/"):
             return self.root / rel
         if self.weights_dir is not None:
@@ -108,17 +117,17 @@ class Loader:
         """
         path, meta = self.path(rel), self.manifest["files"].get(rel) or self.manifest["bundle"]
         try:
-            size = path.stat().st_size
+            fd = open_regular(path)  # a FIFO or a device is refused by type, never read
         except FileNotFoundError:
             raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
-        if size != meta["size"]:
-            raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}")
-        if verify:
-            fd = os.open(path, os.O_RDONLY)
-            try:
+        try:
+            size = os.fstat(fd).st_size
+            if size != meta["size"]:
+                raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}")
+            if verify:
                 check_sha256(rel, sha256_fd(fd, size), meta["sha256"])
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
 
     def _verify_shards(self, shards: list[Shard]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -148,8 +157,10 @@ class Loader:
             ``{name: tensor}`` including the alias names, in file order (each shard's
             tensors by offset), the aliases last. Through the ring (CUDA, or
             ``pipeline=True``) every non-empty tensor starts at a 256-byte aligned address,
-            as safetensors' own loader gives them. The CPU views and copies guarantee element
-            alignment only (a view where the file offset allows it, a private copy where not).
+            as safetensors' own loader gives them. On CPU every tensor starts 64-byte aligned,
+            as torch's allocator gives them (CPU kernels round differently below that): a view
+            where the file offset is aligned (packer lays out every tensor whose size allows it
+            so), a private copy where not (their names: ``last_copied``).
 
         Raises:
             ArtifactMismatchError: a file is missing, has another size, header or sha256.
@@ -211,7 +222,17 @@ class Loader:
 
     def _tensors(self, torch: ModuleType, shards: list[Shard], bufs: list[tuple[torch.Tensor, int]],
                  dtype: torch.dtype | None, *, offsets: list[dict[str, int]] | None = None) -> dict[str, torch.Tensor]:
-        return shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}), offsets=offsets)
+        """The tensors out of ``bufs``; the ones copied to be aligned are ``last_copied`` and,
+        when there are any, an ``aligned copies`` stage (their bytes and count)."""
+        self.last_copied = []
+        start = time.perf_counter()
+        out = shard_tensors(torch, shards, bufs, dtype, self.manifest["weights"].get("aliases", {}),
+                            offsets=offsets, copied=self.last_copied)
+        if self.last_copied:
+            nbytes = sum(out[n].numel() * out[n].element_size() for n in self.last_copied)
+            self.timeline.add("aligned copies", start, time.perf_counter(), nbytes,
+                              tensors=len(self.last_copied))
+        return out
 
     def load_into(self, module: torch.nn.Module, *, device: str | None = None, strict: bool = True,
                   verify: bool = False, pipeline: bool | None = None,
@@ -285,6 +306,9 @@ class Loader:
             tensors = self.load_weights(str(dev), verify=verify, pipeline=pipeline)
         finally:
             self.auto_flush = auto
+        if self.last_copied:
+            notes.append(f"{len(self.last_copied)} tensors copied to {CPU_ALIGN}-byte aligned memory "
+                         f"(their file offsets are not aligned): {self.last_copied[:8]}")
         assign_tensors(torch, slots, tensors, dev, self.timeline, notes)
 
     def _into_ring(self, torch: ModuleType, dev: torch.device, shards: list[Shard],
@@ -298,8 +322,13 @@ class Loader:
     def bundle_dir(self) -> Path:
         """Extract the bundle once (content-addressed cache) and return its directory.
 
+        The cache's folder is checked at the first call of each loader: exactly the manifest's
+        members as regular files of their sizes (and sha256 with ``PACKER_REQUIRE_SIGNATURE``),
+        so a shared cache whose ``config.json`` was changed after extraction is refused.
+
         Raises:
-            ArtifactMismatchError: no bundle in this build, or it does not match.
+            ArtifactMismatchError: no bundle in this build, it does not match, or the cache's
+                folder holds other files than the bundle's.
         """
         b = self.manifest.get("bundle")
         if not b:
@@ -314,6 +343,9 @@ class Loader:
                                             expected_sha256=b["sha256"])
             except (reader.BundleFormatError, OSError) as e:
                 raise ArtifactMismatchError(f"{rel}: {e}") from None
+            if Path(out) not in self._checked_bundles and "members" in b:  # a reused folder is input too
+                check_extracted(Path(out), b["members"], hashes=bool(self.settings.require_signature))
+                self._checked_bundles.add(Path(out))
         if self.auto_flush:
             self.timeline.flush()
         return Path(out)

@@ -27,23 +27,41 @@ from typing import Any, NamedTuple
 
 
 def _parse(name: str, value: Any) -> Any:
-    """One field's value as given (a variable's text or a recipe value), parsed.
+    """One field's value as given (a variable's text or a recipe value), parsed strictly.
 
     Raises:
-        ValueError: a numeric setting that is not an integer.
+        ValueError: one line naming the variable, what it accepts and what it got.
     """
-    if name in _INTS or name == "hugepages":
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"packer_loader: {_ENV_PREFIX + name.upper()}: expected an integer, "
-                             f"got {value!r}") from None
-        return max(1, number) if name == "readers" else bool(number) if name == "hugepages" else number
-    if name == "expandable_segments":
-        return value is True or value == "1"
+    if name in _INTS:
+        number = _integer(value)
+        if number is None:
+            raise _refused(name, "an integer", value)
+        return max(1, number) if name == "readers" else number
+    if name in _FLAGS:
+        if value in (True, False, 0, 1) or value in ("0", "1"):  # a recipe's bool or int, a variable's text
+            return bool(int(value))
+        raise _refused(name, "0 or 1", value)
+    if name in _CHOICES:
+        text = str(value).lower()
+        if text not in _CHOICES[name]:
+            raise _refused(name, " or ".join(_CHOICES[name]), value)
+        return text
     if name == "warmup":
         return tuple(value)
-    return str(value).lower() if name == "startup_log" else str(value)
+    return str(value)
+
+
+def _integer(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _refused(name: str, accepts: str, value: Any) -> ValueError:
+    return ValueError(f"packer_loader: {_ENV_PREFIX + name.upper()}: expected {accepts}, got {value!r}")
 
 
 MIB = 2**20
@@ -53,6 +71,8 @@ DEFAULT_READERS = 8  # at most this many reader threads by default (never more t
 _ENV_PREFIX = "PACKER_"
 _NO_ENV = ("device", "warmup")  # recipe-only fields: no PACKER_DEVICE, no PACKER_WARMUP
 _INTS = ("ring_slots", "chunk_mb", "readers")
+_FLAGS = ("hugepages", "expandable_segments", "debug")
+_CHOICES = {"startup_log": ("text", "json", "off")}
 
 
 def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
@@ -72,12 +92,15 @@ class RuntimeSettings(NamedTuple):
         weights_dir: ``PACKER_WEIGHTS_DIR``: weights mounted elsewhere ("" = under artifacts).
         bundle_cache: ``PACKER_BUNDLE_CACHE``: where the bundle is extracted ("" = a private
             directory on /dev/shm).
-        startup_log: ``PACKER_STARTUP_LOG``: ``text``, ``json`` or ``off`` (lower case).
+        startup_log: ``PACKER_STARTUP_LOG``: ``text``, ``json`` or ``off`` (any case).
         ring_slots: ``PACKER_RING_SLOTS``: staging slots of the ring (default 4).
         chunk_mb: ``PACKER_CHUNK_MB``: staging chunk in MiB before rounding (default 64).
         readers: ``PACKER_READERS``: reader threads, at least 1 (default min(8, CPUs)).
-        hugepages: ``PACKER_HUGEPAGES``: private CPU copies on transparent huge pages.
+        hugepages: ``PACKER_HUGEPAGES=1``: private CPU copies on transparent huge pages.
         expandable_segments: ``PACKER_EXPANDABLE_SEGMENTS=1``: ask for expandable segments.
+        debug: ``PACKER_DEBUG=1``: a failed self-test or command prints its traceback.
+        (The flags take ``0`` or ``1``; every other value is refused, as is a startup log
+        other than the three forms and a count that is not an integer.)
         require_signature: ``PACKER_REQUIRE_SIGNATURE``: path of a PEM public key; the build's
             ``model.sig`` must verify with it, and every file's sha256 is checked ("" = not asked).
         device: the recipe's ``runtime.device``, the self-test's default device.
@@ -93,6 +116,7 @@ class RuntimeSettings(NamedTuple):
     readers: int = min(DEFAULT_READERS, os.cpu_count() or 1)
     hugepages: bool = False
     expandable_segments: bool = False
+    debug: bool = False
     require_signature: str = ""
     device: str = "cuda"
     warmup: tuple[dict[str, Any], ...] = ()
@@ -109,7 +133,8 @@ class RuntimeSettings(NamedTuple):
         ``[runtime]`` as embedded in the manifest; default none) over the defaults.
 
         Raises:
-            ValueError: a numeric variable or key that is not an integer.
+            ValueError: a value the setting does not accept (one line: the variable, what it
+                accepts, what it got).
         """
         env = os.environ if environ is None else environ
         rt = runtime or {}

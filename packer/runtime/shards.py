@@ -8,13 +8,13 @@ its data section (a mapping, a private copy or one device allocation).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .env import MAX_HEADER, ArtifactMismatchError, torch_dtype
+from .reading import loads_json, open_regular
 from .settings import MIB
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
         ArtifactMismatchError: missing file, wrong size, or a header that differs.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # a FIFO or a device is refused before anything blocks or is read
     except FileNotFoundError:
         raise ArtifactMismatchError(f"{rel}: missing (looked for {path}); set PACKER_ARTIFACTS "
                                     "or PACKER_WEIGHTS_DIR to where the build put it") from None
@@ -92,10 +92,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
 
 def _check_header(rel: str, raw: bytes, data_len: int,
                   table: dict[str, Any]) -> list[TensorEntry]:
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise ArtifactMismatchError(f"{rel}: safetensors header is not JSON ({e})") from None
+    header = loads_json(raw, f"{rel}: safetensors header", top=object)
     if not isinstance(header, dict):
         raise ArtifactMismatchError(f"{rel}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
@@ -107,9 +104,13 @@ def _check_header(rel: str, raw: bytes, data_len: int,
     out = []
     for name, rec in want.items():
         got = header[name]
+        if not isinstance(got, dict):  # a corrupt entry is a mismatch like any other
+            raise ArtifactMismatchError(f"{rel}: tensor {name!r}: header entry is {type(got).__name__}, "
+                                        "not an object; the file is corrupt or from another build")
         for key in ("dtype", "shape", "data_offsets"):
-            if list(got.get(key, [])) != list(rec[key]) if key != "dtype" else got.get(key) != rec[key]:
-                raise ArtifactMismatchError(f"{rel}: tensor {name!r} {key} is {got.get(key)}, "
+            expected = rec[key] if key == "dtype" else list(rec[key])
+            if got.get(key) != expected:
+                raise ArtifactMismatchError(f"{rel}: tensor {name!r} {key} is {got.get(key)!r:.80}, "
                                             f"the manifest says {rec[key]}")
         begin, end = rec["data_offsets"]
         if not 0 <= begin <= end <= data_len:
@@ -139,33 +140,47 @@ def check_sha256(rel: str, got: str, want: str) -> None:
                                     f"{want[:16]}...; the file is corrupt or from another build")
 
 
+CPU_ALIGN = 64  # torch's CPU allocator gives this; oneDNN's kernels take another path below it
+
+
 def tensor_view(torch: ModuleType, buf: torch.Tensor, begin: int, end: int, code: str, shape: list[int],
-                where: str) -> torch.Tensor:
-    """A tensor of ``buf[begin:end]`` (a uint8 buffer); misaligned bytes get a same-device copy."""
+                where: str, *, aligned: bool = True) -> torch.Tensor:
+    """A tensor of ``buf[begin:end]`` (a uint8 buffer); misaligned bytes get a same-device copy.
+
+    Element misalignment is always copied (``view(dtype)`` needs it); with ``aligned``, so is
+    a CPU start that is not ``CPU_ALIGN``-byte aligned: CPU kernels such as oneDNN's
+    convolutions round differently on such pointers than on the library's own allocations.
+    """
     dt, size = torch_dtype(code, where)
     raw = buf[begin:end]
-    if begin % size:
-        raw = raw.clone()  # view(dtype) needs element alignment; the copy stays on the device
+    if begin % size or (aligned and raw.device.type == "cpu" and raw.data_ptr() % CPU_ALIGN):
+        raw = raw.clone()  # the copy stays on the device; CPU allocations are CPU_ALIGN-aligned
     return raw.view(dt).view(tuple(shape))
 
 
 def shard_tensors(torch: ModuleType, shards: list[Shard], bufs: list[tuple[torch.Tensor, int]],
                   dtype: torch.dtype | None, aliases: dict[str, str], *,
-                  offsets: list[dict[str, int]] | None = None) -> dict[str, torch.Tensor]:
+                  offsets: list[dict[str, int]] | None = None,
+                  copied: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of ``shards`` as a view of its buffer (cast to ``dtype``), plus ``aliases``.
 
     ``bufs`` holds each shard's buffer and the offset of its data section in it; with
     ``offsets`` (a device layout, see ``layout``), each tensor starts at its laid-out offset.
+    A tensor that cannot be a view (misaligned, see :func:`tensor_view`) is a copy; its name
+    is appended to ``copied``.
     """
     out: dict[str, Tensor] = {}
     for i, (s, (buf, base)) in enumerate(zip(shards, bufs, strict=True)):
         for name, code, shape, begin, end in s.tensors:
             at = offsets[i][name] if offsets is not None else base + begin
-            t = tensor_view(torch, buf, at, at + end - begin, code, shape, f"{s.rel}: tensor {name!r}")
+            dt = torch_dtype(code, name)[0]
             # packed float4 has no cast in torch: it stays as stored, as integers do
-            if dtype is not None and code != "F4" and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)
-            out[name] = t
+            cast = dtype is not None and code != "F4" and dt.is_floating_point and dt != dtype
+            t = tensor_view(torch, buf, at, at + end - begin, code, shape, f"{s.rel}: tensor {name!r}",
+                            aligned=not cast)  # a cast allocates anew anyway
+            if copied is not None and not cast and end > begin and t.data_ptr() != buf[at:].data_ptr():
+                copied.append(name)
+            out[name] = t.to(dtype) if cast else t
     for alias, kept in sorted(aliases.items()):
         out[alias] = out[kept]
     return out

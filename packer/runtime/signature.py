@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .components import model_tree
 from .env import ArtifactMismatchError
+from .reading import CAPS, loads_json, read_bytes
 
 SIGNATURE_FILE = "model.sig"
 SIGSTORE_BUNDLE_V03 = "application/vnd.dev.sigstore.bundle.v0.3+json"
 INTOTO_PAYLOAD = "application/vnd.in-toto+json"
 INTOTO_STATEMENT = "https://in-toto.io/Statement/v1"
 MODEL_SIGNING_PREDICATE = "https://model_signing/signature/v1.0"
-MAX_SIGNED_BYTES = 256 * 2**20  # a statement lists one line per file: far below this
+MAX_SIGNED_BYTES = CAPS["signature"]  # a statement lists one line per file: far below this
 _CURVE_HASHES = {"secp256r1": "SHA256", "secp384r1": "SHA384", "secp521r1": "SHA512"}
 
 
@@ -100,7 +100,10 @@ def read_bundle(data: bytes, where: str) -> tuple[bytes, bytes, str]:
         ArtifactMismatchError: not such a bundle.
     """
     try:
-        bundle = json.loads(data)
+        bundle = loads_json(data, where)
+    except ArtifactMismatchError as e:
+        raise ArtifactMismatchError(f"{where}: not a key-signed Sigstore bundle ({str(e)[len(where) + 2:]})") from None
+    try:
         env = bundle["dsseEnvelope"]
         payload = base64.b64decode(env["payload"], validate=True)
         sig = base64.b64decode(env["signatures"][0]["sig"], validate=True)
@@ -120,8 +123,8 @@ def statement_of(payload: bytes, where: str) -> dict[str, Any]:
         ArtifactMismatchError: the payload is not one.
     """
     try:
-        statement = json.loads(payload)
-    except ValueError:
+        statement = loads_json(payload, f"{where}: the signed payload")
+    except ArtifactMismatchError:
         statement = None
     if not isinstance(statement, dict) or statement.get("_type") != INTOTO_STATEMENT:
         raise ArtifactMismatchError(f"{where}: the signed payload is not an in-toto {INTOTO_STATEMENT} statement")
@@ -201,6 +204,38 @@ def digest_difference(signed: Mapping[str, str], pinned: Mapping[str, str], wher
     return None
 
 
+def read_public_key(public_key: str) -> bytes:
+    """The PEM bytes of ``PACKER_REQUIRE_SIGNATURE``'s key file.
+
+    Raises:
+        ArtifactMismatchError: missing, not a regular file, over 64 KiB or unreadable.
+    """
+    try:
+        return read_bytes(public_key, "key")
+    except (OSError, ArtifactMismatchError) as e:
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise ArtifactMismatchError(f"PACKER_REQUIRE_SIGNATURE={public_key}: cannot read the public key "
+                                    f"({why or e})") from None
+
+
+def signed_files(root: str | Path, public_key: str) -> dict[str, str]:
+    """``{name: sha256 hex}`` that ``root/model.sig`` signs, once it verified with ``public_key``.
+
+    Raises:
+        ArtifactMismatchError: the key cannot be read; ``model.sig`` is missing, not a regular
+            file, over the cap, not a key-signed bundle, or does not verify.
+        ImportError: the cryptography package is missing.
+    """
+    pem = read_public_key(public_key)
+    where = str(Path(root).absolute() / SIGNATURE_FILE)
+    try:
+        data = read_bytes(where, "signature")
+    except FileNotFoundError:
+        raise ArtifactMismatchError(f"{where}: missing, and PACKER_REQUIRE_SIGNATURE asks for a build signed "
+                                    "with packer build --sign-key") from None
+    return signed_digests(open_signed(data, pem, where, key_name=public_key), where)
+
+
 def require_signature(manifest: Mapping[str, Any], root: Path, public_key: str) -> None:
     """Refuse the build under ``root`` unless its ``model.sig`` verifies with ``public_key``
     and signs exactly the files and digests ``manifest`` pins (``PACKER_REQUIRE_SIGNATURE``).
@@ -210,22 +245,8 @@ def require_signature(manifest: Mapping[str, Any], root: Path, public_key: str) 
             verify, or signs other files or digests than the manifest.
         ImportError: the cryptography package is missing.
     """
-    where = str(root / SIGNATURE_FILE)
-    try:
-        pem = Path(public_key).read_bytes()
-    except OSError as e:
-        raise ArtifactMismatchError(f"PACKER_REQUIRE_SIGNATURE={public_key}: cannot read the public key "
-                                    f"({e.strerror or e})") from None
-    try:
-        with open(where, "rb") as f:
-            data = f.read(MAX_SIGNED_BYTES + 1)
-    except FileNotFoundError:
-        raise ArtifactMismatchError(f"{where}: missing, and PACKER_REQUIRE_SIGNATURE asks for a build signed "
-                                    "with packer build --sign-key") from None
-    if len(data) > MAX_SIGNED_BYTES:
-        raise ArtifactMismatchError(f"{where}: larger than {MAX_SIGNED_BYTES} bytes")
-    statement = open_signed(data, pem, where, key_name=public_key)
-    signed = signed_digests(statement, where)
+    signed = signed_files(root, public_key)
+    where = str(Path(root).absolute() / SIGNATURE_FILE)
     problem = digest_difference(signed, model_files(manifest), where, "this loader's manifest")
     if problem:
         raise ArtifactMismatchError(problem)

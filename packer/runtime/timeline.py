@@ -31,24 +31,25 @@ class Timeline:
         self._printed = 0
         self._lock = threading.Lock()
 
-    def add(self, name: str, start: float, end: float, nbytes: int = 0, lane: int = 0) -> None:
-        """Record a stage that ran from ``start`` to ``end`` (``time.perf_counter`` values)."""
+    def add(self, name: str, start: float, end: float, nbytes: int = 0, lane: int = 0, **facts: int) -> None:
+        """Record a stage that ran from ``start`` to ``end`` (``time.perf_counter`` values);
+        ``facts`` are more counts kept in its record (``tensors``, ``hugepages``)."""
         secs = max(end - start, 0.0)
         rec = {"stage": name, "start_s": round(start - self.t0, 6), "seconds": round(secs, 6),
                "bytes": nbytes, "gbps": round(nbytes / secs / 1e9, 3) if nbytes and secs else None,
-               "lane": lane}
+               "lane": lane, **facts}
         with self._lock:
             self.stages.append(rec)
 
     @contextlib.contextmanager
     def stage(self, name: str, nbytes: int = 0) -> Iterator[dict[str, int]]:
-        """Time a block; the block may set ``box["bytes"]``."""
+        """Time a block; the block may set ``box["bytes"]`` and more counts (see :meth:`add`)."""
         box = {"bytes": nbytes}
         start = time.perf_counter()
         try:
             yield box
         finally:
-            self.add(name, start, time.perf_counter(), box["bytes"])
+            self.add(name, start, time.perf_counter(), box.pop("bytes"), **box)
 
     def flush(self, stream: IO[str] | None = None) -> None:
         """Print the stages recorded since the last flush and the total (``PACKER_STARTUP_LOG``).
@@ -61,7 +62,7 @@ class Timeline:
         with self._lock:
             new, self._printed = self.stages[self._printed:], len(self.stages)
             first = min(s["start_s"] for s in self.stages) if self.stages else 0.0
-        if not new or mode in ("off", "0", "none", "false"):
+        if not new or mode == "off":
             return
         end = max(s["start_s"] + s["seconds"] for s in new)
         total, call = end - first, end - min(s["start_s"] for s in new)
@@ -96,6 +97,8 @@ def _fmt_stage(s: dict[str, Any]) -> str:
         text += f", {n / 1e9:.2f} GB" if n >= 1e8 else f", {n / 1e6:.2f} MB" if n >= 1e5 else f", {n} B"
         if s.get("gbps"):
             text += f", {s['gbps']:.2f} GB/s"
+    if s.get("tensors"):
+        text += f", {s['tensors']} tensors"
     return text
 
 
@@ -103,9 +106,11 @@ TIMELINE = Timeline()
 
 
 def import_torch(timeline: Timeline | None = None) -> ModuleType:
-    """Import torch, timing the import when this call is the one that pays for it."""
-    if "torch" in sys.modules:
-        return sys.modules["torch"]
+    """Import torch, timing the import when this call is the one that pays for it: the
+    runtime's one way to torch (it is imported lazily everywhere)."""
+    cached = sys.modules.get("torch")
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     import torch
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .reading import loads_json
 from .timeline import import_torch
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def serve_warm(prepare: Callable[..., dict[str, Any]]) -> None:
 
     _WARM.update(pid=os.getpid(), error=None, cuda=False)
     try:
-        _WARM["prepared"] = prepare(**json.loads(spec))
+        _WARM["prepared"] = prepare(**loads_json(spec, WARM_ENV))
     except Exception as e:  # reported to warm_context by the probe, not lost in the server
         _WARM["error"] = f"{type(e).__name__}: {e}"
     os.register_at_fork(before=_before_fork)

@@ -7,6 +7,7 @@ offsets, shard names, the index). The writer only has to move bytes where the pl
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from packer.recipe import WeightsConfig
 from packer.weights.metadata import ALIASES_KEY, carried_metadata, utf8_ok
 from packer.weights.ties import TieConfig, split_group
 
+ALIGN = 64  # bytes: CPU kernels (oneDNN) take another, not bitwise equal, path below it
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 FLOAT_CODES = frozenset(CAST_DTYPES.values())
@@ -278,8 +280,46 @@ def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str],
     for t in tensors:
         table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
     text = json.dumps(table, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)  # data then starts 8-aligned, as safetensors itself pads
+    # JSON may be followed by spaces (safetensors pads to 8): pad so data starts ALIGN-aligned,
+    # and a mapping's page-aligned start makes every aligned file offset an aligned pointer
+    text += b" " * (-(8 + len(text)) % ALIGN)
     return len(text).to_bytes(8, "little") + text
+
+
+def file_order(names: Sequence[str], sizes: dict[str, int]) -> list[str]:
+    """The order of ``names`` in their file that starts as many tensors as it can (the
+    largest first) at an ``ALIGN``-byte data offset; safetensors allows no gaps between them.
+
+    Sizes that are a multiple of ``ALIGN`` come first, in the given order, and keep each
+    other aligned. The rest follow greedily: at an aligned offset the largest left (its
+    copy at load would cost most); at a misaligned one the smallest that ends aligned
+    again, else the smallest left. Ties go by name, so the order is deterministic.
+    """
+    order = [n for n in names if sizes[n] % ALIGN == 0]
+    rest = [n for n in names if sizes[n] % ALIGN]
+    largest = [(-sizes[n], n) for n in rest]
+    smallest = [(sizes[n], n) for n in rest]
+    by_residue: dict[int, list[tuple[int, str]]] = {}
+    for n in rest:
+        by_residue.setdefault(sizes[n] % ALIGN, []).append((sizes[n], n))
+    for heap in (largest, smallest, *by_residue.values()):
+        heapq.heapify(heap)
+    placed: set[str] = set()
+
+    def pop(heap: list[tuple[int, str]]) -> str | None:
+        while heap and heap[0][1] in placed:
+            heapq.heappop(heap)
+        return heapq.heappop(heap)[1] if heap else None
+
+    pos = 0
+    while len(placed) < len(rest):
+        need = -pos % ALIGN
+        name = pop(largest) if not need else pop(by_residue.get(need, [])) or pop(smallest)
+        assert name is not None
+        placed.add(name)
+        order.append(name)
+        pos += sizes[name]
+    return order
 
 
 _UNTOLD = TieConfig()
@@ -311,7 +351,7 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
     shards = []
     for filename, names in _split(sizes, cfg.max_shard_size):
         planned, pos = [], 0
-        for n in names:
+        for n in file_order(names, sizes):
             planned.append(PlannedTensor(n, kept[n], dtypes[n], pos, pos + sizes[n]))
             pos += sizes[n]
         mine = {a: k for a, k in aliases.items() if k in names}
