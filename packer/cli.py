@@ -236,13 +236,15 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_shard_size,
               help='Decimal ("5GB") or binary ("4GiB") size of one shard.')
 @click.option("--tie-prefer", multiple=True, help="Name to keep for a tied group (repeatable).")
+@click.option("--max-expansion", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              help="Expanded views may make the output this many times the input storages (+1 GiB).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--no-sandbox", is_flag=True, help="Read the input in this process (no isolated subprocess).")
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
 def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tuple[str, ...],
             renames: tuple[str, ...], dtype: str | None, max_shard_size: str,
-            tie_prefer: tuple[str, ...], dry_run: bool, no_sandbox: bool,
+            tie_prefer: tuple[str, ...], max_expansion: float, dry_run: bool, no_sandbox: bool,
             allow_globals: tuple[str, ...]) -> None:
     """Convert pickle checkpoints (or safetensors) in SRC to safetensors in OUT.
 
@@ -256,7 +258,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
     from packer.weights.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
-                           "tie_prefer": list(tie_prefer)}
+                           "tie_prefer": list(tie_prefer), "max_expansion": max_expansion}
     if key:
         raw["key"] = key
     if dtype:

@@ -5,8 +5,14 @@ stack of modules, or a PEFT adapter; detected from the files each library writes
   checkpoint is one (``unet``, ``vae``, ``text_encoder``...). Folders without weights
   (``scheduler``, ``tokenizer``) travel in the bundle only.
 * **sentence-transformers**: ``modules.json`` lists the modules; each module folder that holds
-  a checkpoint is one (the root transformer, ``2_Dense``...).
-* **PEFT**: ``adapter_config.json`` beside ``adapter_model.*``: the adapter is the one component.
+  a checkpoint is one (the root transformer, ``2_Dense``...). A ``Router`` module's
+  ``router_config.json`` lists its routes' module folders (``query_0_StaticEmbedding``,
+  ``document_0_Transformer``...): each of those that holds a checkpoint is one too.
+* **PEFT**: ``adapter_config.json`` beside ``adapter_model.*``: the adapter is a component, and
+  so is every sub-folder with its own ``adapter_config.json`` and weights (the further adapters
+  ``PeftModel.save_pretrained`` writes under their names).
+* **a lone diffusers model** (``config.json`` with ``_class_name`` and ``_diffusers_version``, as
+  ``UNet2DConditionModel.save_pretrained`` writes it): one diffusers component at the root.
 * **model**: anything else, one component at the root (``weights.files`` chooses its files).
 
 Each component is converted on its own into ``weights/<path>/`` (its own shards, index and
@@ -25,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES
-from packer.idents import shown
-from packer.reading import MARKER, parse_json, read_bytes
+from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, foreign_weights
+from packer.idents import check_rel_name, shown
+from packer.reading import JSON_DOC, MARKER, parse_json, read_bytes, read_json
 
 MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
            ("peft", "adapter_config.json"))
@@ -52,11 +58,19 @@ class Component:
     path: str
     library: str
     files: tuple[str, ...]
+    own_stem: str | None = None  # a variant (weights.variants) keeps its own name: "model.int8"
 
     @property
     def stem(self) -> str:
         """The weight file's stem in the model directory (``diffusion_pytorch_model``)."""
-        return STEMS.get(self.library, "model")
+        return self.own_stem or STEMS.get(self.library, "model")
+
+    @property
+    def out(self) -> str:
+        """Its folder under ``weights/`` in OUT (a variant's own, beside its folder's model)."""
+        if self.own_stem is None:
+            return self.path
+        return f"{self.path}/variants/{self.own_stem}" if self.path else f"variants/{self.own_stem}"
 
 
 @dataclass(frozen=True)
@@ -69,11 +83,12 @@ class SourceLayout:
     @property
     def multi(self) -> bool:
         """True unless it is one plain model at the root (today's single conversion)."""
-        return self.kind != "model"
+        return self.kind != "model" or len(self.components) > 1
 
     def describe(self) -> str:
         """One line for the build's notes and ``--dry-run``."""
-        parts = ", ".join(f"{c.name} ({c.path or '.'}, {c.library})" for c in self.components)
+        parts = ", ".join(f"{c.name} ({c.path or '.'}, {c.library}"
+                          f"{f', as {c.stem}{SAFETENSORS_SUFFIX}' if c.own_stem else ''})" for c in self.components)
         return f"source layout: {self.kind}; components: {parts}"
 
 
@@ -157,7 +172,20 @@ def _module_paths(root: Path) -> list[str]:
     return _once(marker, out)
 
 
+def lone_diffusers_model(root: Path) -> bool:
+    """True when ``root`` is one diffusers model on its own (no ``model_index.json``): its
+    ``config.json`` carries ``_class_name`` and ``_diffusers_version``."""
+    config = root / "config.json"
+    if (root / "model_index.json").exists() or not config.is_file():
+        return False
+    doc = read_json(config, JSON_DOC, error=WeightsError)  # a model's config, not a small layout file
+    return isinstance(doc, dict) and isinstance(doc.get("_class_name"), str) and "_diffusers_version" in doc
+
+
 def _diffusers(root: Path) -> list[Component]:
+    if not (root / "model_index.json").exists():  # forced, or detected: a lone model (a FIFO is refused below)
+        files = checkpoint_of(root, STEMS["diffusers"]) if lone_diffusers_model(root) else ()
+        return [Component(ROOT_NAME, "", "diffusers", files)] if files else []
     out = []
     for name, library in _diffusers_entries(root):
         if files := checkpoint_of(root / name, STEMS[library]):
@@ -165,11 +193,45 @@ def _diffusers(root: Path) -> list[Component]:
     return out
 
 
+def _router_paths(root: Path, module: str) -> list[str]:
+    """The route module folders a sentence-transformers ``Router`` at ``module`` lists in its
+    ``router_config.json`` (``structure``: route -> folder names), relative to ``root``; [] if none."""
+    marker = root / module / "router_config.json"
+    if not marker.is_file():
+        return []
+    config = _read_json(marker)
+    structure = config.get("structure") if isinstance(config, dict) else None
+    if not isinstance(structure, dict) or not all(isinstance(v, list) for v in structure.values()):
+        raise WeightsError(f"{marker}: structure is not an object of folder lists")
+    names = dict.fromkeys(_checked_name(marker, n) for folders in structure.values() for n in folders)
+    return [f"{module}/{n}" if module else n for n in names]
+
+
 def _sentence_transformers(root: Path) -> list[Component]:
     out = []
     for path in _module_paths(root):
-        if files := checkpoint_of(root / path, "model"):
-            out.append(Component(path or ROOT_NAME, path, "transformers", files))
+        for sub in [path, *_router_paths(root, path)]:
+            if files := checkpoint_of(root / sub, "model"):
+                out.append(Component(sub or ROOT_NAME, sub, "transformers", files))
+    return out
+
+
+def _adapter_folders(root: Path) -> list[str]:
+    """The sub-folders holding a further PEFT adapter (``adapter_config.json``), weights or not."""
+    try:
+        entries = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    return [p.name for p in entries if (p / "adapter_config.json").is_file() and _NAME.match(p.name)]
+
+
+def _peft(root: Path) -> list[Component]:
+    out = []
+    if files := checkpoint_of(root, STEMS["peft"]):
+        out.append(Component("adapter", "", "peft", files))
+    for name in _adapter_folders(root):
+        if name != "adapter" and (files := checkpoint_of(root / name, STEMS["peft"])):
+            out.append(Component(name, name, "peft", files))
     return out
 
 
@@ -184,7 +246,10 @@ def named_folders(root: Path) -> frozenset[str]:
     if (root / "model_index.json").is_file():
         folders.update(name for name, _ in _diffusers_entries(root))
     if (root / "modules.json").is_file():
-        folders.update(path for path in _module_paths(root) if path)
+        for path in _module_paths(root):
+            folders.update(p for p in [path, *_router_paths(root, path)] if p)
+    if (root / "adapter_config.json").is_file():
+        folders.update(_adapter_folders(root))
     return frozenset(folders)
 
 
@@ -205,6 +270,8 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
     """
     if layout == "auto":
         layout = next((kind for kind, marker in MARKERS if root.is_dir() and (root / marker).is_file()), "model")
+        if layout == "model" and root.is_dir() and lone_diffusers_model(root):
+            layout = "diffusers"
     if layout == "model":
         return SourceLayout("model", (Component(ROOT_NAME, "", "transformers", ()),))
     if layout == "diffusers":
@@ -212,8 +279,7 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
     elif layout == "sentence-transformers":
         comps = _sentence_transformers(root)
     else:
-        files = checkpoint_of(root, "adapter_model")
-        comps = [Component("adapter", "", "peft", files)] if files else []
+        comps = _peft(root)
     if only:
         unknown = sorted(set(only) - {c.name for c in comps})
         if unknown:
@@ -221,13 +287,44 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
                                f"with weights here (found: {', '.join(c.name for c in comps) or 'none'})")
         comps = [c for c in comps if c.name in only]
     if not comps:
-        raise WeightsError(f"{root}: a {layout} layout ({dict(MARKERS)[layout]}) but no component holds a "
-                           "checkpoint; set weights.layout = \"model\" to convert the root alone")
+        marker = "config.json" if layout == "diffusers" and not (root / "model_index.json").is_file() \
+            else dict(MARKERS)[layout]
+        at_root = any(p.suffix in WEIGHT_SUFFIXES for p in _checkpoints(root, _SEARCH_DEPTH))
+        way = ("set weights.layout = \"model\" to convert the root alone" if at_root
+               else "nor does the root: there are no weights here to build")
+        raise WeightsError(f"{root}: a {layout} layout ({marker}) but no component holds a checkpoint; {way}")
     return SourceLayout(layout, tuple(comps))
 
 
+def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -> SourceLayout:
+    """``layout`` plus one component per ``weights.variants`` file, written under its own name.
+
+    A library may load a second weight file by name beside the model's (``model.int8.safetensors``
+    next to ``model.safetensors``); each variant is converted on its own, as one file named
+    ``<its stem>.safetensors`` in its folder of the model directory.
+
+    Raises:
+        WeightsError: a name that is no relative file name, not a checkpoint file, missing, or
+            that is also another component's name.
+    """
+    comps = list(layout.components)
+    for rel in variants:
+        where = "weights.variants"
+        name = check_rel_name(rel, where=where, error=WeightsError)
+        stem, suffix = name.name[: -len(name.suffix)] if name.suffix else name.name, name.suffix
+        if suffix not in WEIGHT_SUFFIXES or not _NAME.match(stem) or not (root / rel).is_file():
+            raise WeightsError(f"{where}: {rel!r} is not a checkpoint file in {root} "
+                               f"({'/'.join(WEIGHT_SUFFIXES)})")
+        if any(c.name == stem for c in comps):
+            raise WeightsError(f"{where}: {rel!r} would be named {stem!r}, as another component is")
+        folder = str(name.parent) if str(name.parent) != "." else ""
+        comps.append(Component(stem, folder, "transformers", (name.name,), own_stem=stem))
+    return SourceLayout(layout.kind, tuple(comps))
+
+
 def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:
-    """Checkpoint files under ``root`` (hidden folders skipped, a few levels deep)."""
+    """Checkpoint files under ``root`` (hidden folders skipped, a few levels deep), other
+    frameworks' weight files (GGUF, ONNX, TensorFlow, Flax) included."""
     try:
         entries = sorted(root.iterdir())
     except OSError:
@@ -237,7 +334,7 @@ def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:
             continue
         if p.is_dir() and not p.is_symlink() and depth < _SEARCH_DEPTH:
             yield from _checkpoints(p, depth + 1)
-        elif p.is_file() and p.suffix in WEIGHT_SUFFIXES:
+        elif p.is_file() and (p.suffix in WEIGHT_SUFFIXES or foreign_weights(p.name)):
             yield p
 
 
@@ -268,7 +365,7 @@ def model_tree(section: dict[str, Any]) -> list[list[str]]:
     pairs = []
     for comp in components_of(section):
         base = comp.get("path", "")
-        stem = STEMS.get(comp.get("library", "transformers"), "model")
+        stem = comp.get("stem") or STEMS.get(comp.get("library", "transformers"), "model")
         for rel in [*comp["files"], *([comp["index"]] if comp.get("index") else [])]:
             name = _renamed(Path(rel).name, stem)
             pairs.append([f"{base}/{name}" if base else name, rel])

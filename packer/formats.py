@@ -27,3 +27,28 @@ CAST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16":
 
 SIGNATURE_NAME = "model.sig"  # the OpenSSF model signature (packer/runtime/signature.py: SIGNATURE_FILE)
 PROVENANCE_NAME = "provenance.sigstore.json"  # the signed SLSA provenance; outside the manifest it describes
+
+# Weight files of other frameworks that packer does not convert, by name: what each is and what
+# to do. They are named (never opened) when a source holds nothing else, and in the left-out note.
+_TF = ("a TensorFlow (Keras) checkpoint, which packer does not convert (it reads PyTorch pickles and "
+       "safetensors): build the PyTorch weights instead; transformers writes them with "
+       "from_pretrained(DIR, from_tf=True).save_pretrained(OUT)")
+_FLAX = ("a Flax checkpoint, which packer does not convert (it reads PyTorch pickles and safetensors): "
+         "build the PyTorch weights instead; transformers writes them with "
+         "from_pretrained(DIR, from_flax=True).save_pretrained(OUT)")
+_GGUF = ("a GGUF file (llama.cpp's format, often re-quantized), which packer does not convert: serve it "
+         "with llama.cpp, or build the safetensors model it was made from")
+_ONNX = ("an ONNX graph, which packer does not convert: serve it with ONNX Runtime, or build the "
+         "PyTorch or safetensors model it was exported from")
+FOREIGN_WEIGHTS: tuple[tuple[str, str], ...] = (
+    ("*.h5", _TF), ("*.keras", _TF), ("flax_model*.msgpack", _FLAX), ("*.gguf", _GGUF), ("*.onnx", _ONNX),
+)
+CTRANSLATE2 = ("a CTranslate2 model (model.bin of a {spec}), which only CTranslate2 reads and packer does not "
+               "convert: serve it with CTranslate2, or build the transformers model it was converted from")
+
+
+def foreign_weights(name: str) -> str | None:
+    """What the weight file ``name`` of another framework is and what to do, or None (not one)."""
+    from fnmatch import fnmatchcase
+
+    return next((what for pattern, what in FOREIGN_WEIGHTS if fnmatchcase(name, pattern)), None)

@@ -63,6 +63,11 @@ class WeightsConfig:
     # what the source is (packer.components): "auto" by its marker files, or forced
     layout: str = "auto"
     components: tuple[str, ...] = ()  # build only these components (empty: all)
+    # weight files a library loads by name beside the model's ("model.int8.safetensors"): each
+    # converted on its own and kept under its own name
+    variants: tuple[str, ...] = ()
+    # expanded views are written out: the output may be this many times the input storages' bytes + 1 GiB
+    max_expansion: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class BundleConfig:
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    remote_code: bool = True  # carry the code files auto_map names (never imported or run by packer)
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,12 @@ def _size(path: str, v: Any) -> int:
         if size > 0:
             return size
     raise _fail(path, 'a size like "5GB"', v)
+
+
+def _ratio(path: str, v: Any) -> float:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"):
+        return float(v)
+    raise _fail(path, "a positive number such as 4 or 100", v)
 
 
 def _regex(path: str, v: Any) -> str:
@@ -391,8 +403,9 @@ _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
     "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
+    "max_expansion": _ratio, "variants": _str_list,
 }
-_BUNDLE = {"include": _str_list, "exclude": _str_list}
+_BUNDLE = {"include": _str_list, "exclude": _str_list, "remote_code": _bool}
 _IMAGE = {
     "base": _base, "prefix": _prefix, "compression": _choice(COMPRESSIONS), "owner": _owner,
     "weights": _choice(WEIGHTS_PLACEMENT), "single_layer": _bool, "platform": _platform, "tag": _str,

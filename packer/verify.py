@@ -67,6 +67,10 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
         if not path.is_file() or path.is_symlink():
             raise VerifyError(f"{path}: listed in the manifest but missing")
         st = path.stat()
+        walked = rel.startswith("image/blobs/sha256/") and "sha256:" + rel.rsplit("/", 1)[1] in checked_blobs
+        if st.st_size != want["size"] and walked:  # the blob matches its digest: the manifest is wrong
+            raise VerifyError(f"{out / MANIFEST_NAME}: records size {want['size']} for the blob {rel}, which "
+                              f"matches its digest at {st.st_size} bytes (edited after the build?)")
         if st.st_size != want["size"]:
             raise VerifyError(f"{path}: size {st.st_size} differs from the manifest's {want['size']}")
         size = st.st_size

@@ -83,5 +83,6 @@ def test_module_objects_beside_a_state_dict_get_the_key_and_the_flags(tmp_path: 
 
 def test_a_pickled_module_is_told_to_save_its_state_dict(tmp_path: Path) -> None:
     torch.save(torch.nn.Linear(2, 2), tmp_path / "m.pt")
-    with pytest.raises(DisallowedGlobalError, match=r"the whole pickle is a pickled torch.nn module, not a state dict"):
+    with pytest.raises(DisallowedGlobalError, match=r"a pickled model object, not a state dict: in the model's "
+                       r"own code, `torch\.save\(model\.state_dict\(\)\)`"):
         read_checkpoint(tmp_path / "m.pt")

@@ -30,6 +30,9 @@ class BundlePlan:
     src: Path
     members: tuple[BundleMember, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    code: tuple[str, ...] = ()  # members carried because auto_map names them (never run by packer)
+    code_elsewhere: tuple[str, ...] = ()  # auto_map references to code in other repositories
+    code_left_out: bool = False  # bundle.remote_code = false left named code files out
 
     @property
     def dirs(self) -> tuple[str, ...]:

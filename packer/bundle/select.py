@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from packer.bundle.plan import BundleMember, BundlePlan
+from packer.bundle.remote_code import remote_code
 from packer.bundle.tar import tar_size
 from packer.components import named_folders
 from packer.errors import BundleError, WeightsError
@@ -86,7 +87,10 @@ def _sub_folder(name: str, folders: frozenset[str]) -> bool:
     return bool(_MODULE_DIR.match(name)) or name in KNOWN_DIRS or name in folders
 
 
-def _select(rel: str, include: _Globs, exclude: _Globs, folders: frozenset[str]) -> str | None:
+def _select(rel: str, include: _Globs, exclude: _Globs, folders: frozenset[str],
+            code: frozenset[str] = frozenset()) -> str | None:
+    if rel in code:  # named by auto_map: carried as data, like a config file
+        return None
     if kind := _never(rel):
         return f"{kind} (never bundled)"
     if glob := next((g for g, rx in exclude if rx.match(rel)), None):
@@ -131,6 +135,8 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
     folder ``model_index.json`` or ``modules.json`` names), minus
     weights indexes, hidden files, and never weights, code or pickles. ``cfg.exclude`` globs
     remove files; ``cfg.include`` globs add any other file except weights, code and pickles.
+    The code files ``auto_map`` names (:mod:`packer.bundle.remote_code`) are members too, unless
+    ``cfg.remote_code`` is false; packer never imports or runs them.
 
     Args:
         src: the model directory.
@@ -154,8 +160,10 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
         folders = named_folders(src)  # the layout file's own list, beyond the folder names known here
     except WeightsError as e:
         raise BundleError(str(e)) from e
+    wanted = remote_code(src) if src.is_dir() else None
+    code = frozenset(wanted.files) if wanted and cfg.remote_code else frozenset()
     for rel, path in _walk(src, roots, deep=bool(include), folders=folders):
-        if reason := _select(rel, include, exclude, folders):
+        if reason := _select(rel, include, exclude, folders, code):
             skipped.append((rel, reason))
             continue
         real = _inside(path, roots, rel)
@@ -168,7 +176,8 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
                               "exclude it with [bundle] exclude")
         members.append(BundleMember(rel, real, st.st_size))
     members.sort(key=lambda m: m.name)
-    plan = BundlePlan(src, tuple(members), tuple(sorted(skipped)))
+    plan = BundlePlan(src, tuple(members), tuple(sorted(skipped)), tuple(sorted(code)),
+                      wanted.elsewhere if wanted else (), bool(wanted and wanted.files and not cfg.remote_code))
     _check_plan(plan)
     return plan
 

@@ -34,13 +34,28 @@ def _section(file: str, written: WrittenBundle) -> dict[str, Any]:
             "members": [{"name": m.name, "size": m.size, "sha256": m.sha256} for m in written.members]}
 
 
+def _code_notes(plan: BundlePlan) -> list[str]:
+    notes = []
+    if plan.code:
+        notes.append(f"bundle: carries the code files auto_map names, pinned, never imported or run by "
+                     f"packer: {', '.join(plan.code)} (bundle.remote_code = false leaves them out)")
+    if plan.code_left_out:
+        notes.append("bundle: bundle.remote_code = false leaves out the code files auto_map names: the model "
+                     "directory will not load with trust_remote_code=True")
+    if plan.code_elsewhere:
+        notes.append(f"bundle: auto_map names code in other repositories, not carried: "
+                     f"{', '.join(plan.code_elsewhere[:8])} (a loader with trust_remote_code fetches it from there)")
+    return notes
+
+
 def _notes(plan: BundlePlan) -> tuple[str, ...]:
     by_reason: dict[str, list[str]] = {}
     for name, reason in plan.skipped:
         if not reason.startswith("weights"):  # the weights stage converts those: no news
             by_reason.setdefault(reason, []).append(name)
-    return tuple(f"bundle: skipped ({reason}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
-                 for reason, names in sorted(by_reason.items()))
+    skipped = [f"bundle: skipped ({reason}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+               for reason, names in sorted(by_reason.items())]
+    return tuple(_code_notes(plan) + skipped)
 
 
 def run_bundle(src: Path, cfg: BundleConfig, out_dir: Path, *, rel_root: Path | None = None,

@@ -6,7 +6,12 @@ inert placeholder (never imported, never called: the same treatment ``--allow-gl
 collecting each one the real policy refuses. The result is one message: the globals, sorted and
 deduplicated, a ready-to-paste list of ``--allow-global`` flags, and what the payload is:
 
-* the pickle's value *is* a ``torch.nn`` module (``torch.save(model)``): save the state dict;
+* the pickle's value *is* a model object (``torch.save(model)``: a ``torch.nn`` class, or any
+  class whose state holds ``_modules``), or holds one under a top-level key beside training
+  state (ultralytics' ``{"model": <module>, "epoch": ...}``): save the state dict in the
+  model's own code. No ``--allow-global`` flags: placeholders would keep the weights out;
+* a tensor subclass (torchao's, through ``_rebuild_wrapper_subclass``): name it and the ways
+  out (its library's safetensors form, or plain tensors), no flags either;
 * ``torch.nn`` objects sit beside a state dict (hyper-parameters holding activation
   classes): name the key (``--key state_dict``) and allow the globals as placeholders.
 
@@ -20,7 +25,7 @@ import shlex
 from typing import Any
 
 from packer.checkpoint.placeholders import PLACEHOLDER_TYPES, GlobalPolicy, PlaceholderDict
-from packer.checkpoint.tree import Global, PickleDict
+from packer.checkpoint.tree import Global, PickleDict, TensorRef
 from packer.errors import CheckpointError, DisallowedGlobalError
 
 MAX_NAMED = 40  # globals named in one message; the flags list is cut at the same place
@@ -52,11 +57,57 @@ def survey(vm_class: Any, data: bytes, *, where: str, start: int, persistent_loa
     return sorted(refused), value
 
 
-def _is_module(value: object) -> bool:
-    """True when the pickle's value is itself a ``torch.nn`` object (``torch.save(model)``)."""
+MODULE_ADVICE = ("a pickled model object, not a state dict: in the model's own code, "
+                 "`torch.save(model.state_dict())`, and build that file")
+
+
+def _module_class(value: object) -> str | None:
+    """The class of ``value`` when it is a pickled module object: a ``torch.nn`` class, or
+    any placeholder whose pickled state holds ``_modules`` (``nn.Module.__dict__``)."""
     kind = getattr(value, "type", None)
-    name = kind.qualname if isinstance(kind, Global) else ""
-    return name.startswith("torch.nn.") and not name.startswith("torch.nn.parameter.")
+    if not isinstance(kind, Global):
+        return None
+    name = kind.qualname
+    if name.startswith("torch.nn.") and not name.startswith("torch.nn.parameter."):
+        return name
+    state = getattr(value, "state", None)
+    return name if isinstance(state, dict) and "_modules" in state else None
+
+
+def pickled_module(value: object) -> tuple[str, str | None] | None:
+    """``(class, key)`` of a model object the pickle holds at its top (key None) or under one
+    top-level key (ultralytics' ``{"model": <module>, ...}``), else None."""
+    found = _module_class(value)
+    if found is not None:
+        return found, None
+    if isinstance(value, dict) and not isinstance(value, PlaceholderDict):
+        for key, item in list(value.items())[:256]:
+            found = _module_class(item)
+            if found is not None and isinstance(key, str):
+                return found, key
+    return None
+
+
+def module_message(where: str, found: tuple[str, str | None]) -> str:
+    """The one-line refusal of a pickled model object found by :func:`pickled_module`."""
+    cls, key = found
+    at = f" (a {cls} under key {key!r})" if key is not None else f" (a {cls})"
+    return f"{where}: {MODULE_ADVICE}{at}; packer never imports or runs a model's code"
+
+
+_WRAPPER_REBUILD = "torch._utils._rebuild_wrapper_subclass"
+
+
+def _subclass_message(where: str, refused: list[str]) -> str | None:
+    """A tensor subclass pickled through a wrapper rebuild: its classes and the ways out."""
+    if _WRAPPER_REBUILD not in refused:
+        return None
+    classes = [q for q in refused if not q.startswith("torch.")] or ["a tensor subclass"]
+    return (f"{where}: tensor subclass {', '.join(classes[:5])} (pickled through "
+            "torch._utils._rebuild_wrapper_subclass), which packer does not convert: safetensors holds plain "
+            "tensors only; save the model in its library's safetensors form (torchao through transformers: "
+            "save_pretrained(); or torchao's flatten_tensor_state_dict() with safetensors' save_file()), "
+            "or save plain tensors (tensor.dequantize())")
 
 
 _KEYS = ("state_dict", "model_state_dict", "model", "ema", "module", "net", "weights", "params")
@@ -67,6 +118,20 @@ def _state_dict_key(value: object) -> str | None:
     if not isinstance(value, dict) or isinstance(value, PlaceholderDict):
         return None
     return next((k for k in _KEYS if isinstance(value.get(k), PickleDict | dict) and value.get(k)), None)
+
+
+def module_refusal(where: str, value: object) -> str | None:
+    """The refusal of a pickled model object (:func:`pickled_module`), unless the weights sit
+    beside it at the top: a state dict under a key (then the key is the way out, as
+    :func:`one_message` says), or tensors of the top-level dict itself (the module is then
+    an entry beside them, as hyper-parameters are)."""
+    module = pickled_module(value)
+    if module is None:
+        return None
+    if module[1] is not None and isinstance(value, dict) and (
+            _state_dict_key(value) or any(isinstance(v, TensorRef) for v in value.values())):
+        return None
+    return module_message(where, module)
 
 
 def one_message(first: DisallowedGlobalError, refused: list[str], value: object) -> DisallowedGlobalError:
@@ -84,10 +149,14 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
     flags = " ".join(f"--allow-global {shlex.quote(q)}" for q in shown)
     every = f" ({len(refused)} in this pickle: {', '.join(shown)}{more})" if len(refused) > 1 else ""
     head = f"{where}: global {qual} is not allowed{every}; packer never imports or calls anything"
-    if _is_module(value):
-        return DisallowedGlobalError(f"{head}; the whole pickle is a pickled torch.nn module, not a state dict: "
-                                     "save model.state_dict() instead, or convert once in a trusted environment")
+    subclass = _subclass_message(where, refused)
+    if subclass is not None:
+        return DisallowedGlobalError(subclass)
+    module = module_refusal(where, value)
+    if module is not None:
+        return DisallowedGlobalError(module)
     found = _state_dict_key(value)
+
     key = f"--key {found} " if found and any(q.startswith("torch.nn.") for q in refused) else ""
     beside = "; torch.nn objects sit beside the state dict" if key else ""
     return DisallowedGlobalError(f"{head}{beside}; if these are plain data, read them as inert placeholders "

@@ -9,11 +9,13 @@ integer arithmetic before it becomes a :class:`TensorRecord`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from packer.checkpoint.allowlist import TORCH_DTYPES
+from packer.checkpoint.guidance import module_refusal
 from packer.checkpoint.legacy import load_legacy
 from packer.checkpoint.pickle_vm import policy_for
 from packer.checkpoint.placeholders import find_placeholders
@@ -22,6 +24,7 @@ from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safete
 from packer.checkpoint.torch_zip import load_torch_zip
 from packer.checkpoint.tree import TensorRef, children, named_walk, tensor_counts
 from packer.errors import CheckpointError
+from packer.formats import CTRANSLATE2
 from packer.reading import open_regular
 
 _I64 = 2**63
@@ -43,7 +46,26 @@ def _detect(f: BinaryIO, path: Path, size: int) -> str:
         f.seek(257)
         if f.read(5) == b"ustar":
             raise CheckpointError(f"{path}: tar-based torch checkpoint (torch < 0.4) not supported")
+    f.seek(0)
+    spec = _ctranslate2_spec(f.read(72))
+    if spec is not None:
+        raise CheckpointError(f"{path}: {CTRANSLATE2.format(spec=spec)}")
     raise CheckpointError(f"{path}: not a torch zip, legacy torch or safetensors file (first bytes {head[:8]!r})")
+
+
+_SPEC = re.compile(rb"[A-Za-z][A-Za-z0-9_]{0,60}Spec")
+
+
+def _ctranslate2_spec(head: bytes) -> str | None:
+    """The model spec a CTranslate2 ``model.bin`` starts with (binary version, then its
+    length-prefixed, NUL-ended spec name), or None."""
+    if len(head) < 8:
+        return None
+    version, n = int.from_bytes(head[:4], "little"), int.from_bytes(head[4:6], "little")
+    name = head[6:6 + n]
+    if not (1 <= version <= 64 and len(name) == n and name.endswith(b"\0") and _SPEC.fullmatch(name[:-1])):
+        return None
+    return name[:-1].decode("ascii")
 
 
 def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = ()) -> tuple[str, object]:
@@ -139,6 +161,9 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
     Raises:
         CheckpointError: key not found, not a dict, or not flat (the message lists keys).
     """
+    refusal = module_refusal(str(path), root if key is None else None)
+    if refusal is not None:  # the user allowed its classes: still no state dict to convert
+        raise CheckpointError(refusal)
     node = root
     if key is not None:
         found = _resolve(root, key)
@@ -146,6 +171,9 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
             top = ", ".join(n for n, _ in (children(root) or [])[:20])
             raise CheckpointError(f"{path}: key {key}: not found; top-level entries: {top or 'none'}")
         node = found[0]
+        refusal = module_refusal(f"{path}: key {key}", node)
+        if refusal is not None:
+            raise CheckpointError(refusal)
     kids = children(node)
     if kids is None:
         what = "a single tensor" if isinstance(node, TensorRef) else type(node).__name__

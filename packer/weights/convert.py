@@ -52,6 +52,18 @@ def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str
     return notes
 
 
+def _nothing_to_write(inputs: InputSet, contents: Sequence[CheckpointContents]) -> str:
+    """Why a conversion found no tensor: what the inputs held instead, and the way out."""
+    skipped = sorted({s for c in contents for s in c.skipped})
+    held = [n for c in contents for n in c.notes]
+    if skipped or held:
+        what = listing(skipped) if skipped else "; ".join(held)
+        return (f"no tensors to write: the checkpoint holds {what} and no tensor, so it is not a model's "
+                "weights and there is nothing to build")
+    return (f"no tensors to write: {', '.join(inputs.rel(c.path) for c in contents)} hold"
+            f"{'s' if len(contents) == 1 else ''} none; a checkpoint of zero tensors builds nothing a loader could use")
+
+
 def _section(plan: WeightsPlan, prefix: str, inputs: InputSet,
              contents: Sequence[CheckpointContents]) -> dict[str, Any]:
     section = plan.section(prefix)
@@ -152,6 +164,11 @@ def convert(
     # (as the build's bundle takes it); beside a file, an unreadable one is not the model's
     ties = read_tie_config(src) if src.is_dir() else read_tie_config(src.parent, strict=False)
     plan = plan_weights(contents, cfg, ties=ties)
+    if not plan.tensors:
+        raise WeightsError(f"{src}: {_nothing_to_write(inputs, contents)}")
+    if plan.metadata:
+        notes.append(f"kept the source's safetensors __metadata__ in every shard: "
+                     f"{listing([k for k, _v in plan.metadata])}")
     section = _section(plan, prefix, inputs, contents)
     if dry_run:
         return StageOutput(section=section, notes=tuple(notes))

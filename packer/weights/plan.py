@@ -29,12 +29,12 @@ from packer.errors import WeightsError
 from packer.formats import CAST_DTYPES
 from packer.fsutil import canonical_json
 from packer.recipe import WeightsConfig
+from packer.weights.metadata import ALIASES_KEY, carried_metadata, utf8_ok
 from packer.weights.ties import TieConfig, split_group
 
 ALIGN = 64  # bytes: CPU kernels (oneDNN) take another, not bitwise equal, path below it
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-ALIASES_KEY = "packer.aliases"
 FLOAT_CODES = frozenset(CAST_DTYPES.values())
 
 
@@ -103,6 +103,7 @@ class WeightsPlan:
     index: bytes | None
     aliases: tuple[tuple[str, str], ...]  # (removed alias, kept name), sorted
     total_size: int
+    metadata: tuple[tuple[str, str], ...] = ()  # the source's __metadata__ every shard carries
 
     @cached_property
     def tensors(self) -> dict[str, tuple[str, PlannedTensor]]:
@@ -138,9 +139,12 @@ def is_contiguous(r: TensorRecord) -> bool:
 
 
 def check_bounds(r: TensorRecord, where: Path | str) -> None:
-    """Raise WeightsError unless every element of the view lies inside its storage and the
-    view holds no more bytes than the storage: an expanded view (stride 0, overlapping
-    strides) of a 4-byte storage can describe terabytes, all of which would be written."""
+    """Raise WeightsError unless every element of the view lies inside its storage.
+
+    A view may hold more bytes than its storage (an expanded or overlapping view, stride 0);
+    what that can make packer write is bounded for the whole checkpoint by
+    :func:`check_expansion`, not per view.
+    """
     size = DTYPE_SIZES.get(r.dtype)
     if size is None:
         raise WeightsError(f"{where}: tensor {r.name!r}: dtype {r.dtype} cannot be written")
@@ -154,12 +158,35 @@ def check_bounds(r: TensorRecord, where: Path | str) -> None:
             f"{where}: tensor {r.name!r}: view ends at byte {(last + 1) * size}, past its "
             f"storage {r.storage.key!r} of {r.storage.nbytes} bytes"
         )
-    if r.nbytes > r.storage.nbytes:
-        raise WeightsError(
-            f"{where}: tensor {r.name!r}: view of shape {list(r.shape)} stride {list(r.stride)} holds {r.nbytes} "
-            f"bytes, more than its whole storage {r.storage.key!r} of {r.storage.nbytes} bytes (an expanded or "
-            "overlapping view); packer writes every element, so save it with .contiguous() (or .clone()) first"
-        )
+
+
+EXPANSION_ALLOWANCE = 1 << 30  # bytes any checkpoint may add beyond the multiple of its input
+
+
+def check_expansion(kept: dict[str, TensorRecord], cfg: WeightsConfig) -> None:
+    """Raise WeightsError when the views would make packer write more than
+    ``cfg.max_expansion`` times the bytes of their storages plus 1 GiB.
+
+    Expanded views (stride 0) and overlapping views are materialized: each element is written.
+    That is normal for ``tensor.expand`` at small sizes, but a 16-byte storage can describe
+    terabytes, so the total (in input dtypes, after aliases are merged) is bounded before a
+    byte is written. The message names the view that expands most and the recipe key.
+    """
+    storages = {(str(r.storage.path), r.storage.key): r.storage.nbytes for r in kept.values()}
+    read, written = sum(storages.values()), sum(r.nbytes for r in kept.values())
+    bound = int(cfg.max_expansion * read) + EXPANSION_ALLOWANCE
+    if written <= bound:
+        return
+    name, r = max(kept.items(), key=lambda kv: (kv[1].nbytes - kv[1].storage.nbytes, kv[0]))
+    raise WeightsError(
+        f"{r.storage.path}: tensor {r.name!r} (written as {name!r}): a view of shape {list(r.shape)} "
+        f"stride {list(r.stride)} holds {r.nbytes} bytes "
+        f"over its storage {r.storage.key!r} of {r.storage.nbytes} bytes; with it the output would be "
+        f"{written} bytes from {read} bytes of storage, more than weights.max_expansion = "
+        f"{cfg.max_expansion:g} times that plus 1 GiB ({bound} bytes). packer writes every element of "
+        "an expanded view: if this output size is meant, raise weights.max_expansion in the recipe "
+        "(packer convert --max-expansion)"
+    )
 
 
 def map_name(name: str, cfg: WeightsConfig) -> str:
@@ -173,14 +200,6 @@ def map_name(name: str, cfg: WeightsConfig) -> str:
     for rename in cfg.renames:
         name = re.sub(rename.pattern, rename.replace, name)
     return name
-
-
-def _utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _alias_key(r: TensorRecord) -> tuple[Any, ...]:
@@ -201,7 +220,7 @@ def _rename_all(
             if not name or name == "__metadata__":
                 raise WeightsError(f"{here}: tensor name {name!r} cannot be written to "
                                    "safetensors; rename it with weights.renames")
-            if not _utf8(name):
+            if not utf8_ok(name):
                 raise WeightsError(f"{here}: tensor name {name!r} is not valid UTF-8 (it holds a lone "
                                    "surrogate), which safetensors cannot store; rename it with weights.renames")
             if name in out:
@@ -249,8 +268,9 @@ def _split(sizes: dict[str, int], max_shard_size: int) -> list[tuple[str, list[s
     return sorted((f, sorted(names)) for f, names in split.filename_to_tensors.items())
 
 
-def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str]) -> bytes:
-    meta = {"format": "pt"}
+def _header(tensors: Sequence[PlannedTensor], aliases: dict[str, str],
+            carried: Sequence[tuple[str, str]] = ()) -> bytes:
+    meta = {**dict(carried), "format": "pt"}
     if aliases:
         meta[ALIASES_KEY] = canonical_json(aliases).decode().rstrip("\n")
     recorded = {t.name: list(t.torch_shape) for t in tensors if t.shape_recorded}
@@ -318,9 +338,14 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
         The frozen plan: shards with exact headers, the index bytes when sharded, aliases.
 
     Raises:
-        WeightsError: out-of-bounds views, unsupported dtypes, name collisions after renaming.
+        WeightsError: out-of-bounds views, views that expand past ``cfg.max_expansion``,
+            unsupported dtypes, name collisions after renaming, source metadata that cannot be
+            carried (see :func:`packer.weights.metadata.carried_metadata`).
     """
     kept, aliases = _dedupe(_rename_all(contents, cfg), cfg.tie_prefer, ties)
+    check_expansion(kept, cfg)
+    carried = carried_metadata(contents, lambda n: map_name(n, cfg), list(kept))
+    aliases.update(carried.aliases)
     dtypes = {n: _out_dtype(r, cfg) for n, r in kept.items()}
     sizes = {n: kept[n].numel * DTYPE_SIZES[dtypes[n]] for n in sorted(kept)}
     shards = []
@@ -330,7 +355,7 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
             planned.append(PlannedTensor(n, kept[n], dtypes[n], pos, pos + sizes[n]))
             pos += sizes[n]
         mine = {a: k for a, k in aliases.items() if k in names}
-        shards.append(ShardPlan(filename, _header(planned, mine), tuple(planned)))
+        shards.append(ShardPlan(filename, _header(planned, mine, carried.keys), tuple(planned)))
     total = sum(sizes.values())
     index = None
     if len(shards) > 1:
@@ -339,4 +364,4 @@ def plan_weights(contents: Sequence[CheckpointContents], cfg: WeightsConfig, *,
             meta[ALIASES_KEY] = dict(sorted(aliases.items()))
         weight_map = {t.name: s.filename for s in shards for t in s.tensors}
         index = canonical_json({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))})
-    return WeightsPlan(tuple(shards), index, tuple(sorted(aliases.items())), total)
+    return WeightsPlan(tuple(shards), index, tuple(sorted(aliases.items())), total, carried.keys)

@@ -36,13 +36,14 @@ _PR_SET_PDEATHSIG = 1
 _GIB = 2**30
 
 
-def _limits(total_input: int) -> dict[str, int]:
+def _limits(total_input: int, expansion: float = 4.0) -> dict[str, int]:
     # Address space includes the read-only maps of the inputs and torch's reservations when a
     # cast needs it, so the cap grows with the input; anonymous memory stays bounded anyway.
+    # A file may grow as far as the planner lets expanded views make it (weights.max_expansion).
     return {
         "as": int(os.environ.get("PACKER_SANDBOX_AS", 16 * _GIB + 2 * total_input)),
         "cpu": int(os.environ.get("PACKER_SANDBOX_CPU", 3600)),
-        "fsize": int(os.environ.get("PACKER_SANDBOX_FSIZE", 4 * total_input + _GIB)),
+        "fsize": int(os.environ.get("PACKER_SANDBOX_FSIZE", int(max(4.0, expansion) * total_input) + 2 * _GIB)),
     }
 
 
@@ -77,7 +78,7 @@ def _isolate(limits: dict[str, int]) -> None:
 def _cfg_from_json(data: dict[str, Any]) -> WeightsConfig:
     data = dict(data)
     data["renames"] = tuple(Rename(**r) for r in data["renames"])
-    for key in ("files", "strip_prefixes", "tie_prefer", "allow_globals", "components"):
+    for key in ("files", "strip_prefixes", "tie_prefer", "allow_globals", "components", "variants"):
         data[key] = tuple(data[key])
     return WeightsConfig(**data)
 
@@ -192,7 +193,7 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
                "rel_root": str(rel_root) if rel_root else None,
                "image": asdict(layer_image) if layer_image else None,
                "mtime": _layer_mtime(layer_image),
-               "limits": _limits(_input_size(src))}
+               "limits": _limits(_input_size(src), cfg.max_expansion)}
     proc = _run_child(json.dumps(request), out, progress)
     if proc.returncode < 0:
         raise errors.CheckpointError(f"converting {src}: {_killed_reason(proc.returncode)}")

@@ -16,7 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from packer.components import Component, SourceLayout, detect_layout, left_out, model_tree
+from packer.components import Component, SourceLayout, detect_layout, left_out, model_tree, with_variants
+from packer.formats import foreign_weights
 from packer.recipe import ImageConfig, WeightsConfig
 from packer.stage import Progress, StageOutput
 
@@ -52,7 +53,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
         out = convert_cli(src, staging / "weights", cfg, **opts)
         out = replace(out, notes=(layout.describe(), *out.notes))
         return out if single_file else _with_left_out(src, out, [])
-    outs = [(c, convert_cli(src / c.path, staging / "weights" / c.path, replace(cfg, files=c.files), **opts))
+    outs = [(c, convert_cli(src / c.path, staging / "weights" / c.out, _component_cfg(cfg, c), **opts))
             for c in layout.components]
     section = _merged(layout, outs)
     notes = [layout.describe()]
@@ -64,20 +65,29 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
 
 
 def _layout(src: Path, cfg: WeightsConfig, single_file: bool) -> SourceLayout:
-    if single_file or (cfg.files and cfg.layout == "auto"):
+    if single_file:
         return detect_layout(src, "model")
-    return detect_layout(src, cfg.layout, cfg.components)
+    layout = detect_layout(src, "model") if cfg.files and cfg.layout == "auto" else \
+        detect_layout(src, cfg.layout, cfg.components)
+    return with_variants(layout, src, cfg.variants) if cfg.variants else layout
+
+
+def _component_cfg(cfg: WeightsConfig, c: Component) -> WeightsConfig:
+    if c.own_stem is not None:  # a variant: one file under its own name (shards would clash with the model's)
+        return replace(cfg, files=c.files, max_shard_size=2**62)
+    return replace(cfg, files=c.files or cfg.files)  # a plain root model keeps the recipe's files
 
 
 def _component_section(c: Component, section: dict[str, Any]) -> dict[str, Any]:
     prefix = f"{c.path}/" if c.path else ""
     inputs = [{**i, "path": prefix + i["path"]} for i in section.get("inputs", [])]
-    return {**section, "inputs": inputs, "name": c.name, "path": c.path, "library": c.library}
+    return {**section, "inputs": inputs, "name": c.name, "path": c.path, "library": c.library,
+            **({"stem": c.own_stem} if c.own_stem else {})}
 
 
 def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> dict[str, Any]:
     comps = {c.name: _component_section(c, out.section) for c, out in outs}
-    root = next((s for s in comps.values() if s["path"] == ""), None)
+    root = next((s for s in comps.values() if s["path"] == "" and "stem" not in s), None)
     top = {k: root[k] for k in _EMPTY} if root is not None else dict(_EMPTY)
     section: dict[str, Any] = {
         **top, "layout": layout.kind, "components": comps,
@@ -89,12 +99,19 @@ def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> 
 
 
 def _with_left_out(src: Path, out: StageOutput, extra: list[str]) -> StageOutput:
-    """``out`` with every checkpoint of ``src`` it did not read named (note and ``left_out``)."""
+    """``out`` with every checkpoint of ``src`` it did not read named (note and ``left_out``);
+    other frameworks' weight files (GGUF, ONNX...) get a note of their own, saying what they are."""
     used = {i["path"] for i in out.section.get("inputs", [])}
     missed = [*left_out(src, used), *extra]
     if not missed:
         return out
-    shown = ", ".join(missed[:8]) + (f", ... ({len(missed)} in all)" if len(missed) > 8 else "")
-    note = (f"checkpoints in the source that this build leaves out: {shown} (name them in weights.files, "
-            "or check weights.layout / weights.components)")
-    return replace(out, section={**out.section, "left_out": missed}, notes=(*out.notes, note))
+    notes = list(out.notes)
+    ours = [m for m in missed if not foreign_weights(Path(m).name)]
+    if ours:
+        shown = ", ".join(ours[:8]) + (f", ... ({len(ours)} in all)" if len(ours) > 8 else "")
+        notes.append(f"checkpoints in the source that this build leaves out: {shown} (name them in "
+                     "weights.files, or check weights.layout / weights.components)")
+    for m in [m for m in missed if foreign_weights(Path(m).name)][:8]:
+        what = (foreign_weights(Path(m).name) or "").split(", which", 1)[0]
+        notes.append(f"left out: {m}: {what}, which packer does not convert")
+    return replace(out, section={**out.section, "left_out": missed}, notes=tuple(notes))

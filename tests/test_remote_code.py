@@ -1,0 +1,140 @@
+"""Code a model needs: the files ``auto_map`` names are carried (pinned, never run by packer).
+
+transformers' ``register_for_auto_class`` + ``save_pretrained`` writes ``auto_map`` into
+``config.json`` and copies the model's module files (and their relative imports) beside it;
+``from_pretrained(model_dir(), trust_remote_code=True)`` must then find them and give the
+same outputs bitwise. ``bundle.remote_code = false`` leaves them out and says what follows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from packer.errors import BundleError
+from tests.built import build_dir
+from tests.component_fixtures import import_loader
+
+CONFIG = '''
+from transformers import PretrainedConfig
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "tiny-remote"
+
+    def __init__(self, width=8, **kwargs):
+        self.width = width
+        super().__init__(**kwargs)
+'''
+MODELING = '''
+import torch
+from transformers import PreTrainedModel
+
+from .configuration_tiny import TinyConfig
+
+
+class TinyModel(PreTrainedModel):
+    config_class = TinyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.inner = torch.nn.Linear(config.width, config.width)
+        self.post_init()
+
+    def forward(self, x):
+        return torch.tanh(self.inner(x)) * 3
+'''
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
+    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+
+
+@pytest.fixture
+def tiny_package(tmp_path: Path) -> Iterator[Any]:
+    pkg = tmp_path / "code" / "tinypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "configuration_tiny.py").write_text(CONFIG)
+    (pkg / "modeling_tiny.py").write_text(MODELING)
+    sys.path.insert(0, str(pkg.parent))
+    try:
+        yield importlib.import_module("tinypkg.modeling_tiny")
+    finally:
+        sys.path.remove(str(pkg.parent))
+        for name in [n for n in sys.modules if n.startswith("tinypkg")]:
+            del sys.modules[name]
+
+
+def _saved(tmp_path: Path, modeling: Any) -> tuple[Path, Any]:
+    config_module = sys.modules["tinypkg.configuration_tiny"]
+    config_module.TinyConfig.register_for_auto_class()
+    modeling.TinyModel.register_for_auto_class("AutoModel")
+    torch.manual_seed(0)
+    model = modeling.TinyModel(config_module.TinyConfig(width=8)).eval()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    return src, model
+
+
+def test_auto_map_code_is_carried_and_loads(tmp_path: Path, tiny_package: Any) -> None:
+    from transformers import AutoModel
+
+    src, model = _saved(tmp_path, tiny_package)
+    auto_map = json.loads((src / "config.json").read_text())["auto_map"]
+    assert auto_map == {"AutoConfig": "configuration_tiny.TinyConfig", "AutoModel": "modeling_tiny.TinyModel"}
+    plan = build_dir(src, tmp_path / "plan", dry_run=True)
+    assert any("carries the code files auto_map names, pinned, never imported or run by packer: "
+               "configuration_tiny.py, modeling_tiny.py" in n for n in plan.notes)
+    out = tmp_path / "out"
+    result = build_dir(src, out)
+    members = {m["name"]: m for m in result.manifest["bundle"]["members"]}
+    for name in ("configuration_tiny.py", "modeling_tiny.py"):  # pinned like every member
+        import hashlib
+
+        assert members[name]["sha256"] == hashlib.sha256((src / name).read_bytes()).hexdigest()
+    md = import_loader(out).model_dir()
+    assert (md / "modeling_tiny.py").read_bytes() == (src / "modeling_tiny.py").read_bytes()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        got = AutoModel.from_pretrained(md, trust_remote_code=True).eval()(x)
+        assert torch.equal(got, model(x))
+
+
+def test_remote_code_false_leaves_the_code_out_and_says_so(tmp_path: Path, tiny_package: Any) -> None:
+    src, _model = _saved(tmp_path, tiny_package)
+    result = build_dir(src, tmp_path / "out", bundle={"remote_code": False})
+    names = {m["name"] for m in result.manifest["bundle"]["members"]}
+    assert "modeling_tiny.py" not in names and "config.json" in names
+    assert any("bundle.remote_code = false leaves out the code files auto_map names: the model directory "
+               "will not load with trust_remote_code=True" in n for n in result.notes)
+
+
+def test_auto_map_naming_a_missing_or_bad_file_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.ones(2)}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_gone.Gone"}}))
+    with pytest.raises(BundleError, match=r"names code in modeling_gone\.py, which the model directory does not "
+                                          r"hold; add the file, or set bundle.remote_code = false"):
+        build_dir(src, tmp_path / "out", dry_run=True)
+    for bad in ("../evil.X", "a/b.X", "os.path.join", "x"):
+        (src / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": bad}}))
+        with pytest.raises(BundleError, match="not a 'module.Class' of a file in the model directory"):
+            build_dir(src, tmp_path / "out", dry_run=True)
+    (src / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "org/repo--modeling_x.X"}}))
+    plan = build_dir(src, tmp_path / "plan", dry_run=True)
+    assert any("auto_map names code in other repositories, not carried: org/repo--modeling_x.X" in n
+               for n in plan.notes)
