@@ -247,3 +247,10 @@ def test_packer_push_verifies_before_it_copies(tmp_path: Path, signed_out: Path,
     proc = _packer("push", str(signed_out), f"{registry}/models/demo:1.0", "--no-tls-verify", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["referrers"]
+
+
+def test_a_plain_http_registry_is_told_to_use_no_tls_verify(tmp_path: Path, signed_out: Path, registry: str) -> None:
+    require_tool("skopeo")
+    proc = _packer("push", str(signed_out), f"{registry}/models/demo:1.0")  # TLS verified: the default
+    _one_line(proc, 1, "the registry answers in plain HTTP: for a local or test registry pass --no-tls-verify")
+    assert _packer("push", str(signed_out), f"{registry}/models/demo:1.0", "--no-tls-verify").returncode == 0

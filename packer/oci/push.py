@@ -60,7 +60,9 @@ def _copy(skopeo: str, src: str, dest: str, *, tls_verify: bool, timeout: float,
             raise ImageError(f"push to {dest}: skopeo timed out after {timeout:.0f} s") from e
         if proc.returncode != 0:
             msg = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-            raise ImageError(f"push to {dest}: skopeo failed: {msg}")
+            hint = ("; the registry answers in plain HTTP: for a local or test registry pass --no-tls-verify"
+                    if tls_verify and "HTTP response to HTTPS client" in proc.stderr else "")
+            raise ImageError(f"push to {dest}: skopeo failed: {msg}{hint}")
         digest = read_text(digest_file, error=ImageError, where=f"push to {dest}: skopeo's digest file").strip()
         if digest_parts(digest) is None:
             raise ImageError(f"push to {dest}: skopeo reported {shown(digest)}, not a digest")
