@@ -99,7 +99,7 @@ def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Pa
                        capture_output=True, text=True, env=env, timeout=300)
     print(r.stderr)  # the signature pins digests, so the loader checks every file's sha256
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith(
-        "packer_loader: self-test failed: weights/model.safetensors: sha256")
+        f"packer_loader: self-test failed: {copy.resolve() / 'weights' / 'model.safetensors'}: sha256")
 
 
 def _attacker_build(tmp_path: Path, signed: Path, attacker_key: Path, edit: str) -> Path:

@@ -142,7 +142,7 @@ def test_selftest_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys.readouterr()
     assert mod.main(["--selftest", "--device", "cpu", "--verify"]) == 1
     last = capsys.readouterr().err.splitlines()[-1]
-    assert last.startswith(f"packer_loader: self-test failed: {rel}: sha256 ")
+    assert last.startswith(f"packer_loader: self-test failed: {d.resolve() / rel}: sha256 ")
     moved = tmp_path / "elsewhere"
     shutil.copytree(d, moved)
     (d / rel).unlink()
@@ -167,14 +167,15 @@ def test_selftest_failure_names_the_type_and_the_absolute_path_once(tmp_path: Pa
     assert mod.main(["--selftest", "--device", "cpu", "--root", str(tmp_path / "out" / ".." / "out")]) == 1
     err = capsys.readouterr().err
     last = err.splitlines()[-1]
-    assert last.startswith(f"packer_loader: self-test failed: {rel}: ")
-    assert last.endswith(f"[ArtifactMismatchError, artifacts in {d.resolve()}; PACKER_DEBUG=1 prints the traceback]")
+    assert last.startswith(f"packer_loader: self-test failed: {d.resolve() / rel}: ")  # absolute, '..' resolved
+    assert last.endswith("[ArtifactMismatchError; PACKER_DEBUG=1 prints the traceback]")
     assert last.count(str(d.resolve())) == 1 and "Traceback" not in err
     monkeypatch.setenv("PACKER_DEBUG", "1")
     assert mod.main(["--selftest", "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "ArtifactMismatchError" in err
-    assert err.splitlines()[-1].endswith(f"[ArtifactMismatchError, artifacts in {d.resolve()}]")
+    assert err.splitlines()[-1].endswith("[ArtifactMismatchError]")  # the message names the absolute file
+    assert err.splitlines()[-1].count(str(d.resolve())) == 1
     (d / rel).unlink()  # a message that names the absolute path already is not given it twice
     assert mod.main(["--selftest", "--device", "cpu"]) == 1
     last = capsys.readouterr().err.splitlines()[-1]

@@ -258,7 +258,7 @@ def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
                 if t.dtype != torch_dtype(code, name)[0] or list(t.shape) != shape:
                     problems.append(f"{s.rel}: tensor {name!r} has {t.dtype} {list(t.shape)}")
                     continue
-                raw = bytearray(pread_exact(s.fd, end - begin, s.data_start + begin, s.rel))
+                raw = bytearray(pread_exact(s.fd, end - begin, s.data_start + begin, str(s.path)))
                 got = t.detach().reshape(-1).view(torch.uint8).cpu()
                 if end > begin and not torch.equal(got, torch.frombuffer(raw, dtype=torch.uint8)):
                     problems.append(f"{s.rel}: tensor {name!r} bytes differ from the file")

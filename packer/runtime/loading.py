@@ -123,9 +123,9 @@ class Loader:
         try:
             size = os.fstat(fd).st_size
             if size != meta["size"]:
-                raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}")
+                raise ArtifactMismatchError(f"{os.path.abspath(path)}: {size} bytes, the manifest says {meta['size']}")
             if verify:
-                check_sha256(rel, sha256_fd(fd, size), meta["sha256"])
+                check_sha256(os.path.abspath(path), sha256_fd(fd, size), meta["sha256"])
         finally:
             os.close(fd)
 
@@ -136,7 +136,7 @@ class Loader:
             # hashlib releases the GIL: shards hash in parallel
             digests = list(ex.map(lambda s: sha256_fd(s.fd, s.size), shards))
             for s, digest in zip(shards, digests, strict=True):
-                check_sha256(s.rel, digest, self.manifest["files"][s.rel]["sha256"])
+                check_sha256(os.path.abspath(s.path), digest, self.manifest["files"][s.rel]["sha256"])
                 box["bytes"] += s.size
 
     def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
@@ -212,7 +212,7 @@ class Loader:
         self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, hashers)
         if hashers is not None:
             for i, s in enumerate(shards):
-                check_sha256(s.rel, hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
+                check_sha256(os.path.abspath(s.path), hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
         return self._tensors(torch, shards, [(b, 0) for b in bufs], dtype, offsets=[x.offsets for x in layouts])
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,

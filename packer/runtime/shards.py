@@ -67,6 +67,7 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
     Raises:
         ArtifactMismatchError: missing file, wrong size, or a header that differs.
     """
+    where = os.path.abspath(path)  # errors name the file on this machine, not the manifest's path
     try:
         fd = open_regular(path)  # a FIFO or a device is refused before anything blocks or is read
     except FileNotFoundError:
@@ -77,13 +78,13 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         size = os.fstat(fd).st_size
         if size != meta["size"]:
-            raise ArtifactMismatchError(f"{rel}: {size} bytes, the manifest says {meta['size']}; "
+            raise ArtifactMismatchError(f"{where}: {size} bytes, the manifest says {meta['size']}; "
                                         "these weights are not from this build")
-        n = struct.unpack("<Q", pread_exact(fd, 8, 0, rel))[0]
+        n = struct.unpack("<Q", pread_exact(fd, 8, 0, where))[0]
         if n > min(size - 8, MAX_HEADER):
-            raise ArtifactMismatchError(f"{rel}: header length {n} is impossible for {size} bytes")
-        raw = pread_exact(fd, n, 8, rel)
-        tensors = _check_header(rel, raw, size - 8 - n, table)
+            raise ArtifactMismatchError(f"{where}: header length {n} is impossible for {size} bytes")
+        raw = pread_exact(fd, n, 8, where)
+        tensors = _check_header(rel, raw, size - 8 - n, table, where)
         return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors)
     except BaseException:
         os.close(fd)
@@ -91,30 +92,30 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
 
 
 def _check_header(rel: str, raw: bytes, data_len: int,
-                  table: dict[str, Any]) -> list[TensorEntry]:
-    header = loads_json(raw, f"{rel}: safetensors header", top=object)
+                  table: dict[str, Any], where: str) -> list[TensorEntry]:
+    header = loads_json(raw, f"{where}: safetensors header", top=object)
     if not isinstance(header, dict):
-        raise ArtifactMismatchError(f"{rel}: safetensors header is not a JSON object")
+        raise ArtifactMismatchError(f"{where}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     want = {k: v for k, v in table.items() if v["file"] == rel}
     if set(header) != set(want):
         extra, gone = sorted(set(header) - set(want)), sorted(set(want) - set(header))
-        raise ArtifactMismatchError(f"{rel}: header tensors differ from the manifest "
+        raise ArtifactMismatchError(f"{where}: header tensors differ from the manifest "
                                     f"(unexpected {extra[:3]}, missing {gone[:3]})")
     out = []
     for name, rec in want.items():
         got = header[name]
         if not isinstance(got, dict):  # a corrupt entry is a mismatch like any other
-            raise ArtifactMismatchError(f"{rel}: tensor {name!r}: header entry is {type(got).__name__}, "
+            raise ArtifactMismatchError(f"{where}: tensor {name!r}: header entry is {type(got).__name__}, "
                                         "not an object; the file is corrupt or from another build")
         for key in ("dtype", "shape", "data_offsets"):
             expected = rec[key] if key == "dtype" else list(rec[key])
             if got.get(key) != expected:
-                raise ArtifactMismatchError(f"{rel}: tensor {name!r} {key} is {got.get(key)!r:.80}, "
+                raise ArtifactMismatchError(f"{where}: tensor {name!r} {key} is {got.get(key)!r:.80}, "
                                             f"the manifest says {rec[key]}")
         begin, end = rec["data_offsets"]
         if not 0 <= begin <= end <= data_len:
-            raise ArtifactMismatchError(f"{rel}: tensor {name!r} lies outside the data section")
+            raise ArtifactMismatchError(f"{where}: tensor {name!r} lies outside the data section")
         # packed float4: the header counts single values, the manifest keeps the torch shape
         out.append(TensorEntry(name, rec["dtype"], list(rec.get("torch_shape", rec["shape"])), begin, end))
     out.sort(key=lambda t: (t.begin, t.name))
@@ -134,9 +135,10 @@ def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB) -> str:
     return h.hexdigest()
 
 
-def check_sha256(rel: str, got: str, want: str) -> None:
+def check_sha256(where: str | Path, got: str, want: str) -> None:
+    """Raise unless ``got == want``; ``where`` is the file as found on this machine."""
     if got != want:
-        raise ArtifactMismatchError(f"{rel}: sha256 {got[:16]}..., the manifest says "
+        raise ArtifactMismatchError(f"{where}: sha256 {got[:16]}..., the manifest says "
                                     f"{want[:16]}...; the file is corrupt or from another build")
 
 
