@@ -177,6 +177,20 @@ def test_a_malformed_manifest_names_the_place(tmp_path: Path) -> None:
         load_state(state)
 
 
+def test_packer_warm_without_the_engine_is_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, check=False).returncode == 0:
+        pytest.skip("hardware: this interpreter has vLLM; the case is an interpreter without it")
+    llama(tmp_path / "hf", **VLLM_LLAMA)
+    build_dir(tmp_path / "hf", tmp_path / "out")
+    r = subprocess.run([sys.executable, "-m", "packer", "warm", str(tmp_path / "out"), "--", "--dtype", "float32"],
+                       capture_output=True, text=True, timeout=300, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0] == (f"error: {sys.executable} cannot import vllm: run packer warm with --python pointing at "
+                        "the engine's interpreter (the one vLLM is installed in), or pip install vllm there")
+
+
 def test_packer_verify_checks_a_warm_state_beside_the_build(tmp_path: Path) -> None:
     llama(tmp_path / "hf", **VLLM_LLAMA)
     out = tmp_path / "out"

@@ -102,8 +102,7 @@ def _run(python: str, argv: list[str], env: dict[str, str], timeout: float) -> l
         raise WarmStateError(f"{python} -m {RUNNER}: the engine's warm run took over {timeout:.0f} s") from None
     lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]
     if r.returncode != 0 or not lines:
-        tail = (r.stdout + r.stderr).strip()[-1500:]
-        raise WarmStateError(f"{python} -m {RUNNER}: the engine's warm run failed (exit {r.returncode}): {show(tail)}")
+        raise WarmStateError(_failure(python, r))
     report = parse_json(lines[-1], REPORT, where=f"{python} -m {RUNNER}", error=WarmStateError)
     return list(report["ids"])
 
@@ -116,3 +115,13 @@ def _read_key(path: Path) -> dict[str, Any]:
     if not isinstance(key, dict) or "config" not in key:
         raise WarmStateError(f"{path}: the recorded key has no engine configuration hash")
     return key
+
+
+def _failure(python: str, r: subprocess.CompletedProcess[str]) -> str:
+    """One line for a failed warm run: the engine's last error line (a missing vLLM said as such)."""
+    said = [x.strip() for x in (r.stdout + r.stderr).splitlines() if x.strip()]
+    last = said[-1] if said else "no output"
+    if "No module named 'vllm'" in last:
+        return (f"{python} cannot import vllm: run packer warm with --python pointing at the engine's "
+                "interpreter (the one vLLM is installed in), or pip install vllm there")
+    return f"{python} -m {RUNNER}: the engine's warm run failed (exit {r.returncode}): {show(last[-600:])}"
