@@ -119,12 +119,16 @@ def _traceback_lines(error: BaseException) -> list[str]:
     return lines
 
 
-def _error(error: BaseException, text: str, debug: bool) -> None:
-    """The one error line on stderr (with ``--debug`` the traceback first), escaped."""
-    if debug:
+def _error(error: BaseException, text: str, ctx: Ctx, code: int) -> None:
+    """The one error line on stderr (with ``--debug`` the traceback first), escaped; under
+    ``--json`` also ``{"error": text, "exit_code": code}`` on stdout, so that a job parsing
+    the summary reads a document on failure too."""
+    if ctx.debug:
         for line in _traceback_lines(error):
             click.echo(show(line), err=True)
     click.echo(f"error: {show(text)}", err=True)
+    if ctx.json:
+        click.echo(json.dumps(show_json({"error": text, "exit_code": code}), indent=2, sort_keys=True))
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,14 +147,15 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
                     param.type.check(kwargs[param.name])
             fn(ctx, **kwargs)
         except (PackerError, ImportError) as e:  # a missing package is named as itself
-            _error(e, str(missing_dependency(e) if isinstance(e, ImportError) else e), debug)
-            sys.exit(e.exit_code if isinstance(e, PackerError) else 1)
+            code = e.exit_code if isinstance(e, PackerError) else 1
+            _error(e, str(missing_dependency(e) if isinstance(e, ImportError) else e), ctx, code)
+            sys.exit(code)
         except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
         except OSError as e:  # the file system said no: still one line, still exit 1
             where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-            _error(e, f"{where}{e.strerror or e}", debug)
+            _error(e, f"{where}{e.strerror or e}", ctx, 1)
             sys.exit(1)
 
     return wrapper
@@ -309,8 +314,10 @@ def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
             attrs = t.get("dropped_attributes")
             dropped = f"  attributes dropped: {', '.join(attrs)}" if attrs else ""
             ctx.log(f"  {t['name']}  {t['dtype']}  {list(t['shape'])}  {t['nbytes']} B{alias}{dropped}")
+        held = {p["name"] for p in report.get("placeholders", [])}
         for name in report.get("skipped", []):
-            ctx.log(f"  (not a tensor) {name}")
+            if name not in held:  # a placeholder is listed once, as one, below
+                ctx.log(f"  (not a tensor) {name}")
         for p in report.get("placeholders", []):
             ctx.log(f"  (placeholder) {p['name']}  {p['type']}")
         for key, value in sorted(report.get("metadata", {}).items()):

@@ -136,6 +136,26 @@ def test_cli_convert_and_inspect_exit_0_with_notes(tmp_path: Path) -> None:
     assert "(placeholder) args  argparse.Namespace" in run.stderr + run.stdout
 
 
+def test_a_placeholder_is_listed_once(tmp_path: Path) -> None:
+    """A top-level placeholder is one line of inspect and one note of convert, not also a
+    "non-tensor entry" beside it (a new user read it as two things)."""
+    src = tmp_path / "last.ckpt"
+    lightning_checkpoint(src)
+    run = subprocess.run([sys.executable, "-m", "packer", "inspect", str(src)], capture_output=True, text=True,
+                         check=False)
+    assert run.returncode == 0, run.stderr
+    lines = (run.stdout + run.stderr).splitlines()
+    assert [ln for ln in lines if ln.split()[-2:] == ["args", "argparse.Namespace"]] == \
+        ["  (placeholder) args  argparse.Namespace"]
+    assert not [ln for ln in lines if ln.strip() == "(not a tensor) args"]
+    run = subprocess.run([sys.executable, "-m", "packer", "convert", str(src), "-o", str(tmp_path / "o"),
+                          "--key", "state_dict", "--json"], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    notes = json.loads(run.stdout)["notes"]
+    named = [n for n in notes if "_extra_state" in n]
+    assert len(named) == 1 and "placeholders" in named[0], notes
+
+
 def user_config_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     sd = tensors_of(state_dict())
     with stand_in("mytrainer.config", "TrainConfig") as cfg_cls:

@@ -153,6 +153,18 @@ def test_build_dry_run_json_is_one_document_on_stdout(tmp_path: Path) -> None:
     assert "{" not in proc.stderr  # the plan is not on stderr
 
 
+def test_json_failure_is_a_document_on_stdout(tmp_path: Path) -> None:
+    """A job parsing --json reads a document on failure too: the error and the exit code."""
+    for args, code in ((("verify", str(tmp_path / "missing")), 1), (("verify", str(tmp_path)), 1),
+                       (("convert", str(tmp_path / "x\x1b[2J.bin"), "-o", str(tmp_path / "o")), 1)):
+        proc = packer(*args, "--json")
+        assert proc.returncode == code, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert set(doc) == {"error", "exit_code"} and doc["exit_code"] == code
+        assert proc.stderr.strip() == f"error: {doc['error']}"  # the same one line, escaped alike
+        assert "\x1b" not in proc.stdout
+
+
 def test_malformed_shard_size_is_a_usage_error(tmp_path: Path) -> None:
     ckpt = tmp_path / "c.bin"
     ckpt.write_bytes(b"")

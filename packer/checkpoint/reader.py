@@ -196,9 +196,9 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
     return tuple(records), tuple(skipped)
 
 
-def _notes(path: Path, root: object, tensors: Sequence[tuple[str, TensorRef]]) -> tuple[str, ...]:
+def _notes(path: Path, found: Sequence[tuple[str, str]],
+           tensors: Sequence[tuple[str, TensorRef]]) -> tuple[str, ...]:
     notes = []
-    found = find_placeholders(root, where=path)
     if found:
         notes.append(f"left as inert placeholders (not converted): {listing([f'{n} ({t})' for n, t in found])}")
     dropped = [f"{n} ({', '.join(ref.dropped)})" for n, ref in tensors if ref.dropped]
@@ -243,7 +243,10 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
     )
     node = loaded if key is None else (_resolve(loaded, key) or (None,))[0]
     refs = [(n, v) for n, v in children(node) or [] if isinstance(v, TensorRef)]
-    return CheckpointContents(path, fmt, tensors, skipped, left_out=left_out, notes=_notes(path, loaded, refs))
+    found = find_placeholders(loaded, where=path)
+    under = f"{key}." if key else ""  # skipped names are relative to the key's dict
+    return CheckpointContents(path, fmt, tensors, skipped, left_out=left_out, notes=_notes(path, found, refs),
+                              placeholders=tuple(n[len(under):] for n, _ in found if n.startswith(under)))
 
 
 def walk(root: object, where: object) -> tuple[list[tuple[str, TensorRef]], list[str], list[tuple[str, int]]]:

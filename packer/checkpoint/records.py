@@ -98,3 +98,4 @@ class CheckpointContents:
     metadata: tuple[tuple[str, str], ...] = ()  # safetensors __metadata__ of an input
     left_out: tuple[str, ...] = ()  # top-level entries beside the selected key, reported
     notes: tuple[str, ...] = ()  # placeholders left out, tensor attributes dropped: reported
+    placeholders: tuple[str, ...] = ()  # names of the placeholders the notes list (not again as skipped)

@@ -41,10 +41,11 @@ def read_inputs(inputs: InputSet, key: str | None, allow_globals: Sequence[str] 
 def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str]:
     notes = check_index(inputs, {c.path: [r.name for r in c.tensors] for c in contents})
     for c in contents:
-        if c.skipped:
-            n = len(c.skipped)
+        plain = [s for s in c.skipped if s not in c.placeholders]  # placeholders have their own note
+        if plain:
+            n = len(plain)
             notes.append(f"{inputs.rel(c.path)}: skipped {n} non-tensor entr{'y' if n == 1 else 'ies'}: "
-                         f"{listing(c.skipped)}")
+                         f"{listing(plain)}")
         if c.left_out:
             notes.append(f"{inputs.rel(c.path)}: not converted (beside the selected key): "
                          f"{listing(c.left_out)}")
