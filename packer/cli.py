@@ -395,10 +395,11 @@ def verify(ctx: Ctx, out: Path, public_key: Path | None) -> None:
 
 @main.command()
 @click.argument("out", type=InputPath(file_okay=False))
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--device", default=None,
+              help="cpu, cuda or cuda:N  [default: the recipe's, as the self-test takes it; cpu without CUDA]")
 @click.option("--verify", "verify_", is_flag=True, help="Also check sha256 of every weight file.")
 @_common
-def profile(ctx: Ctx, out: Path, device: str, verify_: bool) -> None:
+def profile(ctx: Ctx, out: Path, device: str | None, verify_: bool) -> None:
     """Run the emitted loader's self-test in a fresh process and print its stage table.
 
     \b

@@ -9,6 +9,7 @@ would block on it, and each report line is parsed with the bounds of :mod:`packe
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,18 +62,20 @@ def _json_line(line: str) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
-def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
+def profile(out_dir: Path, *, device: str | None = None, verify: bool = False,
             timeout: float = 900.0) -> dict[str, Any]:
     """Run ``OUT/packer_loader.py --selftest`` under ``-X importtime`` and collect its table.
 
     Args:
         out_dir: a build output directory.
-        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        device: ``cpu``, ``cuda`` or ``cuda:N``; None: the self-test's default (the recipe's
+            device, cpu where CUDA is not available), so profile and ``--selftest`` agree.
         verify: also check sha256 of every file.
         timeout: seconds before the self-test is given up.
 
     Returns:
-        ``{"stages": [...], "slow_imports": [top 10 by cumulative us], "returncode": 0}``.
+        ``{"stages": [...], "slow_imports": [top 10 by cumulative us], "returncode": 0,
+        "device": the device the self-test ran on}``.
 
     Raises:
         LoaderError: no loader in ``out_dir``, or the self-test failed (its last stderr line).
@@ -82,7 +85,7 @@ def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
         raise LoaderError(f"{loader}: missing; build first with `packer build -o {out_dir}`")
     if odd := irregular_entries(loader.parent):  # the self-test would block on the first one it opens
         raise not_regular(odd[0], os.stat(odd[0]).st_mode, LoaderError)
-    cmd = [sys.executable, "-X", "importtime", str(loader), "--selftest", "--device", device]
+    cmd = [sys.executable, "-X", "importtime", str(loader), "--selftest", *(["--device", device] if device else [])]
     if verify:
         cmd.append("--verify")
     env = {**os.environ, "PACKER_STARTUP_LOG": "json"}
@@ -95,4 +98,6 @@ def profile(out_dir: Path, *, device: str = "cpu", verify: bool = False,
     if proc.returncode != 0:
         last = other[-1] if other else f"{loader}: self-test exited with {proc.returncode}"
         raise LoaderError(last)
-    return {"stages": stages, "slow_imports": imports[:TOP_IMPORTS], "returncode": proc.returncode}
+    passed = re.search(r"self-test passed \(.* on (\S+)\)$", proc.stderr, re.M)
+    return {"stages": stages, "slow_imports": imports[:TOP_IMPORTS], "returncode": proc.returncode,
+            "device": passed.group(1) if passed else None}

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from packer.errors import LoaderError
 from packer.profile import parse_stderr, profile
@@ -28,8 +29,15 @@ def test_profile_reports_stages_and_slowest_imports(tmp_path: Path, monkeypatch:
     assert len(imports) == 10 and imports[0]["module"] == "torch"
     cum = [i["cumulative_us"] for i in imports]
     assert cum == sorted(cum, reverse=True) and all(i["self_us"] >= 0 for i in imports)
+    assert result["device"] == "cpu"
     monkeypatch.chdir(tmp_path)  # `packer profile out`, as its --help shows: a relative OUT
     assert profile(Path("out"), device="cpu")["returncode"] == 0
+    # no --device: the self-test's own default (the build's cuda, cpu where CUDA is missing)
+    from packer.stub import emit_loader
+
+    emit_loader(out, {**m, "runtime": {**m["runtime"], "device": "cuda"}})
+    assert profile(Path("out"))["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    emit_loader(out, m)
 
     rel = m["weights"]["files"][0]
     (out / rel).write_bytes((out / rel).read_bytes()[:-1])
