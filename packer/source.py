@@ -101,26 +101,48 @@ def _pinned_commit(repo: Path, revision: str, where: str) -> str | None:
     return read_ref_file(ref, where=where, error=SourceError) if ref.is_file() else None
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The hub client's network failures that huggingface_hub itself does not fall back on (a
+    reset connection, a proxy cutting the reply: httpx2's in huggingface_hub 1.x; requests'
+    in older ones are OSErrors, caught with the rest)."""
+    try:
+        from httpx2 import TransportError
+    except ImportError:
+        return ()
+    return (TransportError,)
+
+
 def _download(recipe: Recipe, repo_id: str, revisions: list[str], cache_dir: Path | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    for i, revision in enumerate(revisions):
+    cut_off = _transport_errors()
+    local, why = False, "HF_HUB_OFFLINE is set or there is no network"
+    i = 0
+    while i < len(revisions):
+        revision = revisions[i]
         try:
             return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                          allow_patterns=hf_allow_patterns(recipe)))
+                                          allow_patterns=hf_allow_patterns(recipe), local_files_only=local))
         except LocalEntryNotFoundError as e:
             if i + 1 < len(revisions):
+                i += 1
                 continue  # the hub is unreachable: try the commit the local ref names
             from huggingface_hub import constants
 
             searched = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
             raise SourceError(
                 f"source {recipe.source}: not in the local cache {searched} and the hub cannot be reached"
-                " (HF_HUB_OFFLINE is set or there is no network); download it once (hf download"
+                f" ({why}); download it once (hf download"
                 f" {repo_id} --revision {revisions[-1]}), point HF_HUB_CACHE at the cache that holds it, or"
                 " unset HF_HUB_OFFLINE"
             ) from e
+        except cut_off as e:
+            if local:
+                raise
+            # the hub answered with a broken connection: the cache decides, as for no network
+            local, why = True, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no reply'}"
+            i = len(revisions) - 1  # the commit the local ref names (or the revision itself)
         except (HfHubHTTPError, OSError, ValueError) as e:
             raise SourceError(f"source {recipe.source}: {str(e).splitlines()[0]}") from e
     raise AssertionError("no revision to try")

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -148,3 +156,56 @@ def test_snapshot_folder_linked_to_another_repo_is_refused(tmp_path: Path) -> No
     with pytest.raises(SourceError, match="the snapshot of hf://acme/tiny@main leads outside"), \
             resolve_source(_recipe("hf://acme/tiny@main"), cache_dir=tmp_path):
         pass
+
+
+@pytest.fixture
+def resetting_hub() -> Iterator[str]:
+    """An HF_ENDPOINT whose every connection is reset after the request line (a proxy or a
+    firewall cutting the reply), which huggingface_hub itself does not treat as offline."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    conn.recv(4096)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    srv.close()
+
+
+@pytest.mark.parametrize("revision", ["main", "v9"])
+def test_a_reset_connection_to_the_hub_falls_back_to_the_cache(tmp_path: Path, resetting_hub: str,
+                                                               revision: str) -> None:
+    """Online (no HF_HUB_OFFLINE), a hub that resets the connection is no network: the cached
+    snapshot builds; a revision the cache lacks is one line naming why, not a traceback."""
+    populate_cache(tmp_path / "cache", "acme/tiny", {"config.json": b"{}", "pytorch_model.bin": b"x"})
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "m"\nversion = "1"\nsource = "hf://acme/tiny@{revision}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env |= {"HF_ENDPOINT": resetting_hub, "HF_HUB_CACHE": str(tmp_path / "cache")}
+    code = ("import sys\nfrom packer.recipe import load_recipe\nfrom packer.source import resolve_source\n"
+            "with resolve_source(load_recipe(sys.argv[1])) as snap:\n    print(snap.revision)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(recipe)], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    if revision == "main":
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == COMMIT
+        return
+    proc = subprocess.run([sys.executable, "-m", "packer", "build", str(recipe), "-o", str(tmp_path / "o"),
+                           "--dry-run"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: source hf://acme/tiny@v9: not in the local cache") and "ReadError" in line
