@@ -43,6 +43,7 @@ class TarReader:
         self.stream = stream
         self._left = 0
         self._pad = 0
+        self.pos = 0  # bytes of the stream consumed: a member's data starts here when it is yielded
 
     def _exact(self, n: int) -> bytes:
         data = self.stream.read(n)
@@ -51,6 +52,7 @@ class TarReader:
             if not more:
                 raise tarfile.ReadError(f"truncated tar stream: wanted {n} bytes, got {len(data)}")
             data += more
+        self.pos += n
         return data
 
     def chunks(self) -> Iterator[bytes]:
@@ -85,6 +87,7 @@ class TarReader:
             if "size" in pax:
                 info.size = int(pax["size"])
             info.pax_headers = pax
+            info.offset_data = self.pos
             pax = {}
             has_data = info.type in _DATA_TYPES or info.type not in tarfile.SUPPORTED_TYPES
             self._left = info.size if has_data or info.type == tarfile.XGLTYPE else 0
