@@ -9,6 +9,7 @@ with the artifact manifest, their files must equal the artifact files byte for b
 from __future__ import annotations
 
 import calendar
+import contextlib
 import gzip
 import hashlib
 import os
@@ -39,12 +40,35 @@ from packer.oci.referrer import ARTIFACT_TYPE as REFERRER_TYPE
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
 from packer.reading import MANIFEST as MANIFEST_DOC
-from packer.reading import OCI_DOC, blob_path, open_regular, parse_json, read_bytes, read_json
+from packer.reading import OCI_DOC, blob_path, map_readonly, open_regular, parse_json, read_bytes, read_json
 from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
 
 CHUNK = 16 * 2**20
 Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
 Offsets = dict[str, tuple[str, int]]  # image path -> (uncompressed layer blob digest, data offset in it)
+
+
+class _Mapped:
+    """An uncompressed blob through a read-only mapping: ``read`` hands out views of it, so the
+    blob's digest (one thread) and the files' sha256 (the walk) read the same pages, uncopied."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd, self.mm, self.size = map_readonly(path, VerifyError)
+        self.view = memoryview(self.mm) if self.mm is not None else memoryview(b"")
+        self.pos = 0
+
+    def read(self, n: int = -1) -> memoryview:
+        end = self.size if n < 0 else min(self.size, self.pos + n)
+        out = self.view[self.pos:end]
+        self.pos = end
+        return out
+
+    def close(self) -> None:
+        self.view.release()
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a view still held (a traceback): freed with it
+                self.mm.close()
+        os.close(self.fd)
 
 
 class _HashingReader:
@@ -53,10 +77,10 @@ class _HashingReader:
     The blob's digest runs beside the tar walk, which hashes the files inside the layer.
     """
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes] | _Mapped) -> None:
         self.raw, self.hash, self.size = raw, HashThread(), 0
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1) -> bytes | memoryview:
         data = self.raw.read(n)
         self.hash.update(data)
         self.size += len(data)
@@ -211,13 +235,13 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
         known = ", ".join(sorted(MEDIA_TYPES.values()))
         raise _fail(str(path), f"layer media type {media!r} is not one of {known}")
     found: Expected = {}
-    try:
-        raw = open_regular(path, VerifyError)  # closed in finally, read again on error
+    plain = COMPRESSION_OF[media] == "none"
+    try:  # closed in finally, read again on error
+        raw: IO[bytes] | _Mapped = _Mapped(path) if plain else open_regular(path, VerifyError)
     except OSError as e:
         raise _fail(str(path), f"missing blob ({e.strerror})") from e
     reader = _HashingReader(raw)
     try:
-        plain = COMPRESSION_OF[media] == "none"
         stream = _DiffHasher(_decompressed(reader, media), reader.hash if plain else None)
         if rules is not None:
             mine = (str(desc.get("digest")), offsets) if plain and offsets is not None else None
@@ -232,6 +256,7 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
             raise
         raise _fail(str(path), f"cannot read layer: {e}") from e
     finally:
+        reader.hash.close()  # done with the views of a mapping before it is closed
         raw.close()
     try:
         _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
