@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convert import WORK, base_parser, generate, settle, stats, time_sha256, warm  # noqa: E402
 
+from packer.publish import _fsync_dir  # noqa: E402
+
 PACKER = Path(sys.executable).with_name("packer")
 
 
@@ -74,18 +76,10 @@ def time_durable_cp(src: Path, place: Path) -> float:
     fd = os.open(dst, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
-    fsync_dir(place)
+    _fsync_dir(place)
     elapsed = time.perf_counter() - t
     dst.unlink()
     return elapsed
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def time_build(root: Path, *extra: str) -> tuple[float, float, dict[str, float], tuple[int, int]]:

@@ -26,6 +26,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,18 +112,27 @@ def _fill_copies(loader: Loader, copies: dict[str, str], copy_dir: Path) -> None
     """Make ``copy_dir`` once: the materialized weight files and the link to the build's loader."""
     if copy_dir.is_dir():
         return
-    tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=copy_dir.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         for dst, rel in copies.items():
             path, offset = loader.locate(rel)
             (tmp / dst).parent.mkdir(parents=True, exist_ok=True)
             materialize(path, offset, loader.manifest["files"][rel]["size"], tmp / dst)
         os.symlink(os.path.abspath(loader.root / LOADER_FILE), tmp / LOADER_FILE)
+
+    _made_once(copy_dir, fill)
+
+
+def _made_once(dest: Path, fill: Callable[[Path], None]) -> None:
+    """Make the folder ``dest`` by ``fill`` under a temporary name, then rename it into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        fill(tmp)
         os.chmod(tmp, 0o755)
-        os.rename(tmp, copy_dir)
+        os.rename(tmp, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not copy_dir.is_dir():  # another process may have won the rename
+        if not dest.is_dir():  # another process may have won the rename
             raise
 
 
@@ -172,13 +182,5 @@ def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
         check_links(out, links)
         return out
     base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=base))
-    try:
-        _fill(tmp, links)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not out.is_dir():  # another process may have won the rename
-            raise
+    _made_once(out, lambda tmp: _fill(tmp, links))
     return out

@@ -95,6 +95,12 @@ def check_extracted(root: Path, members: Iterable[Mapping[str, Any]], *, hashes:
             raise _refuse(path, "not a member of this build's bundle", fix)
         if kind != "file":
             raise _refuse(path, "not a regular file (extraction writes only regular files)", fix)
+    _check_pinned(root, want, found, hashes, fix)
+
+
+def _check_pinned(root: Path, want: Mapping[str, Mapping[str, Any]], found: Mapping[str, tuple[str, Path]],
+                  hashes: bool, fix: str) -> None:
+    """Every file of ``want`` is a regular file of its ``size`` (and ``sha256`` with ``hashes``)."""
     for rel, m in want.items():
         path = root / rel
         if found.get(rel, ("",))[0] != "file":
@@ -145,13 +151,7 @@ def check_copies(root: Path, files: Mapping[str, Mapping[str, Any]], links: Mapp
             raise _refuse(path, "not a weight file of this build", fix)
         elif kind != "file":
             raise _refuse(path, "not a regular file", fix)
-    for rel, m in files.items():
-        path = root / rel
-        if found.get(rel, ("",))[0] != "file":
-            raise _refuse(path, "missing", fix)
-        size, digest = sha256_regular(path) if hashes else (path.stat().st_size, "")
-        if size != m["size"] or digest not in ("", m["sha256"]):
-            raise _refuse(path, f"{size} bytes; the manifest pins {m['size']} bytes, sha256 {m['sha256'][:16]}...", fix)
+    _check_pinned(root, files, found, hashes, fix)
     for rel in links:
         if rel not in found:
             raise _refuse(root / rel, "missing", fix)
