@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
-from packer.errors import ImageArtifactMismatchError, ImageError, VerifyError
+from packer.errors import BlobDigestError, ImageArtifactMismatchError, ImageError, VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import HashThread
 from packer.jsonshape import ListOf, Obj
@@ -92,14 +92,6 @@ class _HashingReader:
     def drain(self) -> None:
         while self.read(CHUNK):
             pass
-
-
-class _BlobMismatch(VerifyError):
-    """A layer blob whose digest differs; ``found``: the files inside it as they were read."""
-
-    def __init__(self, message: str, found: Expected) -> None:
-        super().__init__(message)
-        self.found = found
 
 
 def _fail(where: str, what: str) -> VerifyError:
@@ -261,7 +253,7 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
     try:
         _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
     except VerifyError as e:
-        raise _BlobMismatch(str(e), found) from None
+        raise BlobDigestError(str(e), found) from None
     if "sha256:" + stream.hash.hexdigest() != diff_id:
         raise _fail(str(path), f"diff_id sha256:{stream.hash.hexdigest()} != config's {diff_id}")
     return found
@@ -353,7 +345,7 @@ def _check_places(offsets: Offsets, artifact_manifest: bytes, ann: dict[str, Any
                                    f"{entry.get('offset')}, the image layers hold it at {got}")
 
 
-def _name_the_file(out_dir: Path, e: _BlobMismatch, artifact_manifest: bytes, ann: dict[str, Any]) -> VerifyError:
+def _name_the_file(out_dir: Path, e: BlobDigestError, artifact_manifest: bytes, ann: dict[str, Any]) -> VerifyError:
     """A blob that holds a weight file's one copy, its digest wrong: name the weight file whose
     sha256 differs too (the walk hashed both side by side) after the blob."""
     prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
@@ -472,7 +464,7 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
         else:
             try:
                 manifest = _check_manifest(image, desc, found, hash_files, seen, offsets)
-            except _BlobMismatch as e:
+            except BlobDigestError as e:
                 if artifact_manifest is None:
                     raise
                 raise _name_the_file(Path(out_dir), e, artifact_manifest, _annotations(image, desc)) from e
