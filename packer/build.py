@@ -20,7 +20,7 @@ from typing import Any
 from packer.build_stages import STAGES, BuildStage, default_layer_digests, final_manifest
 from packer.errors import PackerError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import atomic_write_bytes, canonical_json, sha256_file_or_none
+from packer.fsutil import atomic_write_bytes, canonical_json, disk_usage, sha256_file_or_none
 from packer.manifest import TIMINGS
 from packer.publish import make_scratch, make_staging, publish
 from packer.recipe import Recipe
@@ -165,7 +165,8 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
             checked = verify(staging)
             t.nbytes = checked["bytes"]
         atomic_write_bytes(staging / TIMINGS, canonical_json({"stages": timer.as_json()}))
+        on_disk = disk_usage(staging)  # with the timings: what OUT takes once published
         publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return BuildResult(out, manifest, timer, notes, checked=checked, disk_bytes=checked["disk_bytes"])
+    return BuildResult(out, manifest, timer, notes, checked=checked, disk_bytes=on_disk)

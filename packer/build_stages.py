@@ -9,7 +9,6 @@ inside the stage functions, so importing this module stays cheap (no torch).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,17 +22,22 @@ from packer.stage import Stage, StageContext, StageOutput
 
 
 def weights_stage(ctx: StageContext) -> StageOutput:
-    """Convert the source's checkpoints into ``staging/weights`` (isolated unless ``ctx.sandbox`` is false)."""
+    """Convert the source's checkpoints into ``staging/weights`` (isolated unless ``ctx.sandbox`` is false).
+
+    Where each weight file gets a layer of its own (``image.weights = "layer"``, not
+    ``image.single_layer``), the stage writes that layer blob itself, the file's one copy in
+    OUT, hashing the safetensors and the layer in the same pass (``ctx.layer_digests``; off:
+    a plain file in ``weights/`` that the image stage copies into its layer).
+    """
+    from packer.oci.runconfig import created_epoch
     from packer.weights.stage import convert_layout
 
-    # With a third core, each weight file's own layer digest is computed while the file is
-    # written (an extra hashing thread), and the image stage only copies it. On two cores both
-    # are already busy during conversion (and the inputs' hashing): moving the hash there changed
-    # the whole build by -0.3 % to +2.6 % in five runs (benchmarks/RESULTS.md).
     img = ctx.recipe.image
     layer_image = img if ctx.layer_digests and img.weights == "layer" and not img.single_layer else None
+    mtime = created_epoch(ctx.snap.identity()) if layer_image else None  # the image's entries' mtime
     return convert_layout(ctx.snap.weights, ctx.staging, ctx.recipe.weights, single_file=ctx.snap.single_file,
-                          dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, layer_image=layer_image)
+                          dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, layer_image=layer_image,
+                          layer_blobs=layer_image is not None, layer_mtime=mtime)
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:
@@ -212,5 +216,5 @@ STAGES: tuple[BuildStage, ...] = (
 
 
 def default_layer_digests() -> bool:
-    """Whether to compute weight layer digests during conversion: with three cores or more."""
-    return (os.cpu_count() or 1) >= 3
+    """Whether the weights stage writes each weight layer blob (one copy of the weights): always."""
+    return True

@@ -102,6 +102,15 @@ class VerifyError(PackerError):
     """An artifact does not match its manifest; the message names the first mismatch."""
 
 
+class BlobDigestError(VerifyError):
+    """A layer blob whose digest differs from its descriptor; ``found`` holds the files inside it
+    as the walk read them (image path -> (size, sha256)), so a caller can name the one that changed."""
+
+    def __init__(self, message: str, found: dict[str, tuple[int, str]]) -> None:
+        super().__init__(message)
+        self.found = found
+
+
 class ImageArtifactMismatchError(VerifyError):
     """The image is sound, but its files differ from the artifact manifest it was compared with.
 

@@ -26,14 +26,22 @@ CHUNK = 8 * 2**20
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One output file: its path relative to OUT, size and sha256 (hex)."""
+    """One output file: its path relative to OUT, size and sha256 (hex).
+
+    ``blob`` (a path relative to OUT, ``image/blobs/sha256/<hex>``) says the file's bytes are
+    not a file of their own but bytes ``offset:offset + size`` of that image layer blob: the
+    one copy of a weight file.
+    """
 
     path: str
     size: int
     sha256: str
+    blob: str = ""
+    offset: int = 0
 
     def as_json(self) -> dict[str, Any]:
-        return {"size": self.size, "sha256": self.sha256}
+        where = {"blob": self.blob, "offset": self.offset} if self.blob else {}
+        return {"size": self.size, "sha256": self.sha256, **where}
 
 
 def canonical_json(data: Any) -> bytes:

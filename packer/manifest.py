@@ -22,7 +22,7 @@ from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json
 from packer.reading import MANIFEST, parse_json, read_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a files entry may be held in a layer blob (blob, offset)
 TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical
 _IMAGE_KEYS = ("image", "image_files")
 

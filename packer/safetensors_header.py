@@ -57,8 +57,9 @@ def _unsigned(text: str) -> int:
 
 
 def read_header(f: BinaryIO, path: Path, size: int, *,
-                error: type[PackerError]) -> tuple[dict[str, Any], int]:
-    """Parse the header of the open safetensors file ``f`` (``size`` bytes long).
+                error: type[PackerError], offset: int = 0) -> tuple[dict[str, Any], int]:
+    """Parse the header of the open safetensors file ``f`` (``size`` bytes long, from ``offset``:
+    a file inside a layer blob).
 
     The length is checked against the file size and :data:`MAX_HEADER_BYTES` before anything
     is allocated; duplicate keys are refused (JSON would keep the last one silently), and so
@@ -77,7 +78,7 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
     def fail(reason: str) -> PackerError:
         return error(f"{path}: safetensors header: {reason}")
 
-    f.seek(0)
+    f.seek(offset)
     head = f.read(8)
     if len(head) != 8:
         raise fail("file shorter than 8 bytes")
@@ -97,10 +98,19 @@ def read_header(f: BinaryIO, path: Path, size: int, *,
     return header, 8 + n
 
 
-def read_header_file(path: Path, *, error: type[PackerError]) -> tuple[dict[str, Any], int]:
-    """:func:`read_header` of the file at ``path``; an unreadable file is ``error`` too."""
+def read_header_file(path: Path, *, error: type[PackerError], offset: int = 0,
+                     size: int | None = None) -> tuple[dict[str, Any], int]:
+    """:func:`read_header` of the file at ``path`` (of the ``size`` bytes at ``offset`` in it:
+    a weight file inside its layer blob); an unreadable file is ``error`` too.
+
+    Returns:
+        ``(header, data_start)``, ``data_start`` counted from ``offset``.
+    """
     try:
         with open_regular(path, error) as f:
-            return read_header(f, path, os.fstat(f.fileno()).st_size, error=error)
+            whole = os.fstat(f.fileno()).st_size
+            if size is not None and offset + size > whole:
+                raise error(f"{path}: {whole} bytes, too short for {size} bytes at offset {offset}")
+            return read_header(f, path, whole - offset if size is None else size, error=error, offset=offset)
     except OSError as e:
         raise error(f"{path}: cannot read safetensors header: {e.strerror or e}") from e

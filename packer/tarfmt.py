@@ -30,12 +30,19 @@ def source_date_epoch(error: type[PackerError] = PackerError) -> int:
     return int(raw)
 
 
+PAD_KEY = "comment"  # the PAX record that pads a header: readers ignore comments (POSIX)
+
+
 def header(name: str, *, size: int, mtime: int, is_dir: bool = False, mode: int | None = None,
-           uid: int = 0, gid: int = 0, pax: bool = True) -> bytes:
+           uid: int = 0, gid: int = 0, pax: bool = True, align: int = 0, at: int = 0) -> bytes:
     """The header block(s) of one regular file or directory.
 
+    With ``align`` (a multiple of :data:`BLOCK`), a PAX ``comment`` record of dots pads the
+    header so that the member's data starts at a multiple of ``align`` in the stream, given
+    that the header starts at byte ``at``: the data can then be mapped in place.
+
     Raises:
-        ValueError: ``pax`` is false and ustar cannot hold the name or size.
+        ValueError: ``pax`` is false and ustar cannot hold the name or size, or a bad ``align``.
     """
     info = tarfile.TarInfo(name)
     info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
@@ -44,7 +51,38 @@ def header(name: str, *, size: int, mtime: int, is_dir: bool = False, mode: int 
     info.uid, info.gid = uid, gid
     info.uname = info.gname = ""
     info.mtime = mtime
-    return info.tobuf(tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+    if not align:
+        return info.tobuf(tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+    if not pax or align % BLOCK or at % BLOCK:
+        raise ValueError(f"tar header alignment {align} at {at}: needs PAX and whole blocks")
+    return _padded(info, align, at)
+
+
+def _padded(info: tarfile.TarInfo, align: int, at: int) -> bytes:
+    """``info``'s PAX header whose end lies at a multiple of ``align`` (counting from ``at``).
+
+    The length grows in whole blocks as the comment grows: the shortest comment that reaches
+    the smallest such end is found by bisection, so the bytes are the same on every run.
+    """
+
+    def buf(n: int) -> bytes:
+        info.pax_headers = {PAD_KEY: "." * n}
+        return info.tobuf(tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+    least = len(buf(0))
+    target = least + (-(at + least) % align)
+    lo, hi = 0, target
+    while lo < hi:  # the smallest n whose header is at least ``target`` long
+        mid = (lo + hi) // 2
+        if len(buf(mid)) < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    out = buf(lo)
+    info.pax_headers = {}
+    if len(out) != target:  # cannot happen: each length in blocks is reached by some n
+        raise ValueError(f"tar header of {info.name!r}: cannot pad to {align}")
+    return out
 
 
 def padding(size: int) -> bytes:

@@ -20,8 +20,9 @@ from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none
-from packer.idents import shown
+from packer.idents import digest_parts, shown
 from packer.manifest import TIMINGS, read_manifest, split_artifact
+from packer.oci.plan import WEIGHT_ALIGN
 from packer.oci.referrer import referrer_blobs
 from packer.oci.verify import verify_image
 from packer.reading import member
@@ -58,11 +59,23 @@ def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
     return ahead
 
 
+def _in_blob(out: Path, rel: str, want: dict[str, Any], checked_blobs: set[str]) -> int:
+    """A file held in its layer blob: the image walk read that blob once, checking its digest and
+    the file inside it (size, sha256, offset) side by side; nothing is read again here."""
+    blob = str(want["blob"])
+    if "sha256:" + blob.rsplit("/", 1)[-1] not in checked_blobs:
+        raise VerifyError(f"{out / rel}: the manifest places it in {out / blob}, which the image does not hold")
+    return int(want["size"])
+
+
 def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
                  ahead: dict[Inode, Future[tuple[int, str] | None]]) -> int:
     total = 0
     hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
     for rel, want in sorted(listed.items()):
+        if want.get("blob"):
+            total += _in_blob(out, rel, want, checked_blobs)
+            continue
         path = out / rel
         if not path.is_file() or path.is_symlink():
             raise VerifyError(f"{path}: listed in the manifest but missing")
@@ -103,6 +116,9 @@ def _check_names(out: Path, listed: dict[str, Any], manifest: dict[str, Any]) ->
     where = out / MANIFEST_NAME
     for rel in listed:
         member(out, rel, where=where, error=VerifyError)
+    for rel, entry in manifest["files"].items():
+        if isinstance(entry, dict) and "blob" in entry:
+            _check_placed(where, rel, entry, manifest.get("image_files") or {})
     try:
         named = artifact_files(manifest["weights"]) if manifest.get("weights") else []
         if manifest.get("bundle"):
@@ -112,6 +128,18 @@ def _check_names(out: Path, listed: dict[str, Any], manifest: dict[str, Any]) ->
     for rel in named:
         if not isinstance(rel, str) or rel not in listed:
             raise VerifyError(f"{where}: a section names {shown(rel)}, which the manifest's files do not list")
+
+
+def _check_placed(where: Path, rel: str, entry: dict[str, Any], image_files: dict[str, Any]) -> None:
+    """A files entry held in a layer blob names a blob the image lists, at a page offset inside it."""
+    blob, offset = entry.get("blob"), entry.get("offset")
+    hexd = blob.rsplit("/", 1)[-1] if isinstance(blob, str) else ""
+    if (not isinstance(blob, str) or blob != f"image/blobs/sha256/{hexd}" or digest_parts("sha256:" + hexd) is None
+            or blob not in image_files):
+        raise VerifyError(f"{where}: files[{shown(rel)}] is placed in {shown(blob)}, not a layer blob the image lists")
+    if (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % WEIGHT_ALIGN
+            or offset + int(entry.get("size", 0)) > int(image_files[blob]["size"])):
+        raise VerifyError(f"{where}: files[{shown(rel)}]: offset {shown(offset)} is not a page offset inside {blob}")
 
 
 def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
@@ -208,7 +236,7 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
         pool.shutdown(wait=True, cancel_futures=True)
     if manifest.get("weights"):
         for section in components_of(manifest["weights"]):  # each component on its own
-            verify_weights(out, section)
+            verify_weights(out, section, manifest["files"])
     if manifest.get("bundle"):
         verify_bundle(out, manifest["bundle"])
     if public_key is not None:

@@ -32,3 +32,41 @@ def save_pickle(state: dict[str, Any], out: Path, name: str = "pytorch_model.bin
     """A state dict as transformers 4.x wrote it: a torch pickle (transformers 5 writes safetensors only)."""
     out.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.contiguous() for k, v in state.items()}, out / name)
+
+
+def weight_location(out: Path, rel: str) -> tuple[Path, int, int]:
+    """Where the weight file ``rel`` (a manifest path, ``weights/model.safetensors``) of the build
+    ``out`` is: ``(file, offset, size)``; inside its image layer blob unless the build kept a
+    plain file (``image.weights = "external"``, ``image.single_layer``)."""
+    entry = json.loads((out / "manifest.json").read_bytes())["files"][rel]
+    if entry.get("blob"):
+        return out / entry["blob"], entry["offset"], entry["size"]
+    return out / rel, 0, entry["size"]
+
+
+def weight_bytes(out: Path, rel: str = "weights/model.safetensors") -> bytes:
+    """The bytes of the artifact ``rel`` (a weight file, or any other) of the build ``out``,
+    wherever the build keeps them."""
+    path, offset, size = weight_location(out, rel)
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    assert len(data) == size, f"{path}: short at offset {offset}"
+    return data
+
+
+def held_in_blobs(out: Path) -> list[str]:
+    """The manifest paths of the files the build ``out`` holds inside its layer blobs."""
+    files = json.loads((out / "manifest.json").read_bytes())["files"]
+    return sorted(rel for rel, entry in files.items() if entry.get("blob"))
+
+
+def weights_copy(out: Path, dest: Path) -> Path:
+    """``dest/weights``: every weight file of the build ``out`` (and the index) as a plain file, as
+    OUT's ``weights/`` held them before the layer blobs became their one copy; returns it."""
+    manifest = json.loads((out / "manifest.json").read_bytes())
+    for rel in manifest["files"]:
+        if rel.startswith("weights/"):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dest / rel).write_bytes(weight_bytes(out, rel))
+    return dest / "weights"

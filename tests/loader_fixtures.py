@@ -48,7 +48,10 @@ def misaligned(root: Path, m: dict[str, Any], align: int = 64) -> set[str]:
     view of them would not be either: a mapping starts page aligned)."""
     starts = {}
     for rel in m["weights"]["files"]:
-        with open(root / rel, "rb") as f:
+        entry = m["files"].get(rel, {})  # a build holds the file in its layer blob, at a page offset
+        path, at = (root / entry["blob"], entry["offset"]) if entry.get("blob") else (root / rel, 0)
+        with open(path, "rb") as f:
+            f.seek(at)
             starts[rel] = 8 + struct.unpack("<Q", f.read(8))[0]
     return {n for n, t in m["weights"]["tensors"].items()
             if t["data_offsets"][1] > t["data_offsets"][0] and (starts[t["file"]] + t["data_offsets"][0]) % align}

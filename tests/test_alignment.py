@@ -20,7 +20,7 @@ from packer.errors import VerifyError
 from packer.runtime.empty import init_empty
 from packer.runtime.loading import Loader
 from packer.safetensors_header import read_header_file
-from tests.built import build_dir, open_build, save_pickle
+from tests.built import build_dir, open_build, save_pickle, weights_copy
 from tests.loader_fixtures import misaligned
 
 ALIGN = 64
@@ -78,9 +78,10 @@ def file_offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
     return start, {n: tuple(v["data_offsets"]) for n, v in header.items()}  # type: ignore[misc]
 
 
-def test_file_offsets_are_aligned_where_the_sizes_allow(odd_build: tuple[Path, dict[str, torch.Tensor]]) -> None:
+def test_file_offsets_are_aligned_where_the_sizes_allow(odd_build: tuple[Path, dict[str, torch.Tensor]],
+                                                       tmp_path: Path) -> None:
     out, state = odd_build
-    path = out / "weights/model.safetensors"
+    path = weights_copy(out, tmp_path) / "model.safetensors"  # out of its layer blob
     start, offsets = file_offsets(path)
     assert start % ALIGN == 0
     for name, (begin, end) in offsets.items():
@@ -127,10 +128,11 @@ def test_load_into_assigns_aligned_tensors_and_says_how_many_were_copied(
     assert f"{n} tensors copied to 64-byte aligned memory" in " ".join(result.notes)
 
 
-def test_conv_output_of_an_aligned_load_equals_the_library(odd_build: tuple[Path, dict[str, torch.Tensor]]) -> None:
+def test_conv_output_of_an_aligned_load_equals_the_library(odd_build: tuple[Path, dict[str, torch.Tensor]],
+                                                          tmp_path: Path) -> None:
     out, _ = odd_build
     want = Odd()
-    want.load_state_dict(load_file(out / "weights/model.safetensors"))
+    want.load_state_dict(load_file(weights_copy(out, tmp_path) / "model.safetensors"))
     with init_empty():
         got = Odd()
     open_build(out).load_into(got, device="cpu")

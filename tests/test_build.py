@@ -24,6 +24,7 @@ from packer.manifest import split_artifact
 from packer.oci.plan import image_rel
 from packer.recipe import demo_recipe, recipe_from_dict
 from packer.verify import verify
+from tests.built import held_in_blobs, weight_bytes, weights_copy
 from tests.bundle_validate import validate_bundle
 from tests.oci_validate import require_tool, run, validate_layout
 from tests.weights_validate import aliases_of, validate_output
@@ -50,7 +51,7 @@ def demo_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_demo_build_outputs(demo_out: Path) -> None:
     files = tree(demo_out)
-    assert set(files) >= EXPECTED
+    assert set(files) | set(held_in_blobs(demo_out)) >= EXPECTED
     assert any(f.startswith("image/blobs/sha256/") for f in files)
     manifest = json.loads((demo_out / "manifest.json").read_bytes())
     assert manifest["source"]["kind"] == "demo"
@@ -58,7 +59,7 @@ def test_demo_build_outputs(demo_out: Path) -> None:
     assert manifest["tools"]["python"] and manifest["recipe"]["name"] == "packer-demo"
     assert manifest["weights"]["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
     for rel, entry in manifest["files"].items():
-        assert hashlib.sha256((demo_out / rel).read_bytes()).hexdigest() == entry["sha256"]
+        assert hashlib.sha256(weight_bytes(demo_out, rel)).hexdigest() == entry["sha256"]
     timings = json.loads((demo_out / "build-timings.json").read_bytes())
     assert [s["stage"] for s in timings["stages"]][:3] == ["source", "weights", "bundle"]
     assert not list(demo_out.parent.glob(".out.packer-*"))  # no staging left behind
@@ -70,9 +71,10 @@ def test_safetensors_reads_back_the_source_tensors(demo_out: Path, tmp_path: Pat
 
     src = write_demo(tmp_path)  # the same deterministic demo the build generated
     want = torch.load(src / "pytorch_model.bin", weights_only=True)  # an oracle, on a file we made
-    validate_output(demo_out / "weights")
-    got = load_file(demo_out / "weights" / "model.safetensors")
-    aliases = aliases_of(demo_out / "weights")
+    weights = weights_copy(demo_out, tmp_path / "copy")  # the weight files, out of their layer blobs
+    validate_output(weights)
+    got = load_file(weights / "model.safetensors")
+    aliases = aliases_of(weights)
     assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert sorted([*got, *aliases]) == sorted(want)
     for name, tensor in want.items():
@@ -109,7 +111,7 @@ def test_skopeo_and_umoci_read_the_image(demo_out: Path, tmp_path: Path) -> None
     run([umoci, "unpack", *flags, "--image", f"{copy / 'image'}:{image['tag']}", str(tmp_path / "bundle")])
     root = tmp_path / "bundle" / "rootfs" / image["prefix"].lstrip("/")
     for rel in manifest["files"]:
-        assert (root / image_rel(rel)).read_bytes() == (copy / rel).read_bytes(), rel
+        assert (root / image_rel(rel)).read_bytes() == weight_bytes(copy, rel), rel
     assert (root / "manifest.json").read_bytes() == split_artifact(manifest)
 
 
@@ -157,6 +159,7 @@ def test_verify_names_every_link_of_a_changed_layer_tarball(demo_out: Path, tmp_
 def test_verify_rejects_extra_and_missing_files(demo_out: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
+    (copy / "weights").mkdir(exist_ok=True)  # the weight files lie in their layer blobs
     (copy / "weights" / "stray.bin").write_bytes(b"x")
     with pytest.raises(VerifyError, match="stray.bin: not listed"):
         verify(copy)
@@ -366,7 +369,7 @@ def test_hf_source_builds_offline_from_the_cache(tmp_path: Path) -> None:
         assert manifest["source"]["files"][name]["sha256"] == hashlib.sha256((src / name).read_bytes()).hexdigest()
     local = recipe_from_dict({"name": "m", "version": "1", "source": str(src)})
     build(local, tmp_path / "local")
-    assert tree(tmp_path / "out")["weights/model.safetensors"] == tree(tmp_path / "local")["weights/model.safetensors"]
+    assert weight_bytes(tmp_path / "out") == weight_bytes(tmp_path / "local")
     verify(tmp_path / "out")
 
 

@@ -18,7 +18,7 @@ import torch
 from packer.components import detect_layout
 from packer.errors import VerifyError, WeightsError
 from packer.safetensors_header import read_header_file
-from tests.built import build_dir
+from tests.built import build_dir, weight_location
 from tests.component_fixtures import diffusers_pipeline, import_loader, lora_adapter, sentence_transformer
 
 pytest.importorskip("transformers")
@@ -77,7 +77,8 @@ def test_diffusers_pipeline(tmp_path: Path) -> None:
         unet = pl.from_pretrained(UNet2DConditionModel, device="cpu", component="unet")
         # CPU conv kernels (oneDNN) round differently on pointers below 64-byte alignment
         assert all(v.data_ptr() % 64 == 0 for v in unet.state_dict().values())
-        header, start = read_header_file(out / "weights/unet/model.safetensors", error=VerifyError)
+        path, offset, size = weight_location(out, "weights/unet/model.safetensors")  # in its layer blob
+        header, start = read_header_file(path, error=VerifyError, offset=offset, size=size)
         spans = [v["data_offsets"] for n, v in header.items() if n != "__metadata__"]
         assert start % 64 == 0 and all(b % 64 == 0 for b, e in spans if (e - b) % 64 == 0)
         assert torch.equal(unet(latents, t, text).sample, want.unet(latents, t, text).sample)

@@ -27,6 +27,7 @@ from packer.build import build
 from packer.oci.modelpack import modelpack_tag
 from packer.recipe import demo_recipe
 from packer.runtime.bundle_reader import Bundle
+from tests.built import weight_bytes
 from tests.containers import ROOT, Podman, add_layer, build_base, download_wheels, require_root_tools, sh, torch_pin
 
 pytestmark = pytest.mark.containers
@@ -121,7 +122,7 @@ def _host_logits(out: Path, tmp: Path) -> list[float]:
 
     model_dir = tmp / "host-model"
     Bundle.open(out / "bundle.tar.zst").extract(model_dir)
-    (model_dir / "model.safetensors").symlink_to(out / "weights" / "model.safetensors")
+    (model_dir / "model.safetensors").write_bytes(weight_bytes(out))  # out of its layer blob
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         return [float(x) for x in m(torch.arange(1, 17).unsqueeze(0)).logits[0, -1].tolist()]
@@ -133,14 +134,14 @@ def test_the_image_mounted_as_a_volume_is_a_model_directory(podman: Podman, demo
                       "python3", "-c", PROBE, "/mnt/model/models", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    weights = (demo_out / "weights/model.safetensors").read_bytes()
+    weights = weight_bytes(demo_out)  # OUT holds the file in its layer blob
     want_files = {"model.safetensors": hashlib.sha256(weights).hexdigest()}
     bundle = Bundle.open(demo_out / "bundle.tar.zst")
     want_files |= {n: hashlib.sha256(bundle.read(n)).hexdigest() for n in bundle.names()}
     assert {k: got["files"][k] for k in want_files} == want_files
-    tensors = load_file(demo_out / "weights/model.safetensors")
+    tensors = load(weights)
     assert got["tensors"] == {k: [str(v.dtype), list(v.shape)] for k, v in sorted(tensors.items())}
     assert got["logits"] is not None, "transformers is in the base: the logits must come back"
     assert got["logits"] == _host_logits(demo_out, tmp_path)  # bit for bit

@@ -18,7 +18,7 @@ from packer.errors import ImageError, VerifyError
 from packer.fsutil import FileEntry, canonical_json, file_entry
 from packer.oci import build_image
 from packer.oci.layer import write_layer
-from packer.oci.plan import image_rel, weight_layer_framing
+from packer.oci.plan import WEIGHT_ALIGN, image_rel, weight_layer_framing
 from packer.oci.tar_writer import Owner, SourceFile, tar_members, tar_pieces, tar_size
 from packer.recipe import ImageConfig, WeightsConfig, recipe_from_dict
 from packer.weights.convert import convert
@@ -77,7 +77,7 @@ def test_framing_of_a_file_over_8_gib_uses_a_pax_size() -> None:
     head, tail = weight_layer_framing(cfg, WEIGHTS, size, mtime=7)
     assert f" size={size}\n".encode() in head and len(head) % 512 == 0
     assert tail == b"\0" * (-size % 512) + b"\0" * 1024
-    members = tar_members([SourceFile(f"/models/{image_rel(WEIGHTS)}", size, source=Path("x"))],
+    members = tar_members([SourceFile(f"/models/{image_rel(WEIGHTS)}", size, source=Path("x"), align=WEIGHT_ALIGN)],
                           owner=Owner(1000, 0), prefix="/models")
     assert len(head) + size + len(tail) == tar_size(members, mtime=7)
     assert head == b"".join(p for p in tar_pieces(members, mtime=7) if isinstance(p, bytes))[: len(head)]

@@ -21,6 +21,7 @@ from packer.oci import verify_image
 from packer.oci.modelpack import ARTIFACT_TYPE, FILE_METADATA, FILEPATH, modelpack_tag
 from packer.recipe import demo_recipe
 from packer.runtime.bundle_reader import Bundle
+from tests.built import weight_bytes
 from tests.oci_validate import all_files, require_tool, run, validate_layout
 
 SCHEMA = Path(__file__).parent / "schemas" / "modelpack" / "config-schema.json"
@@ -95,15 +96,15 @@ def test_the_image_is_a_model_directory_engines_read(demo: Path, tmp_path: Path)
     flags = [] if os.geteuid() == 0 else ["--rootless"]
     run([umoci, "unpack", *flags, "--image", f"{demo / 'image'}:packer-demo:0.1.0", str(tmp_path / "b")])
     models = tmp_path / "b" / "rootfs" / "models"
-    assert (models / "model.safetensors").read_bytes() == (demo / "weights/model.safetensors").read_bytes()
+    assert (models / "model.safetensors").read_bytes() == weight_bytes(demo)  # OUT holds it in its layer blob
     assert not (models / "weights").exists()  # one copy of each weight file
     assert os.access(models / "packer_loader.py", os.X_OK)
-    from safetensors.torch import load_file
+    from safetensors.torch import load, load_file
     from transformers import AutoConfig, AutoTokenizer
 
     assert AutoConfig.from_pretrained(models).model_type == "llama"
     assert AutoTokenizer.from_pretrained(models)("hello world")["input_ids"]
-    want = load_file(demo / "weights/model.safetensors")
+    want = load(weight_bytes(demo))
     got = load_file(models / "model.safetensors")
     assert sorted(got) == sorted(want) and all(got[k].equal(want[k]) for k in want)
     # the loader beside them finds the weights at the top of the model directory

@@ -22,6 +22,7 @@ from packer.errors import ImageError
 from packer.fsutil import canonical_json
 from packer.oci import build_image, push
 from packer.recipe import ImageConfig, demo_recipe, with_sign_key
+from tests.built import weight_location
 from tests.oci_validate import REF, make_out, require_tool, run, validate_layout, validate_referrer
 from tests.sign_fixtures import make_keypair
 
@@ -237,9 +238,10 @@ def test_packer_push_verifies_before_it_copies(tmp_path: Path, signed_out: Path,
     skopeo = require_tool("skopeo")
     out = tmp_path / "out"
     shutil.copytree(signed_out, out)
-    tampered = bytearray((out / "weights" / "model.safetensors").read_bytes())
-    tampered[-1] ^= 1
-    (out / "weights" / "model.safetensors").write_bytes(bytes(tampered))
+    path, offset, size = weight_location(out, "weights/model.safetensors")  # its one copy: in its layer blob
+    tampered = bytearray(path.read_bytes())
+    tampered[offset + size - 1] ^= 1
+    path.write_bytes(bytes(tampered))
     _one_line(_packer("push", str(out), f"{registry}/models/demo:1.0", "--no-tls-verify"), 1, "differs")
     listed = subprocess.run([skopeo, "list-tags", "--tls-verify=false", f"docker://{registry}/models/demo"],
                             capture_output=True, text=True, timeout=60, check=False)

@@ -23,6 +23,8 @@ ALLOWED = {
     ("stub/template.py", "_read_runtime_file", "os.open"):
         "the stub reads its runtime before the runtime (and its reading module) is verified; it applies the "
         "same rule itself: O_NONBLOCK, fstat S_ISREG, a size cap",
+    ("runtime/dirtree.py", "materialize", "os.open"):
+        "creates a weight file materialized from its layer blob (O_CREAT|O_EXCL|O_NOFOLLOW): a write",
     ("runtime/bundle_reader.py", "extract", "os.open"): "a directory descriptor of the extraction target (a write)",
     ("runtime/bundle_reader.py", "_write_tree", "os.open"):
         "creates the extracted members (O_CREAT|O_EXCL|O_NOFOLLOW relative to a directory descriptor): a write",

@@ -23,6 +23,7 @@ from packer.fsutil import canonical_json
 from packer.recipe import demo_recipe, recipe_from_dict, with_sign_key
 from packer.runtime.signature import model_layout, open_signed
 from packer.verify import verify
+from tests.built import weight_location
 from tests.oci_validate import REF, require_tool, run, validate_layout, validate_referrer
 from tests.sign_fixtures import image_model_dir, loader_model_dir, make_keypair, model_signing_verify
 from tests.test_build import tree
@@ -86,7 +87,8 @@ def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Pa
     print(r.stderr)
     assert r.returncode == 1 and _hash_mismatch(r.stderr, "model.safetensors")
     copy = _copy(signed, tmp_path / "copy")
-    _flip(copy / "weights" / "model.safetensors", 20_000)
+    held, offset, _ = weight_location(copy, "weights/model.safetensors")  # its one copy: in its layer blob
+    _flip(held, offset + 20_000)
     with pytest.raises(VerifyError, match=r"weights/model.safetensors: sha256 \w+… differs") as e:
         verify(copy, public_key=keys["pub"])
     print(e.value)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import shutil
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from packer.oci.modelpack import write_modelpack
 from packer.oci.plan import ImagePlan, PlannedLayer, model_files, plan_layers
 from packer.oci.runconfig import base_name, created_epoch, image_annotations, run_config
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
-from packer.reading import MANIFEST, parse_json
+from packer.reading import MANIFEST, blob_path, parse_json
 from packer.recipe import ImageConfig
 from packer.stage import Progress, StageOutput
 
@@ -75,33 +74,57 @@ def _known_digest(planned: PlannedLayer, known: Mapping[str, str]) -> str | None
     return known.get(f"layer:{planned.files[0].rel_path}")
 
 
+def _written_blob(out_dir: Path, planned: PlannedLayer, known: Mapping[str, str]) -> Layer | None:
+    """The layer the weights stage wrote already (the weight file's one copy), else None.
+
+    Its bytes are not read here: the build's final verification walks every blob, and
+    :func:`packer.oci.verify.verify_image` checks the file inside it against the manifest.
+    A known digest for it is trusted as the layer's (a wrong one is caught there too).
+    """
+    if len(planned.files) != 1 or not planned.files[0].blob:
+        return None
+    rel = planned.files[0].blob
+    hexd = rel.rsplit("/", 1)[-1]
+    path = blob_path(out_dir / "image", "sha256:" + hexd, where=out_dir, error=ImageError)
+    if planned.compression != "none" or rel != f"image/blobs/sha256/{hexd}" or not path.is_file():
+        raise ImageError(f"{out_dir / rel}: the weight layer blob of {planned.files[0].rel_path} is missing")
+    digest = _known_digest(planned, known) or "sha256:" + hexd
+    return Layer(digest, digest, path.stat().st_size, MEDIA_TYPES["none"], path)
+
+
 def _write_layers(
     out_dir: Path, plan: ImagePlan, manifest: bytes, mtime: int, progress: Progress | None,
     known: Mapping[str, str], member_bytes: Mapping[str, bytes],
 ) -> tuple[list[Layer], list[Standalone]]:
     blobs = out_dir / "image" / "blobs" / "sha256"
-    jobs, rels = [], []
+    jobs, rels, written = [], [], {}
     for i, planned in enumerate(plan.layers):
+        rels.append(f"{LAYERS_DIR}/{tarball_name(i, planned)}")
+        if (done := _written_blob(out_dir, planned, known)) is not None:
+            written[i] = done
+            continue
         sources = [
             SourceFile(f.dest, f.size, data=manifest) if f.rel_path == MANIFEST_NAME and f.member is None
             else SourceFile(f.dest, f.size, data=member_bytes[f.dest]) if f.member is not None
-            else SourceFile(f.dest, f.size, source=out_dir / f.rel_path, executable=f.executable)
+            else SourceFile(f.dest, f.size, source=out_dir / f.rel_path, executable=f.executable, align=f.align)
             for f in planned.files
         ]
         members = tar_members(sources, owner=plan.owner, prefix=plan.prefix)
-        rels.append(f"{LAYERS_DIR}/{tarball_name(i, planned)}")
         tee = out_dir / rels[-1] if planned.compression == "zstd" else None
         digest = None if tee else _known_digest(planned, known)
         jobs.append(LayerJob(tar_pieces(members, mtime=mtime), planned.compression, tee, digest))
+    todo = [i for i in range(len(plan.layers)) if i not in written]
 
-    def report(i: int) -> None:
+    def report(j: int) -> None:
         if progress:
-            progress(plan.layers[i].size)
+            progress(plan.layers[todo[j]].size)
 
     try:
-        layers = write_layers(jobs, blobs, on_done=report)
+        made = write_layers(jobs, blobs, on_done=report) if jobs else []
     except OSError as e:
         raise ImageError(f"writing the image layers in {blobs}: {e}") from e
+    written.update(zip(todo, made, strict=True))
+    layers = [written[i] for i in range(len(plan.layers))]
     tarballs = []
     for rel, layer, planned in zip(rels, layers, plan.layers, strict=True):
         if planned.compression != "zstd":
@@ -137,6 +160,21 @@ def _entries(out_dir: Path, layers: Sequence[Layer], tarballs: Sequence[Standalo
             entries[rel] = file_entry(out_dir, p)
     entries["Dockerfile"] = file_entry(out_dir, out_dir / "Dockerfile")
     return [entries[k] for k in sorted(entries)]
+
+
+def _clear_image_dir(image_dir: Path, keep: set[str], out_dir: Path) -> None:
+    """Remove our own output of an earlier try in this staging dir, but the weight blobs
+    the weights stage wrote (``keep``, paths in OUT)."""
+    if not image_dir.exists():
+        return
+    for path in sorted(image_dir.rglob("*"), reverse=True):
+        if path.relative_to(out_dir).as_posix() in keep:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                path.rmdir()
+        else:
+            path.unlink()
 
 
 def build_image(
@@ -187,13 +225,13 @@ def build_image(
     epoch = created_epoch(source)
     created = rfc3339(epoch)
     image_dir = out_dir / "image"
-    if image_dir.exists():
-        shutil.rmtree(image_dir)  # our own output from an earlier try in this staging dir
-    (image_dir / "blobs" / "sha256").mkdir(parents=True)
+    _clear_image_dir(image_dir, {f.blob for la in plan.layers for f in la.files if f.blob}, out_dir)
+    (image_dir / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
     (out_dir / LAYERS_DIR).mkdir()
     base = resolve_base(cfg.base, platform=cfg.platform) if cfg.base else None
     base_bytes = link_blobs(base, image_dir / "blobs" / "sha256") if base else 0
     # digests hashed during conversion assumed SOURCE_DATE_EPOCH's mtime: trust them only then
+    # (the weight blobs the build's weights stage writes use this image's own mtime)
     known = (known_digests or {}) if epoch == source_date_epoch() else {}
     member_bytes = read_members(out_dir, plan)
     layers, tarballs = _write_layers(out_dir, plan, artifact_manifest, epoch, progress, known, member_bytes)

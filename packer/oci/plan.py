@@ -22,7 +22,7 @@ puts everything in one layer compressed with ``image.compression``.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -34,6 +34,7 @@ from packer.recipe import ImageConfig
 from packer.tarfmt import source_date_epoch
 
 WEIGHTS_DIR = "weights/"
+WEIGHT_ALIGN = 4096  # a weight file's data starts at a page boundary of its layer: mapped in place
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class PlannedFile:
     sha256: str
     member: str | None = None  # a bundle member: its bytes come from the bundle at rel_path
     executable: bool = False
+    align: int = 0  # its data starts at a multiple of this in its layer (weight layers)
+    blob: str = ""  # its layer is written already: this blob (path in OUT) holds the file
 
     @property
     def label(self) -> str:
@@ -147,8 +150,10 @@ def weight_layer_framing(
 
     ``prefix + content + suffix`` is exactly the layer tar the image stage writes for that
     file (parent directories, the file's header, padding, end-of-archive blocks), so the
-    weights stage can hash the layer while it writes the file and the image stage only
-    copies. Pure apart from reading ``SOURCE_DATE_EPOCH`` when ``mtime`` is None.
+    weights stage can write the layer blob itself, the one copy of the file, and the image
+    stage only references it. ``len(prefix)`` is a multiple of :data:`WEIGHT_ALIGN` (a PAX
+    comment pads the file's header), so the file can be mapped in place inside the blob.
+    Pure apart from reading ``SOURCE_DATE_EPOCH`` when ``mtime`` is None.
 
     Args:
         cfg: the recipe's ``[image]`` section (prefix and owner matter).
@@ -165,7 +170,7 @@ def weight_layer_framing(
     if mtime is None:
         mtime = source_date_epoch(ImageError)
     prefix = _prefix(cfg)
-    src = SourceFile(_dest(prefix, rel_path), size, source=Path(rel_path))  # never read here
+    src = SourceFile(_dest(prefix, rel_path), size, source=Path(rel_path), align=WEIGHT_ALIGN)  # never read
     members = tar_members([src], owner=Owner.parse(cfg.owner), prefix=prefix)
     pieces = list(tar_pieces(members, mtime=mtime))
     # the file's content is the one FileRange piece; an empty file has none
@@ -222,11 +227,18 @@ def plan_layers(
         if p.is_absolute() or ".." in p.parts or not entry.path:
             raise ImageError(f"artifact file {entry.path!r}: expected a relative path inside OUT")
         pf = PlannedFile(entry.path, _dest(prefix, entry.path), entry.size, entry.sha256,
-                         executable=entry.path == LOADER_NAME)
+                         executable=entry.path == LOADER_NAME, blob=entry.blob)
+        if entry.blob and (cfg.weights == "external" or cfg.single_layer
+                           or not entry.path.endswith(SAFETENSORS_SUFFIX)):
+            raise ImageError(f"artifact file {entry.path}: held in the layer blob {entry.blob}, but this "
+                             "image puts it elsewhere (image.weights / image.single_layer); rebuild")
         if entry.path.startswith(WEIGHTS_DIR):
             if cfg.weights == "external":
                 continue
-            groups["weights" if entry.path.endswith(SAFETENSORS_SUFFIX) else "model files"].append(pf)
+            if entry.path.endswith(SAFETENSORS_SUFFIX):
+                groups["weights"].append(replace(pf, align=0 if cfg.single_layer else WEIGHT_ALIGN))
+            else:
+                groups["model files"].append(pf)
         else:
             groups["loader" if entry.path in loader_paths else "bundle"].append(pf)
     groups["model files"] += [PlannedFile(bundle_path, f"{prefix.rstrip('/')}/{m.path}", m.size, m.sha256,

@@ -17,7 +17,7 @@ _DATA_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 
 
 class Readable(Protocol):
-    def read(self, n: int = -1) -> bytes: ...
+    def read(self, n: int = -1) -> bytes | memoryview: ...
 
 
 def parse_pax(data: bytes) -> dict[str, str]:
@@ -43,17 +43,19 @@ class TarReader:
         self.stream = stream
         self._left = 0
         self._pad = 0
+        self.pos = 0  # bytes of the stream consumed: a member's data starts here when it is yielded
 
-    def _exact(self, n: int) -> bytes:
+    def _exact(self, n: int) -> bytes | memoryview:
         data = self.stream.read(n)
         while len(data) < n:
             more = self.stream.read(n - len(data))
             if not more:
                 raise tarfile.ReadError(f"truncated tar stream: wanted {n} bytes, got {len(data)}")
-            data += more
+            data = bytes(data) + bytes(more)
+        self.pos += n
         return data
 
-    def chunks(self) -> Iterator[bytes]:
+    def chunks(self) -> Iterator[bytes | memoryview]:
         """The rest of the current member's data, in chunks of up to 16 MiB."""
         while self._left:
             data = self._exact(min(CHUNK, self._left))
@@ -71,20 +73,21 @@ class TarReader:
         pax: dict[str, str] = {}
         while True:
             self._skip()
-            block = self._exact(BLOCK)
+            block = bytes(self._exact(BLOCK))  # the stream may hand out views
             if block == bytes(BLOCK):
                 if self._exact(BLOCK) != bytes(BLOCK):
                     raise tarfile.ReadError("a single zero block inside the tar stream")
                 return
             info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
             if info.type == tarfile.XHDTYPE:
-                pax = parse_pax(self._exact(info.size + (-info.size % BLOCK))[: info.size])
+                pax = parse_pax(bytes(self._exact(info.size + (-info.size % BLOCK))[: info.size]))
                 continue
             if "path" in pax:
                 info.name = pax["path"]
             if "size" in pax:
                 info.size = int(pax["size"])
             info.pax_headers = pax
+            info.offset_data = self.pos
             pax = {}
             has_data = info.type in _DATA_TYPES or info.type not in tarfile.SUPPORTED_TYPES
             self._left = info.size if has_data or info.type == tarfile.XGLTYPE else 0

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from packer.errors import ImageError
-from packer.tarfmt import BLOCK, DIR_MODE, EXEC_MODE, FILE_MODE, header, padding
+from packer.tarfmt import BLOCK, DIR_MODE, EXEC_MODE, FILE_MODE, PAD_KEY, header, padding
 
-# PAX records packer may emit: long paths and sizes over 8 GiB. Anything else (mtime,
-# atime, ctime, xattrs, uname) would mean a non-reproducible field slipped in.
-ALLOWED_PAX = frozenset({"path", "size"})
+# PAX records packer may emit: long paths, sizes over 8 GiB and the comment of dots that
+# aligns a weight file's data. Anything else (mtime, atime, ctime, xattrs, uname) would mean
+# a non-reproducible field slipped in.
+ALLOWED_PAX = frozenset({"path", "size", PAD_KEY})
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class TarMember:
     owner: Owner = Owner()
     source: Path | None = None
     data: bytes | None = None
+    align: int = 0  # the data starts at a multiple of this in the layer (0: anywhere)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class SourceFile:
     source: Path | None = None
     data: bytes | None = None
     executable: bool = False
+    align: int = 0  # see TarMember.align
 
 
 def tar_members(files: Sequence[SourceFile], *, owner: Owner, prefix: str) -> list[TarMember]:
@@ -90,7 +93,7 @@ def tar_members(files: Sequence[SourceFile], *, owner: Owner, prefix: str) -> li
         if name in entries:
             raise ImageError(f"layer entry {f.dest!r}: appears twice")
         mode = EXEC_MODE if f.executable else FILE_MODE
-        entries[name] = TarMember(name, False, f.size, mode, owner, f.source, f.data)
+        entries[name] = TarMember(name, False, f.size, mode, owner, f.source, f.data, f.align)
         for parent in p.relative_to("/").parents:
             key = parent.as_posix()
             if key == "." or key in entries:
@@ -100,25 +103,30 @@ def tar_members(files: Sequence[SourceFile], *, owner: Owner, prefix: str) -> li
     return [entries[k] for k in sorted(entries)]
 
 
-def encode_header(member: TarMember, *, mtime: int) -> bytes:
-    """The PAX header block(s) for ``member``.
+def encode_header(member: TarMember, *, mtime: int, at: int = 0) -> bytes:
+    """The PAX header block(s) for ``member``, which start at byte ``at`` of the stream.
 
-    A PAX extended header appears only when a field does not fit ustar: a path longer
-    than ustar allows or a size of 8 GiB or more. ``mtime`` must be an int: a float would
-    silently add an ``mtime`` PAX record.
+    A PAX extended header appears only when a field does not fit ustar (a path longer
+    than ustar allows, a size of 8 GiB or more) or the member's data must be aligned
+    (``member.align``). ``mtime`` must be an int: a float would silently add an ``mtime``
+    PAX record.
     """
     if not isinstance(mtime, int) or mtime < 0:
         raise ImageError(f"tar mtime: expected a non-negative integer, got {mtime!r}")
     return header(member.name, size=member.size, mtime=mtime, is_dir=member.is_dir, mode=member.mode,
-                  uid=member.owner.uid, gid=member.owner.gid)
+                  uid=member.owner.uid, gid=member.owner.gid, align=member.align, at=at)
 
 
 def tar_pieces(members: Sequence[TarMember], *, mtime: int) -> Iterator[bytes | FileRange]:
     """The tar stream for ``members``: header bytes, file ranges, padding, end marker."""
+    pos = 0
     for m in members:
-        yield encode_header(m, mtime=mtime)
+        head = encode_header(m, mtime=mtime, at=pos)
+        yield head
+        pos += len(head)
         if m.is_dir or m.size == 0:
             continue
+        pos += m.size + len(padding(m.size))
         if m.data is not None:
             yield m.data + padding(m.size)
         elif m.source is not None:
@@ -132,9 +140,9 @@ def tar_pieces(members: Sequence[TarMember], *, mtime: int) -> Iterator[bytes | 
 
 def tar_size(members: Sequence[TarMember], *, mtime: int) -> int:
     """Exact size of the uncompressed tar, computed without reading file contents."""
-    total = 2 * BLOCK
+    total = 0
     for m in members:
-        total += len(encode_header(m, mtime=mtime))
+        total += len(encode_header(m, mtime=mtime, at=total))
         if not m.is_dir:
             total += m.size + len(padding(m.size))
-    return total
+    return total + 2 * BLOCK

@@ -9,6 +9,7 @@ with the artifact manifest, their files must equal the artifact files byte for b
 from __future__ import annotations
 
 import calendar
+import contextlib
 import gzip
 import hashlib
 import os
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
-from packer.errors import ImageArtifactMismatchError, ImageError, VerifyError
+from packer.errors import BlobDigestError, ImageArtifactMismatchError, ImageError, VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import HashThread
 from packer.jsonshape import ListOf, Obj
@@ -39,11 +40,35 @@ from packer.oci.referrer import ARTIFACT_TYPE as REFERRER_TYPE
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
 from packer.reading import MANIFEST as MANIFEST_DOC
-from packer.reading import OCI_DOC, blob_path, open_regular, parse_json, read_bytes, read_json
+from packer.reading import OCI_DOC, blob_path, map_readonly, open_regular, parse_json, read_bytes, read_json
 from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
 
 CHUNK = 16 * 2**20
 Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
+Offsets = dict[str, tuple[str, int]]  # image path -> (uncompressed layer blob digest, data offset in it)
+
+
+class _Mapped:
+    """An uncompressed blob through a read-only mapping: ``read`` hands out views of it, so the
+    blob's digest (one thread) and the files' sha256 (the walk) read the same pages, uncopied."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd, self.mm, self.size = map_readonly(path, VerifyError)
+        self.view = memoryview(self.mm) if self.mm is not None else memoryview(b"")
+        self.pos = 0
+
+    def read(self, n: int = -1) -> memoryview:
+        end = self.size if n < 0 else min(self.size, self.pos + n)
+        out = self.view[self.pos:end]
+        self.pos = end
+        return out
+
+    def close(self) -> None:
+        self.view.release()
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a view still held (a traceback): freed with it
+                self.mm.close()
+        os.close(self.fd)
 
 
 class _HashingReader:
@@ -52,10 +77,10 @@ class _HashingReader:
     The blob's digest runs beside the tar walk, which hashes the files inside the layer.
     """
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes] | _Mapped) -> None:
         self.raw, self.hash, self.size = raw, HashThread(), 0
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1) -> bytes | memoryview:
         data = self.raw.read(n)
         self.hash.update(data)
         self.size += len(data)
@@ -170,13 +195,18 @@ def _check_entry(
     return name
 
 
-def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files: bool) -> Expected:
+def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files: bool,
+              offsets: tuple[str, Offsets] | None = None) -> Expected:
+    """Every entry against the rules; each file's size and sha256 (``hash_files``), and, for an
+    uncompressed layer (``offsets``: its digest and the map to fill), where its data lies."""
     seen: set[str] = set()
     last = ""
     found: Expected = {}
     reader = TarReader(stream)
     for m in reader:
         last = _check_entry(m, where, rules, seen, last)
+        if m.isfile() and offsets is not None:
+            offsets[1]["/" + last] = (offsets[0], m.offset_data)
         if m.isfile() and hash_files:
             h = hashlib.sha256()
             for chunk in reader.chunks():
@@ -186,7 +216,9 @@ def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files
 
 
 def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[str, Any] | None,
-                 hash_files: bool, kind: str | None = None) -> Expected:
+                 hash_files: bool, kind: str | None = None, offsets: Offsets | None = None) -> Expected:
+    """One layer blob in one pass: its digest on a thread beside the tar walk, which hashes the
+    files inside (a weight file's sha256 and its layer's digest from the same read)."""
     media = desc.get("mediaType")
     path = _blob_path(image, desc.get("digest", ""))
     if kind is not None:  # an artifact's own tar media type
@@ -195,16 +227,17 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
         known = ", ".join(sorted(MEDIA_TYPES.values()))
         raise _fail(str(path), f"layer media type {media!r} is not one of {known}")
     found: Expected = {}
-    try:
-        raw = open_regular(path, VerifyError)  # closed in finally, read again on error
+    plain = COMPRESSION_OF[media] == "none"
+    try:  # closed in finally, read again on error
+        raw: IO[bytes] | _Mapped = _Mapped(path) if plain else open_regular(path, VerifyError)
     except OSError as e:
         raise _fail(str(path), f"missing blob ({e.strerror})") from e
     reader = _HashingReader(raw)
     try:
-        plain = COMPRESSION_OF[media] == "none"
         stream = _DiffHasher(_decompressed(reader, media), reader.hash if plain else None)
         if rules is not None:
-            found = _walk_tar(stream, str(path), rules, hash_files)
+            mine = (str(desc.get("digest")), offsets) if plain and offsets is not None else None
+            found = _walk_tar(stream, str(path), rules, hash_files, mine)
         stream.drain()
         reader.drain()
     except (OSError, EOFError, tarfile.TarError, ValueError, zlib.error, VerifyError) as e:
@@ -215,8 +248,12 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
             raise
         raise _fail(str(path), f"cannot read layer: {e}") from e
     finally:
+        reader.hash.close()  # done with the views of a mapping before it is closed
         raw.close()
-    _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
+    try:
+        _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
+    except VerifyError as e:
+        raise BlobDigestError(str(e), found) from None
     if "sha256:" + stream.hash.hexdigest() != diff_id:
         raise _fail(str(path), f"diff_id sha256:{stream.hash.hexdigest()} != config's {diff_id}")
     return found
@@ -240,7 +277,8 @@ def _rules(ann: dict[str, Any], created: str) -> dict[str, Any]:
 
 
 def _check_manifest(image: Path, desc: dict[str, Any], found: Expected, hash_files: bool,
-                    per_layer: dict[str, Expected] | None = None) -> dict[str, Any]:
+                    per_layer: dict[str, Expected] | None = None,
+                    offsets: Offsets | None = None) -> dict[str, Any]:
     manifest = _check_json_blob(image, desc, OCI_MANIFEST)
     config = _check_json_blob(image, manifest.get("config") or {}, OCI_CONFIG)
     _check_platform(str(image / "index.json"), desc, config)
@@ -258,7 +296,7 @@ def _check_manifest(image: Path, desc: dict[str, Any], found: Expected, hash_fil
     workers = max(1, min(len(layers), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="packer-verify") as pool:
         futures = [pool.submit(_check_layer, image, ldesc, diff_id, rules if mine else None,
-                               hash_files)
+                               hash_files, None, offsets)
                    for ldesc, diff_id, mine in zip(layers, diff_ids, ours, strict=True)]
         for ldesc, fut in zip(layers, futures, strict=True):
             got = fut.result()
@@ -290,6 +328,35 @@ def expected_files(artifact_manifest: bytes, ann: dict[str, Any], where: str) ->
     for m in members:
         expected.setdefault(f"{root}{m.path}", (m.size, m.sha256))
     return expected, optional
+
+
+def _check_places(offsets: Offsets, artifact_manifest: bytes, ann: dict[str, Any], where: str) -> None:
+    """A weight file the manifest says is held in a layer blob (``blob``, ``offset``) is the file
+    of that blob, its data at that offset: the loader reads it there."""
+    prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
+    root = f"/{prefix}/" if prefix else "/"
+    files = parse_json(artifact_manifest, MANIFEST_DOC, where=where, error=VerifyError).get("files") or {}
+    for rel, entry in sorted(files.items()):
+        if isinstance(entry, dict) and entry.get("blob"):
+            want = ("sha256:" + str(entry["blob"]).rsplit("/", 1)[-1], entry.get("offset"))
+            got = offsets.get(f"{root}{image_rel(rel)}")
+            if got != want:
+                raise _fail(where, f"{rel}: the manifest places it in {entry['blob']} at offset "
+                                   f"{entry.get('offset')}, the image layers hold it at {got}")
+
+
+def _name_the_file(out_dir: Path, e: BlobDigestError, artifact_manifest: bytes, ann: dict[str, Any]) -> VerifyError:
+    """A blob that holds a weight file's one copy, its digest wrong: name the weight file whose
+    sha256 differs too (the walk hashed both side by side) after the blob."""
+    prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
+    root = f"/{prefix}/" if prefix else "/"
+    files = parse_json(artifact_manifest, MANIFEST_DOC, where=str(out_dir), error=VerifyError).get("files") or {}
+    for rel, entry in sorted(files.items()):
+        got = e.found.get(f"{root}{image_rel(rel)}")
+        if isinstance(entry, dict) and entry.get("blob") and got and got[1] != entry.get("sha256"):
+            return VerifyError(f"{e}; the weight file it holds at offset {entry.get('offset')}, {out_dir / rel}: "
+                               f"sha256 {got[1][:16]}… differs from the manifest's {str(entry['sha256'])[:16]}…")
+    return e
 
 
 def _check_artifacts(found: Expected, artifact_manifest: bytes, ann: dict[str, Any], where: str,
@@ -344,6 +411,11 @@ def _check_modelpack(image: Path, desc: dict[str, Any], found: Expected, hash_fi
     return manifest
 
 
+def _annotations(image: Path, desc: dict[str, Any]) -> dict[str, Any]:
+    """The annotations of the image manifest ``desc`` names (already checked against its digest)."""
+    return dict(_check_json_blob(image, desc, OCI_MANIFEST).get("annotations") or {})
+
+
 def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> set[str]:
     """Check ``OUT/image`` completely; raise on the first problem.
 
@@ -384,18 +456,26 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
             where = str(image / "index.json")
             raise _fail(where, f"manifest {desc.get('digest')} has no {REF_NAME}")
         found: Expected = {}
+        offsets: Offsets = {}
         hash_files = artifact_manifest is not None
         if desc in views:  # checked with the tar rules of the image it was written beside
             manifest = _check_modelpack(image, desc, found, hash_files, rules, seen)
             layer_blobs = [lay["digest"] for lay in manifest["layers"]]
         else:
-            manifest = _check_manifest(image, desc, found, hash_files, seen)
+            try:
+                manifest = _check_manifest(image, desc, found, hash_files, seen, offsets)
+            except BlobDigestError as e:
+                if artifact_manifest is None:
+                    raise
+                raise _name_the_file(Path(out_dir), e, artifact_manifest, _annotations(image, desc)) from e
             ann = manifest.get("annotations") or {}
             rules = _rules(ann, _check_json_blob(image, manifest["config"], OCI_CONFIG).get("created", ""))
             layer_blobs = [lay["digest"] for lay in manifest["layers"]]
         if artifact_manifest is not None:
             try:
                 _check_artifacts(found, artifact_manifest, ann, str(image), complete=desc not in views)
+                if desc not in views:
+                    _check_places(offsets, artifact_manifest, ann, str(image))
             except VerifyError as e:  # the image is sound; what it was compared with differs
                 raise ImageArtifactMismatchError(str(e)) from e
         checked |= {desc["digest"], manifest["config"]["digest"], *layer_blobs}

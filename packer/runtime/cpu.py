@@ -51,12 +51,13 @@ def _anonymous(torch: ModuleType, nbytes: int, hugepages: bool) -> tuple[torch.T
 
 
 def map_shards(torch: ModuleType, shards: list[Shard], timeline: Timeline) -> list[tuple[torch.Tensor, int]]:
-    """Views of a private copy-on-write mapping per shard; the tensors keep it alive."""
+    """Views of a private copy-on-write mapping per shard (of its bytes only, where a layer blob
+    holds it at a page offset); the tensors keep it alive."""
     out = []
     with timeline.stage("map"):
         for s in shards:
-            mm = mmap.mmap(s.fd, s.size, access=mmap.ACCESS_COPY)
-            out.append((torch.frombuffer(mm, dtype=torch.uint8), s.data_start))
+            mm = mmap.mmap(s.fd, s.size, access=mmap.ACCESS_COPY, offset=s.base)
+            out.append((torch.frombuffer(mm, dtype=torch.uint8), len(s.head)))
     return out
 
 
@@ -65,11 +66,11 @@ def read_shards(torch: ModuleType, shards: list[Shard], readers: int, timeline: 
     """Private CPU buffers filled by the reader threads straight from the files; the ``read``
     stage's ``hugepages`` counts the buffers on transparent huge pages."""
     with timeline.stage("read") as box:
-        made = [_anonymous(torch, s.size - s.data_start, hugepages) for s in shards]
+        made = [_anonymous(torch, s.data_size, hugepages) for s in shards]
         box["hugepages"] = sum(applied for _, applied in made)
         out = [(b, 0) for b, _ in made]
         read_into([Read(s.fd, s.data_start, host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
-        box["bytes"] = sum(s.size - s.data_start for s in shards)
+        box["bytes"] = sum(s.data_size for s in shards)
     return out
 
 

@@ -6,10 +6,18 @@ file at its place in the build's model tree (:func:`packer.runtime.components.mo
 ``model.safetensors`` for a plain model, ``unet/diffusion_pytorch_model.safetensors`` and
 ``text_encoder/model.safetensors`` for a diffusers pipeline, ``2_Dense/model.safetensors``
 for a sentence-transformers module, ``adapter_model.safetensors`` for a PEFT adapter.
-Folders are real directories; every file is a symbolic link (nothing is copied). A signed
-build's ``model.sig`` is linked in too (``packer.runtime.signature.model_layout`` is this
-layout's list of files and digests, what ``model.sig`` signs), so ``model_signing verify key
-DIR --signature DIR/model.sig --allow_symlinks`` checks the directory.
+Folders are real directories; every file is a symbolic link. A signed build's ``model.sig``
+is linked in too (``packer.runtime.signature.model_layout`` is this layout's list of files and
+digests, what ``model.sig`` signs), so ``model_signing verify key DIR --signature
+DIR/model.sig --allow_symlinks`` checks the directory.
+
+A weight file that is a plain file (an image's model directory, ``PACKER_WEIGHTS_DIR``, a
+``weights/`` folder) is linked. One the build holds only inside its image layer blob (OUT as
+``packer build`` writes it) is no file a library can open, so it is materialized once, beside
+the directory, in ``<directory>.weights/``: ``os.copy_file_range`` from the blob at its page
+offset (the kernel clones the extents where the file system shares them, btrfs and XFS; else
+it copies), the link pointing there. That folder also links the build's ``packer_loader.py``,
+so the vLLM load format, which follows the weight links to find the build, finds it.
 """
 
 from __future__ import annotations
@@ -18,19 +26,25 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .components import model_tree
-from .served import check_links
+from .env import ArtifactMismatchError
+from .served import check_copies, check_links
 from .signature import SIGNATURE_FILE
+
+LOADER_FILE = "packer_loader.py"
 
 if TYPE_CHECKING:
     from .loading import Loader
 
 
-def _plan(bundle: Path, pairs: list[tuple[str, str]], loader: Loader) -> dict[str, str]:
-    """``{path in the directory: link target}``: the bundle's files, then the weights over the tree."""
+def _plan(bundle: Path, pairs: list[tuple[str, str]], loader: Loader,
+          copies: dict[str, str], copy_dir: Path) -> dict[str, str]:
+    """``{path in the directory: link target}``: the bundle's files, then the weights over the
+    tree (a materialized one, ``copies``, to its copy in ``copy_dir``)."""
     taken = {dst for dst, _ in pairs}
     links = {}
     for top, dirs, files in os.walk(bundle):
@@ -41,8 +55,85 @@ def _plan(bundle: Path, pairs: list[tuple[str, str]], loader: Loader) -> dict[st
             if rel not in taken:
                 links[rel] = os.path.abspath(Path(top) / name)
     for dst, rel in pairs:
-        links[dst] = os.path.abspath(loader.path(rel))
+        links[dst] = os.path.abspath(copy_dir / dst if dst in copies else loader.path(rel))
     return links
+
+
+def _copies(loader: Loader, pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """``{path in the directory: artifact}`` of the weight files held inside a layer blob."""
+    return {dst: rel for dst, rel in pairs if loader.locate(rel)[1]}
+
+
+def materialize(src: Path, offset: int, size: int, dest: Path) -> None:
+    """``dest`` (created): the ``size`` bytes at ``offset`` of ``src``, by ``copy_file_range``.
+
+    The page-aligned part first, then the tail, so a file system that shares extents (btrfs,
+    XFS with reflinks) can clone whole blocks instead of copying them; elsewhere the kernel
+    copies, and where it cannot (another file system type, an old kernel), pread/pwrite does.
+
+    Raises:
+        ArtifactMismatchError: ``src`` ends before ``offset + size``.
+        OSError: ``dest`` cannot be written.
+    """
+    from .reading import open_regular
+
+    fd = open_regular(src)
+    try:
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            aligned = size - size % 4096
+            for start, end in ((0, aligned), (aligned, size)):
+                _copy_range(fd, out, offset + start, start, end - start, src)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def _copy_range(src: int, dst: int, at: int, to: int, n: int, where: Path) -> None:
+    kernel = hasattr(os, "copy_file_range")
+    while n > 0:
+        got = 0
+        if kernel:
+            try:
+                got = os.copy_file_range(src, dst, n, at, to)
+            except OSError:  # EXDEV, ENOSYS, EINVAL...: plain reads and writes instead
+                kernel = False
+                continue
+        else:
+            data = os.pread(src, min(n, 8 * 2**20), at)
+            got = os.pwrite(dst, data, to) if data else 0
+        if got <= 0:
+            raise ArtifactMismatchError(f"{os.path.abspath(where)}: ends at byte {at}, before the weight file it holds")
+        at, to, n = at + got, to + got, n - got
+
+
+def _fill_copies(loader: Loader, copies: dict[str, str], copy_dir: Path) -> None:
+    """Make ``copy_dir`` once: the materialized weight files and the link to the build's loader."""
+    if copy_dir.is_dir():
+        return
+
+    def fill(tmp: Path) -> None:
+        for dst, rel in copies.items():
+            path, offset = loader.locate(rel)
+            (tmp / dst).parent.mkdir(parents=True, exist_ok=True)
+            materialize(path, offset, loader.manifest["files"][rel]["size"], tmp / dst)
+        os.symlink(os.path.abspath(loader.root / LOADER_FILE), tmp / LOADER_FILE)
+
+    _made_once(copy_dir, fill)
+
+
+def _made_once(dest: Path, fill: Callable[[Path], None]) -> None:
+    """Make the folder ``dest`` by ``fill`` under a temporary name, then rename it into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.is_dir():  # another process may have won the rename
+            raise
 
 
 def _fill(tmp: Path, links: dict[str, str]) -> None:
@@ -63,8 +154,10 @@ def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
         the directory, named after the bundle and the weight files it links.
 
     Raises:
-        ArtifactMismatchError: no bundle, a weight file missing or of another size, or a
-            directory made before that holds other entries than the links it was made with.
+        ArtifactMismatchError: no bundle, a weight file missing or of another size, a
+            directory made before that holds other entries than the links it was made with,
+            or materialized weights (``<directory>.weights/``) of another size (sha256 under
+            ``PACKER_REQUIRE_SIGNATURE``) or with other entries.
     """
     bundle = loader.bundle_dir()
     pairs = model_tree(loader.manifest["weights"])
@@ -76,18 +169,18 @@ def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
                          .encode())
     base = Path(root) if root is not None else bundle.parent
     out = base / f"model-{key.hexdigest()[:20]}"
-    links = _plan(bundle, pairs, loader)
+    copies = _copies(loader, pairs)
+    copy_dir = out.with_name(out.name + ".weights")
+    links = _plan(bundle, pairs, loader, copies, copy_dir)
+    if copies:
+        base.mkdir(parents=True, exist_ok=True)
+        _fill_copies(loader, copies, copy_dir)
+        files = {dst: loader.manifest["files"][rel] for dst, rel in copies.items()}
+        check_copies(copy_dir, files, {LOADER_FILE: os.path.abspath(loader.root / LOADER_FILE)},
+                     hashes=bool(loader.settings.require_signature))
     if out.is_dir():  # made before, maybe by another process: reused only as it was made
         check_links(out, links)
         return out
     base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=base))
-    try:
-        _fill(tmp, links)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not out.is_dir():  # another process may have won the rename
-            raise
+    _made_once(out, lambda tmp: _fill(tmp, links))
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -81,13 +82,30 @@ class Loader:
         Raises:
             ArtifactMismatchError: ``rel`` is not a plain relative path (absolute, ``..``...).
         """
+        return self.locate(rel)[0]
+
+    def locate(self, rel: str) -> tuple[Path, int]:
+        """Where the artifact ``rel``'s bytes are: ``(file, offset of its first byte in it)``.
+
+        A plain file where one exists (under ``weights_dir``, as in OUT, or at the top of an
+        image's model directory), offset 0; else, for a weight file the build holds in its
+        image layer blob (the manifest's ``blob`` and ``offset``), that blob under the root
+        and the page offset of the file's bytes in it.
+
+        Raises:
+            ArtifactMismatchError: ``rel`` (or its blob) is not a plain relative path, or the
+                offset is not a page offset.
+        """
         check_rel(rel, "the manifest's files")
         if not rel.startswith("weights/"):
-            return self.root / rel
+            return self.root / rel, 0
         if self.weights_dir is not None:
-            return self.weights_dir / rel[len("weights/"):]
+            return self.weights_dir / rel[len("weights/"):], 0
         nested, flat = self.root / rel, self.root / rel[len("weights/"):]
-        return flat if not nested.exists() and flat.exists() else nested
+        if nested.exists() or not flat.exists():
+            placed = None if nested.exists() else _placed(self.manifest, rel)
+            return (self.root / placed[0], placed[1]) if placed else (nested, 0)
+        return flat, 0
 
     def open_shards(self, verify: bool = False, *, random_access: bool = False) -> list[Shard]:
         """Open and check every weight file (size, header; the index file's sha256 when ``verify``);
@@ -98,9 +116,10 @@ class Loader:
         with self.timeline.stage("headers") as box:
             try:
                 for rel in w["files"]:
-                    shards.append(open_shard(rel, self.path(rel), files[rel], w["tensors"],
-                                             random_access=random_access))
-                    box["bytes"] += shards[-1].data_start
+                    path, base = self.locate(rel)
+                    shards.append(open_shard(rel, path, files[rel], w["tensors"], random_access=random_access,
+                                             base=base, label=self.root / rel if base else None))
+                    box["bytes"] += len(shards[-1].head)
                 if w.get("index"):
                     self.check_file(w["index"], verify)
             except BaseException:
@@ -115,17 +134,18 @@ class Loader:
         Raises:
             ArtifactMismatchError: missing, or another size or sha256 than the manifest's.
         """
-        path, meta = self.path(rel), self.manifest["files"].get(rel) or self.manifest["bundle"]
+        (path, base), meta = self.locate(rel), self.manifest["files"].get(rel) or self.manifest["bundle"]
         try:
             fd = open_regular(path)  # a FIFO or a device is refused by type, never read
         except FileNotFoundError:
             raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
         try:
-            size = os.fstat(fd).st_size
-            if size != meta["size"]:
-                raise ArtifactMismatchError(f"{os.path.abspath(path)}: {size} bytes, the manifest says {meta['size']}")
+            size = os.fstat(fd).st_size - base  # in a layer blob: what follows the file is the blob's
+            where = os.path.abspath(path) + (f" (at offset {base})" if base else "")
+            if size != meta["size"] if not base else size < meta["size"]:
+                raise ArtifactMismatchError(f"{where}: {size} bytes, the manifest says {meta['size']}")
             if verify:
-                check_sha256(os.path.abspath(path), sha256_fd(fd, size), meta["sha256"])
+                check_sha256(where, sha256_fd(fd, meta["size"], offset=base), meta["sha256"])
         finally:
             os.close(fd)
 
@@ -134,9 +154,10 @@ class Loader:
 
         with self.timeline.stage("verify sha256") as box, ThreadPoolExecutor(self.readers) as ex:
             # hashlib releases the GIL: shards hash in parallel
-            digests = list(ex.map(lambda s: sha256_fd(s.fd, s.size), shards))
+            # exactly the file's bytes: inside a layer blob, the range the manifest pins
+            digests = list(ex.map(lambda s: sha256_fd(s.fd, s.size, offset=s.base), shards))
             for s, digest in zip(shards, digests, strict=True):
-                check_sha256(os.path.abspath(s.path), digest, self.manifest["files"][s.rel]["sha256"])
+                s.check_sha256(digest, self.manifest["files"][s.rel]["sha256"])
                 box["bytes"] += s.size
 
     def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
@@ -204,7 +225,7 @@ class Loader:
         """Through the ring into one device buffer per shard, every tensor ``ALIGN``-aligned;
         with ``verify`` the hash thread checks each file as its chunks pass, in file order."""
         engine = self.make_engine(dev)
-        layouts = [plan_layout(s.tensors, s.size - s.data_start) for s in shards]
+        layouts = [plan_layout(s.tensors, s.data_size) for s in shards]
         with self.timeline.stage("device alloc", sum(x.nbytes for x in layouts)):
             bufs = [engine.device_buffer(x.nbytes) for x in layouts]
         segs = _segments(shards, layouts, bufs)
@@ -212,7 +233,7 @@ class Loader:
         self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, hashers)
         if hashers is not None:
             for i, s in enumerate(shards):
-                check_sha256(os.path.abspath(s.path), hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
+                s.check_sha256(hashers[i].hexdigest(), self.manifest["files"][s.rel]["sha256"])
         return self._tensors(torch, shards, [(b, 0) for b in bufs], dtype, offsets=[x.offsets for x in layouts])
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
@@ -370,6 +391,25 @@ class Loader:
         if trace is not None:
             self.timeline.chrome_trace(trace)
         return [dict(s) for s in self.timeline.stages]
+
+
+def _placed(manifest: dict[str, Any], rel: str) -> tuple[str, int] | None:
+    """The layer blob and offset the manifest holds the weight file ``rel`` in, checked; or None."""
+    entry = manifest["files"].get(rel) or {}
+    if "blob" not in entry:
+        return None
+    blob, offset = entry["blob"], entry.get("offset")
+    check_rel(blob, "the manifest's files")
+    if (not blob.startswith(BLOBS) or not HEX64.fullmatch(blob[len(BLOBS):])
+            or not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % PAGE):
+        raise ArtifactMismatchError(f"the manifest places {rel} in {blob!r} at offset {offset!r}: "
+                                    "not a layer blob at a page offset")
+    return blob, offset
+
+
+BLOBS = "image/blobs/sha256/"
+PAGE = 4096
+HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _has_context(torch: ModuleType, dev: torch.device) -> bool:

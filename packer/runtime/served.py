@@ -10,6 +10,8 @@ here instead of trusting that nobody wrote there since:
   regular files (no link, no extra file), each of its size, and its sha256 where asked
   (``PACKER_REQUIRE_SIGNATURE``);
 * :func:`check_links`: a laid-out model directory holds exactly the links it was made with;
+* :func:`check_copies`: the weight files materialized for it (from a layer blob) are exactly
+  those, of their sizes (and sha256 where asked);
 * :func:`check_signed_dir`: every file an engine may read in a model directory is one that the
   signature covers, byte for byte (the vLLM load format, under ``PACKER_REQUIRE_SIGNATURE``).
 
@@ -93,6 +95,12 @@ def check_extracted(root: Path, members: Iterable[Mapping[str, Any]], *, hashes:
             raise _refuse(path, "not a member of this build's bundle", fix)
         if kind != "file":
             raise _refuse(path, "not a regular file (extraction writes only regular files)", fix)
+    _check_pinned(root, want, found, hashes, fix)
+
+
+def _check_pinned(root: Path, want: Mapping[str, Mapping[str, Any]], found: Mapping[str, tuple[str, Path]],
+                  hashes: bool, fix: str) -> None:
+    """Every file of ``want`` is a regular file of its ``size`` (and ``sha256`` with ``hashes``)."""
     for rel, m in want.items():
         path = root / rel
         if found.get(rel, ("",))[0] != "file":
@@ -119,6 +127,32 @@ def check_links(root: Path, want: Mapping[str, str]) -> None:
         if not path.is_symlink() or os.readlink(path) != want[rel]:
             raise _refuse(path, f"not the link to {want[rel]} it was made as", fix)
     for rel in want:
+        if rel not in found:
+            raise _refuse(root / rel, "missing", fix)
+
+
+def check_copies(root: Path, files: Mapping[str, Mapping[str, Any]], links: Mapping[str, str], *,
+                 hashes: bool) -> None:
+    """Refuse materialized weight files at ``root`` that are not exactly ``files`` (regular
+    files of the manifest's ``size``, and ``sha256`` with ``hashes``) and the ``links``.
+
+    Raises:
+        ArtifactMismatchError: an entry missing, of another kind, size or sha256, or extra.
+    """
+    fix = f"the materialized weights were changed after they were made: remove {os.path.abspath(root)}"
+    found = walk(root)
+    for rel, (kind, path) in found.items():
+        if kind == "dir":
+            continue
+        if rel in links:
+            if not path.is_symlink() or os.readlink(path) != links[rel]:
+                raise _refuse(path, f"not the link to {links[rel]} it was made as", fix)
+        elif rel not in files:
+            raise _refuse(path, "not a weight file of this build", fix)
+        elif kind != "file":
+            raise _refuse(path, "not a regular file", fix)
+    _check_pinned(root, files, found, hashes, fix)
+    for rel in links:
         if rel not in found:
             raise _refuse(root / rel, "missing", fix)
 

@@ -35,13 +35,26 @@ class TensorEntry(NamedTuple):
 
 
 class Shard:
-    """One safetensors file, its header checked against the manifest, its fd open."""
+    """One safetensors file, its header checked against the manifest, its fd open.
+
+    The file's bytes are ``size`` bytes at ``base`` of the file ``path`` (0 for a file of its
+    own; a page offset inside the weight layer blob that holds it); ``data_start`` is where
+    its data section starts in that file, so every read is at ``data_start + begin``.
+    """
 
     def __init__(self, rel: str, path: Path, fd: int, size: int, head: bytes,
-                 tensors: list[TensorEntry]) -> None:
+                 tensors: list[TensorEntry], base: int = 0, label: str | Path | None = None) -> None:
         self.rel, self.path, self.fd, self.size, self.head = rel, path, fd, size, head
-        self.data_start = len(head)
+        self.base = base
+        self.data_start = base + len(head)
+        self.data_size = size - len(head)
         self.tensors = tensors  # sorted by begin
+        self.label = os.path.abspath(label if label is not None else path)
+
+    def check_sha256(self, got: str, want: str) -> None:
+        """Raise unless ``got == want``, naming the file (and, in a layer blob, where it lies)."""
+        held = f" (its bytes lie in {os.path.abspath(self.path)} at offset {self.base})" if self.base else ""
+        check_sha256(self.label, got, want, held)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -57,17 +70,20 @@ def pread_exact(fd: int, n: int, offset: int, rel: str) -> bytes:
 
 
 def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any], *,
-               random_access: bool = False) -> Shard:
+               random_access: bool = False, base: int = 0, label: str | Path | None = None) -> Shard:
     """Open ``path`` and check its size and safetensors header against the manifest.
 
     ``random_access``: readahead off from the first read on (``POSIX_FADV_RANDOM``), for a
     reader of some slices only (tensor parallel ranks): the header read would otherwise read
-    ahead into the first tensors, other ranks' bytes among them.
+    ahead into the first tensors, other ranks' bytes among them. ``base``: the file's bytes
+    start there in ``path`` (a layer blob holding it; the blob may go on after them), and
+    ``label`` is the name messages give the file (default ``path``).
 
     Raises:
         ArtifactMismatchError: missing file, wrong size, or a header that differs.
     """
-    where = os.path.abspath(path)  # errors name the file on this machine, not the manifest's path
+    # errors name the file on this machine, not the manifest's path
+    where = os.path.abspath(path) + (f" (at offset {base})" if base else "")
     try:
         fd = open_regular(path)  # a FIFO or a device is refused before anything blocks or is read
     except FileNotFoundError:
@@ -76,16 +92,17 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
     try:
         if random_access and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        size = os.fstat(fd).st_size
-        if size != meta["size"]:
+        size = os.fstat(fd).st_size - base
+        if size != meta["size"] if not base else size < meta["size"]:
             raise ArtifactMismatchError(f"{where}: {size} bytes, the manifest says {meta['size']}; "
                                         "these weights are not from this build")
-        n = struct.unpack("<Q", pread_exact(fd, 8, 0, where))[0]
+        size = meta["size"]
+        n = struct.unpack("<Q", pread_exact(fd, 8, base, where))[0]
         if n > min(size - 8, MAX_HEADER):
             raise ArtifactMismatchError(f"{where}: header length {n} is impossible for {size} bytes")
-        raw = pread_exact(fd, n, 8, where)
+        raw = pread_exact(fd, n, base + 8, where)
         tensors = _check_header(rel, raw, size - 8 - n, table, where)
-        return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors)
+        return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors, base, label)
     except BaseException:
         os.close(fd)
         raise
@@ -122,12 +139,12 @@ def _check_header(rel: str, raw: bytes, data_len: int,
     return out
 
 
-def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB) -> str:
-    """sha256 of the first ``size`` bytes of an open file, read with preadv."""
+def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB, *, offset: int = 0) -> str:
+    """sha256 of the ``size`` bytes at ``offset`` of an open file, read with preadv."""
     h, buf, off = hashlib.sha256(), bytearray(bufsize), 0
     view = memoryview(buf)
     while off < size:
-        n = os.preadv(fd, [view[: min(bufsize, size - off)]], off)
+        n = os.preadv(fd, [view[: min(bufsize, size - off)]], offset + off)
         if n <= 0:
             raise ArtifactMismatchError(f"short read at byte {off}")
         h.update(view[:n])
@@ -135,11 +152,12 @@ def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB) -> str:
     return h.hexdigest()
 
 
-def check_sha256(where: str | Path, got: str, want: str) -> None:
-    """Raise unless ``got == want``; ``where`` is the file as found on this machine."""
+def check_sha256(where: str | Path, got: str, want: str, held: str = "") -> None:
+    """Raise unless ``got == want``; ``where`` is the file as found on this machine (``held``: where
+    its bytes lie, when that is not a file of its own)."""
     if got != want:
         raise ArtifactMismatchError(f"{where}: sha256 {got[:16]}..., the manifest says "
-                                    f"{want[:16]}...; the file is corrupt or from another build")
+                                    f"{want[:16]}...; the file is corrupt or from another build{held}")
 
 
 CPU_ALIGN = 64  # torch's CPU allocator gives this; oneDNN's kernels take another path below it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,31 +87,40 @@ def _check_dest(dest_dir: Path, plan: WeightsPlan) -> None:
 LayerFraming = Callable[[str, int], tuple[bytes, bytes]]
 
 
+BLOBS = "image/blobs/sha256"  # where a weight layer blob goes, relative to the build's root
+
+
 def _write_all(
     plan: WeightsPlan, dest_dir: Path, staged: StagedFiles, *, verify: bool,
-    progress: Progress | None, framing: LayerFraming | None, prefix: str,
-) -> tuple[list[tuple[str, int, str]], dict[str, str]]:
-    written: list[tuple[str, int, str]] = []
+    progress: Progress | None, framing: LayerFraming | None, prefix: str, blobs: Path | None,
+) -> tuple[list[FileEntry], dict[str, str]]:
+    """Write every shard (into its layer blob under ``blobs`` when given) and the index."""
+    written: list[FileEntry] = []
     framed: dict[str, str] = {}  # shard name -> sha256 of its framed bytes
     sources = Sources()
     try:
         paths: dict[str, Path] = {}
+        bases: dict[str, int] = {}
         checked: set[str] = set()
         for shard in plan.shards:
             tmp = staged.temp_for(shard.filename)
             frame = framing(prefix + shard.filename, shard.size) if framing else None
             try:
                 out = write_shard(shard, tmp, sources, verify=verify, progress=progress,
-                                  framing=frame)
+                                  framing=frame, blob=blobs is not None)
             except OSError as e:
                 raise WeightsError(f"{dest_dir / shard.filename}: cannot write: "
                                    f"{e.strerror or e}") from e
-            paths[shard.filename], checked = tmp, checked | out.checked
-            written.append((shard.filename, out.size, out.sha256))
+            paths[shard.filename], bases[shard.filename], checked = tmp, out.base, checked | out.checked
+            entry = FileEntry(prefix + shard.filename, out.size, out.sha256)
             if out.framed_sha256 is not None and out.size == shard.size:
                 framed[shard.filename] = out.framed_sha256
+                if blobs is not None:  # the layer blob is the file's one copy, named by its digest
+                    staged.retarget(tmp, blobs / out.framed_sha256)
+                    entry = replace(entry, blob=f"{BLOBS}/{out.framed_sha256}", offset=out.base)
+            written.append(entry)
         if verify:
-            verify_written(plan, paths, sources, skip=checked)
+            verify_written(plan, paths, sources, skip=checked, bases=bases)
     finally:
         sources.close()
     if plan.index is not None:
@@ -118,7 +128,7 @@ def _write_all(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             f.write(plan.index)
-        written.append((INDEX_NAME, len(plan.index), hashlib.sha256(plan.index).hexdigest()))
+        written.append(FileEntry(prefix + INDEX_NAME, len(plan.index), hashlib.sha256(plan.index).hexdigest()))
     return written, framed
 
 
@@ -132,6 +142,7 @@ def convert(
     dry_run: bool = False,
     verify: bool = True,
     layer_framing: LayerFraming | None = None,
+    layer_blobs: bool = False,
 ) -> StageOutput:
     """Convert the checkpoint(s) in ``src`` to canonical safetensors in ``dest_dir``.
 
@@ -147,6 +158,11 @@ def convert(
         layer_framing: given a shard's path relative to ``rel_root`` and its size, the bytes
             before and after it in its image layer (:func:`packer.oci.plan.weight_layer_framing`);
             each layer's sha256 is then computed while the shard is written (another thread).
+        layer_blobs: with ``layer_framing``, write each shard as its layer blob,
+            ``rel_root/image/blobs/sha256/<digest>`` (the tar framing around the safetensors
+            bytes, which start at a page boundary), instead of a file in ``dest_dir``: its
+            file entry keeps the safetensors' size and sha256 and names the ``blob`` and the
+            ``offset`` of the bytes in it (OUT then holds each weight byte once).
 
     Returns:
         The files written, the manifest section, bytes processed and notes; with
@@ -175,12 +191,17 @@ def convert(
         return StageOutput(section=section, notes=tuple(notes))
     created = not dest_dir.exists()
     staged = StagedFiles(dest_dir)
+    blobs = root / BLOBS if layer_blobs and layer_framing is not None else None
     try:
         dest_dir.mkdir(parents=True, exist_ok=True)
         _check_dest(dest_dir, plan)
+        if blobs is not None:
+            blobs.mkdir(parents=True, exist_ok=True)
         written, framed = _write_all(plan, dest_dir, staged, verify=verify, progress=progress,
-                                     framing=layer_framing, prefix=prefix)
+                                     framing=layer_framing, prefix=prefix, blobs=blobs)
         staged.commit()
+        if created and blobs is not None and not any(dest_dir.iterdir()):
+            dest_dir.rmdir()  # every file went into a blob: no empty weights/ folder
     except BaseException as e:
         # removing what was staged must never raise over the error that caused it
         quiet_cleanup(e, staged.discard, *([dest_dir.rmdir] if created else []))
@@ -189,7 +210,7 @@ def convert(
         if isinstance(e, PackerError) and not isinstance(e, DependencyError) and not str(e).startswith(str(src)):
             raise e.with_context(f"converting {src}") from e.__cause__
         raise
-    files = tuple(FileEntry(prefix + name, size, digest) for name, size, digest in written)
+    files = tuple(written)
     digests = {f"layer:{prefix}{name}": f"sha256:{hexd}" for name, hexd in framed.items()}
     return StageOutput(files=files, section=section, bytes_processed=sum(f.size for f in files),
                        notes=tuple(notes), digests=digests)

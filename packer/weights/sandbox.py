@@ -8,7 +8,6 @@ never as pickles. A child killed by a limit becomes one clear :class:`PackerErro
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -102,7 +101,8 @@ def _child_main() -> int:
         image = ImageConfig(**request["image"]) if request.get("image") else None
         result = convert(Path(request["src"]), Path(request["out"]), _cfg_from_json(request["cfg"]),
                          rel_root=rel_root, dry_run=request["dry_run"],
-                         layer_framing=_framing(image, request.get("mtime")))
+                         layer_framing=_framing(image, request.get("mtime")),
+                         layer_blobs=bool(request.get("blobs")), progress=_report if request.get("progress") else None)
     except errors.PackerError as e:
         json.dump({"error": str(e), "type": type(e).__name__}, sys.stdout)
         return 1
@@ -138,41 +138,54 @@ def _killed_reason(rc: int) -> str:
     return f"reader process killed by {name}"
 
 
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
+PROGRESS = "packer-progress "  # a line of the child's stderr: bytes just written
 
 
-def _run_child(request: str, out: Path, progress: Progress | None) -> subprocess.CompletedProcess[str]:
-    """Run the child; while it works, report the bytes it writes under ``out`` as increments."""
-    reported = _dir_bytes(out)  # what was there before is not the child's
+def _report(n: int) -> None:
+    """The child's progress: one line on stderr per increment, read by the parent as it comes."""
+    sys.stderr.write(f"{PROGRESS}{n}\n")
+    sys.stderr.flush()
+
+
+def _run_child(request: str, progress: Progress | None) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run the child; pass on the increments it reports as it writes; return the bytes passed on.
+
+    Its stderr is read line by line (progress lines apart), its stdout whole on a thread.
+    """
+    reported = 0
+    lines: list[str] = []
     with subprocess.Popen([sys.executable, "-m", "packer.weights.sandbox"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        result: list[tuple[str, str]] = []
-        talker = threading.Thread(target=lambda: result.append(proc.communicate(request)), daemon=True)
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        stdout, result = proc.stdout, []
+        talker = threading.Thread(target=lambda: result.append(stdout.read()), daemon=True)
         talker.start()
         try:
-            while talker.is_alive():
-                talker.join(0.2)
-                if progress is not None:
-                    now = _dir_bytes(out)
-                    if now > reported:
-                        progress(now - reported)
-                        reported = now
+            try:
+                proc.stdin.write(request)
+                proc.stdin.close()
+            except BrokenPipeError:  # the child died first: its exit status says why
+                pass
+            for line in proc.stderr:
+                if line.startswith(PROGRESS) and line[len(PROGRESS):].strip().isdigit():
+                    n = int(line[len(PROGRESS):])
+                    if progress is not None and n > 0:
+                        progress(n)
+                        reported += n
+                else:
+                    lines.append(line)
+            talker.join()
+            proc.wait()
         except BaseException:  # interrupted (Ctrl-C, SIGTERM): the child's work is no longer wanted
             proc.kill()
             raise
-        stdout, stderr = result[0]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, result[0] if result else "", "".join(lines))
+    return done, reported
 
 
-def _layer_mtime(image: ImageConfig | None) -> int | None:
-    if image is None:
-        return None
+def _layer_mtime(image: ImageConfig | None, mtime: int | None = None) -> int | None:
+    if image is None or mtime is not None:
+        return mtime
     from packer.tarfmt import source_date_epoch  # the image stage reads it the same way
 
     return source_date_epoch(errors.ImageError)
@@ -180,21 +193,24 @@ def _layer_mtime(image: ImageConfig | None) -> int | None:
 
 def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
                       dry_run: bool = False, progress: Progress | None = None,
-                      layer_image: ImageConfig | None = None) -> StageOutput:
+                      layer_image: ImageConfig | None = None, layer_blobs: bool = False,
+                      layer_mtime: int | None = None) -> StageOutput:
     """Run :func:`packer.weights.convert.convert` in an isolated child process.
 
     ``layer_image``: also compute each weight file's image-layer digest while writing it
-    (see :func:`packer.oci.plan.weight_layer_framing`); they come back in ``digests``.
+    (see :func:`packer.oci.plan.weight_layer_framing`, its entries' mtime ``layer_mtime``,
+    default ``SOURCE_DATE_EPOCH``); they come back in ``digests``. ``layer_blobs``: write each
+    weight file as its layer blob (see :func:`packer.weights.convert.convert`).
 
     Raises:
         PackerError: the child's own error, or why the child was stopped.
     """
     request = {"src": str(src), "out": str(out), "cfg": asdict(cfg), "dry_run": dry_run,
                "rel_root": str(rel_root) if rel_root else None,
-               "image": asdict(layer_image) if layer_image else None,
-               "mtime": _layer_mtime(layer_image),
+               "image": asdict(layer_image) if layer_image else None, "blobs": layer_blobs,
+               "mtime": _layer_mtime(layer_image, layer_mtime), "progress": progress is not None,
                "limits": _limits(_input_size(src), cfg.max_expansion)}
-    proc = _run_child(json.dumps(request), out, progress)
+    proc, reported = _run_child(json.dumps(request), progress)
     if proc.returncode < 0:
         raise errors.CheckpointError(f"converting {src}: {_killed_reason(proc.returncode)}")
     try:
@@ -205,27 +221,32 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
     if "error" in reply:
         raise error_class(reply["type"])(reply["error"])
     files = tuple(FileEntry(**f) for f in reply["files"])
+    if progress is not None and (rest := sum(f.size for f in files) - reported) > 0:
+        progress(rest)  # the headers and the index: the child reports tensor bytes as it writes them
     return StageOutput(files=files, section=reply["section"], bytes_processed=reply["bytes"],
                        notes=tuple(reply["notes"]), digests=dict(reply.get("digests", {})))
 
 
 def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None, dry_run: bool = False,
                 sandbox: bool = True, progress: Progress | None = None,
-                layer_image: ImageConfig | None = None) -> StageOutput:
+                layer_image: ImageConfig | None = None, layer_blobs: bool = False,
+                layer_mtime: int | None = None) -> StageOutput:
     """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
 
     ``progress`` receives the bytes as they are written (increments, see
     :data:`packer.stage.Progress`), with or without the sandbox. With
     ``layer_image``, each weight file's image-layer digest is computed while it is written
-    and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``).
+    and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``); with ``layer_blobs`` each
+    weight file is written as that layer blob (its one copy in OUT).
     """
     if sandbox:
         return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
-                                 layer_image=layer_image)
+                                 layer_image=layer_image, layer_blobs=layer_blobs, layer_mtime=layer_mtime)
     from packer.weights.convert import convert
 
     return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
-                   layer_framing=_framing(layer_image, _layer_mtime(layer_image)))
+                   layer_framing=_framing(layer_image, _layer_mtime(layer_image, layer_mtime)),
+                   layer_blobs=layer_blobs)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ nowhere else). With ``verify`` each span is read back from the output right afte
 and compared bytewise (memcmp) with what it should hold; a hasher thread follows behind in
 file order, so the sha256 runs on the second core while the first copies (hashlib releases
 the GIL). Memory stays bounded by a few chunks.
+
+With a layer framing and ``blob``, the file written is the shard's image layer itself: the
+tar prefix, the safetensors bytes at ``len(prefix)`` (a page boundary), the suffix; the
+shard's sha256 and the layer's digest are computed from the same bytes in the same pass, so
+OUT holds the weights once.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class WrittenShard:
     sha256: str
     checked: frozenset[str]  # tensors whose written bytes were compared with the input
     framed_sha256: str | None = None  # sha256 of framing[0] + file + framing[1], if asked
+    base: int = 0  # where the safetensors bytes start in ``path`` (a blob: len(framing[0]))
 
 
 class Sources:
@@ -129,7 +135,7 @@ class _Output:
     """The shard being written: bytes land at a position, are read back if verifying, hashed."""
 
     def __init__(self, path: Path, label: Path, verify: bool,
-                 framing: tuple[bytes, bytes] | None = None) -> None:
+                 framing: tuple[bytes, bytes] | None = None, blob: bool = False) -> None:
         self.label = label
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
         self.ro = os.open(path, os.O_RDONLY) if verify else -1
@@ -137,6 +143,8 @@ class _Output:
         self.hashers = [HashThread()]
         # the framed hash (e.g. the file's image layer) runs on its own thread too
         self.suffix = framing[1] if framing else b""
+        self.prefix = framing[0] if framing and blob else b""
+        self.base = len(self.prefix)  # the shard's byte 0 in the file written
         if framing is not None:
             self.hashers.append(HashThread(framing[0]))
 
@@ -146,13 +154,19 @@ class _Output:
             view = memoryview(self.buf)
             for i in range(0, len(expected), CHUNK):
                 want = expected[i:i + CHUNK]
-                n = os.preadv(self.ro, [view[:len(want)]], pos + i)
+                n = os.preadv(self.ro, [view[:len(want)]], self.base + pos + i)
                 got = self.buf if n == CHUNK else self.buf[:n]  # bytearray == buffer: memcmp
                 if n != len(want) or got != want:
                     raise WeightsError(f"{self.label}: tensor {name!r}: bytes read back at "
                                        f"offset {pos + i} differ from what was written")
         for h in self.hashers:
             h.update(expected)
+
+    def frame(self, end: int) -> None:
+        """A blob: write the tar framing around the ``end`` bytes of the shard."""
+        if self.prefix:
+            _pwrite_all(self.fd, self.prefix, 0)
+            _pwrite_all(self.fd, self.suffix, self.base + end)
 
     def close(self) -> tuple[str, str | None]:
         """Stop hashing, close the file; return the sha256 and the framed sha256 (hex)."""
@@ -170,6 +184,12 @@ class _Output:
             raise WeightsError(f"{self.label}: hashing failed: {e}") from e
 
 
+def _pwrite_all(fd: int, data: bytes, at: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, memoryview(data)[done:], at + done)
+
+
 def _kernel_copy(src_fd: int, dst_fd: int, src_pos: int, dst_pos: int, n: int) -> int:
     try:
         return os.copy_file_range(src_fd, dst_fd, n, src_pos, dst_pos)
@@ -185,7 +205,7 @@ def _copy_span(t: PlannedTensor, fd: int, data: memoryview, out: _Output, pos: i
     src, end = t.source_offset, t.source_offset + (t.end - t.begin)
     while src < end:
         n = min(CHUNK, end - src)
-        done = _kernel_copy(fd, out.fd, src, pos, n)
+        done = _kernel_copy(fd, out.fd, src, out.base + pos, n)
         if done <= 0:
             raise WeightsError(f"{t.record.storage.path}: tensor {t.record.name!r}: input "
                                f"ends at byte {src}, before the tensor's data ends; truncated?")
@@ -202,7 +222,7 @@ def _write_span(t: PlannedTensor, data: memoryview, out: _Output, pos: int,
         view = memoryview(chunk)
         done = 0
         while done < len(view):
-            done += os.pwrite(out.fd, view[done:], pos + done)
+            done += os.pwrite(out.fd, view[done:], out.base + pos + done)
         out.landed(pos, view, t.name)
         pos += len(view)
         if progress is not None:
@@ -219,6 +239,7 @@ def write_shard(
     verify: bool = True,
     progress: Progress | None = None,
     framing: tuple[bytes, bytes] | None = None,
+    blob: bool = False,
 ) -> WrittenShard:
     """Write one planned shard to ``path`` (created; must not exist) and hash it on the way.
 
@@ -231,6 +252,8 @@ def write_shard(
             increment, see :data:`packer.stage.Progress`).
         framing: ``(prefix, suffix)``: also hash ``prefix + file + suffix`` (the shard's
             image layer) on another thread, into ``framed_sha256``.
+        blob: with ``framing``, write ``prefix + file + suffix`` to ``path`` (the layer blob;
+            the shard starts at ``base = len(prefix)``); else the shard alone.
 
     Returns:
         The written shard with its size and sha256.
@@ -239,10 +262,10 @@ def write_shard(
         WeightsError: a truncated input or a read-back mismatch.
         OSError: the output cannot be written.
     """
-    out = _Output(path, path.parent / shard.filename, verify, framing)
+    out = _Output(path, path.parent / shard.filename, verify, framing, blob)
     checked: set[str] = set()
     try:
-        os.pwrite(out.fd, shard.header, 0)
+        os.pwrite(out.fd, shard.header, out.base)
         out.landed(0, memoryview(shard.header), "(header)")
         pos = len(shard.header)
         for t in shard.tensors:
@@ -253,12 +276,13 @@ def write_shard(
             else:
                 _write_span(t, data, out, pos, progress)
             pos += t.end - t.begin
+        out.frame(pos)
     except BaseException:
         with contextlib.suppress(Exception):
             out.close()
         raise
     digest, framed = out.close()
-    return WrittenShard(path, pos, digest, frozenset(checked if verify else ()), framed)
+    return WrittenShard(path, pos, digest, frozenset(checked if verify else ()), framed, out.base)
 
 
 class StagedFiles:
@@ -275,6 +299,10 @@ class StagedFiles:
         os.unlink(tmp)  # write_shard creates it with O_EXCL and the umask's mode
         self.pending.append((Path(tmp), self.directory / name))
         return Path(tmp)
+
+    def retarget(self, tmp: Path, final: Path) -> None:
+        """Give the temporary file ``tmp`` another final path (a blob, named by its digest)."""
+        self.pending = [(t, final if t == tmp else f) for t, f in self.pending]
 
     def commit(self) -> None:
         """Rename every temporary file into place."""
