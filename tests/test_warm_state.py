@@ -177,18 +177,40 @@ def test_a_malformed_manifest_names_the_place(tmp_path: Path) -> None:
         load_state(state)
 
 
+def without_vllm(tmp: Path) -> Path:
+    """An interpreter that cannot import vllm: this one, with a ``vllm`` on its path that is not there."""
+    hide = tmp / "no-vllm" / "vllm"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'vllm\'", name="vllm")\n')
+    python = tmp / "python-without-vllm"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={hide.parent}:$PYTHONPATH exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
 def test_packer_warm_without_the_engine_is_one_line(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, check=False).returncode == 0:
-        pytest.skip("hardware: this interpreter has vLLM; the case is an interpreter without it")
     llama(tmp_path / "hf", **VLLM_LLAMA)
     build_dir(tmp_path / "hf", tmp_path / "out")
-    r = subprocess.run([sys.executable, "-m", "packer", "warm", str(tmp_path / "out"), "--", "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=300, check=False)
+    python = without_vllm(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "packer", "warm", str(tmp_path / "out"), "--python", str(python),
+                        "--", "--dtype", "float32"], capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "PACKER_BUNDLE_CACHE": str(tmp_path / "bundle")})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
-    assert lines[0] == (f"error: {sys.executable} cannot import vllm: run packer warm with --python pointing at "
+    assert lines[0] == (f"error: {python} cannot import vllm: run packer warm with --python pointing at "
                         "the engine's interpreter (the one vLLM is installed in), or pip install vllm there")
+
+
+def test_a_warm_table_where_the_engine_is_not_installed_is_a_note(tmp_path: Path) -> None:
+    llama(tmp_path / "hf", **VLLM_LLAMA)
+    python = without_vllm(tmp_path)
+    out = tmp_path / "out"
+    result = build_dir(tmp_path / "hf", out, warm={"engine": "vllm", "python": str(python), "device": "cpu"})
+    assert result.notes[-1] == (f"[warm] skipped: vLLM is not installed in {python} (warm.python names its "
+                                f"interpreter); run packer warm {out} on the machine that has it")
+    assert result.warm is None and not (out / "warm").exists()
+    assert "warm" in [s["stage"] for s in result.timer.as_json()]
 
 
 def test_packer_verify_checks_a_warm_state_beside_the_build(tmp_path: Path) -> None:
