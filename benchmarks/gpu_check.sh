@@ -106,7 +106,7 @@ VLLM_PREFIX="${VLLM_PREFIX:-$("$PY" -c 'import sys; print(sys.prefix)')}"
 if [ -x "$VLLM_PREFIX/bin/python" ] && "$VLLM_PREFIX/bin/python" -c "import vllm" 2>/dev/null \
         && "$PY" -c "import zstandard, click" 2>/dev/null; then
     say "vllm_warm.py on cuda ($(left) s left)"
-    PACKER_VLLM_VENV="$VLLM_PREFIX" timeout "$(left)" "$PY" benchmarks/vllm_warm.py --rounds 1 --layers 2 \
+    PACKER_VLLM_VENV="$VLLM_PREFIX" timeout "$(left)" "$PY" benchmarks/vllm_warm.py --rounds 1 --layers 2 --rewarm \
         2>&1 | tee "$OUT/warm.txt"
     WARM=$?
 else

@@ -6,7 +6,8 @@ then starts, interleaved and in turn first, one fresh process per contender and 
 ``LLM(MODEL_DIR, load_format="packer", dtype="float32", max_model_len=128, max_num_seqs=2)`` in
 compile mode (no ``enforce_eager``) and one greedy request, in the vLLM virtual environment
 ($PACKER_VLLM_VENV). Every process gets new, empty engine caches (``VLLM_CACHE_ROOT``,
-``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``), so only what packer ships can help:
+``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, and a new ``TMPDIR``, where Inductor keeps
+its precompiled headers), so only what packer ships can help:
 
 * ``cold``: vLLM's default cold start, the warm state switched off (``PACKER_WARM=off``);
 * ``warm``: packer's warm state, which the plugin checks and points vLLM at.
@@ -68,8 +69,9 @@ def warm_state(model_dir: Path, rewarm: bool) -> Path:
 
 def run(model_dir: Path, contender: str) -> dict[str, object]:
     caches = Path(tempfile.mkdtemp(prefix="vllm-warm-bench-"))
+    (caches / "tmp").mkdir()  # Inductor keeps its precompiled headers under $TMPDIR: fresh, as in a new pod
     extra = {"VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-             "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONPATH": str(REPO),
+             "TRITON_CACHE_DIR": str(caches / "triton"), "TMPDIR": str(caches / "tmp"), "PYTHONPATH": str(REPO),
              **({"PACKER_WARM": "off"} if contender == "cold" else {})}
     start = time.time()
     logs = caches / "log"

@@ -28,6 +28,7 @@ from packer.source import Snapshot, resolve_source
 from packer.stage import Early, Progress, StageContext
 from packer.timing import StageTimer
 from packer.verify import verify
+from packer.warm_step import warm_after_build
 
 
 @dataclass
@@ -41,6 +42,7 @@ class BuildResult:
     dry_run: bool = False
     checked: dict[str, Any] = field(default_factory=dict)  # the final verification's summary
     disk_bytes: int = 0  # OUT on disk, as du counts it (hard links once)
+    warm: dict[str, Any] | None = None  # the [warm] table's state (packer.warm_step), if one was made
 
     def summary(self) -> dict[str, Any]:
         """The ``--json`` summary: ``files`` and ``bytes`` as ``packer verify`` counts them (every
@@ -55,6 +57,8 @@ class BuildResult:
             "image": {k: image[k] for k in ("tag", "index_digest", "manifest_digest", "config_digest")
                       if k in image},
         }
+        if self.warm is not None:
+            out["warm"] = self.warm
         if self.dry_run:
             out["plan"] = self.manifest
         return out
@@ -136,6 +140,10 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
     With a signing key (``recipe.sign_key()``) the build also writes ``model.sig`` and the
     signed provenance (:mod:`packer.sign`); the key is read before any stage.
 
+    With a ``[warm]`` table, the published build is then warmed (:func:`packer.warm_step.
+    warm_after_build`) where the engine is installed on the device kind named; elsewhere a
+    note says why not. A failed warm run raises after ``out`` was published.
+
     Raises:
         PackerError: any stage failed (SignError: the key cannot be used; DependencyError:
             the ``sign`` extra is missing); ``out`` is untouched.
@@ -169,4 +177,10 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
         publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return BuildResult(out, manifest, timer, notes, checked=checked, disk_bytes=on_disk)
+    warm = None
+    if recipe.warm.engine:  # after the publish: the state lies beside the build, pinned apart
+        with timer.stage("warm"):
+            warm, more = warm_after_build(out, recipe)
+        notes = [*notes, *more]
+        on_disk = disk_usage(out)  # the state and its image layer count too
+    return BuildResult(out, manifest, timer, notes, checked=checked, disk_bytes=on_disk, warm=warm)

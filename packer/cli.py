@@ -217,6 +217,8 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
         ctx.log(f"note: {note}")
     ctx.log_lines(result.timer.table())
     ctx.log(f"built {rec.name} {rec.version} into {result.out}")
+    if result.warm is not None:
+        ctx.log(warm_line(result.warm))
     ctx.emit(result.summary())
 
 
@@ -430,9 +432,12 @@ def profile(ctx: Ctx, out: Path, device: str | None, verify_: bool) -> None:
               help="The model directory the server will be given (it enters the engine's key); "
                    "laid out there when missing. Default: the one `packer_loader.py --model-dir` prints.")
 @click.option("--timeout", type=float, default=1800.0, show_default=True, help="Seconds for the engine's run.")
+@click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), metavar="KEY",
+              help="PEM EC private key (the build's): sign the state (state.sig), which PACKER_REQUIRE_SIGNATURE "
+                   "requires.")
 @_common
 def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python: str | None,
-         model_dir: Path | None, timeout: float) -> None:
+         model_dir: Path | None, timeout: float, sign_key: Path | None) -> None:
     """Run the engine once against OUT and ship its start-up state in OUT/warm/ (after --: its flags).
 
     \b
@@ -440,13 +445,22 @@ def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python:
       packer warm dist --engine vllm -- --dtype bfloat16 --max-model-len 4096
       packer warm dist --python /opt/vllm/bin/python --model-dir /models -- --max-num-seqs 8
     """
-    from packer.warm.capture import warm as run_warm
+    from packer.warm_step import warm_output
 
-    summary = run_warm(out, engine=engine, engine_args=list(engine_args), python=python, model_dir=model_dir,
-                       timeout=timeout)
-    ctx.log(f"warm state {summary['name']}: {summary['files']} files, {summary['bytes']} bytes pinned in "
-            f"{summary['state']} (model path {summary['model_path']}) in {summary['seconds']:.1f} s")
+    summary = warm_output(out, engine=engine, engine_args=list(engine_args), python=python, model_dir=model_dir,
+                          timeout=timeout, sign_key=sign_key)
+    for note in summary["notes"]:
+        ctx.log(f"note: {note}")
+    ctx.log(warm_line(summary))
     ctx.emit(summary)
+
+
+def warm_line(summary: dict[str, Any]) -> str:
+    """One line for a captured warm state (``packer warm``, ``packer build`` with ``[warm]``)."""
+    image = f"; image {summary['image']['tag']}" if summary.get("image") else ""
+    signed = ", signed" if summary.get("signed") else ""
+    return (f"warm state {summary['name']}: {summary['files']} files, {summary['bytes']} bytes pinned in "
+            f"{summary['state']}{signed} (model path {summary['model_path']}) in {summary['seconds']:.1f} s{image}")
 
 
 @main.command()

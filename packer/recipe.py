@@ -129,6 +129,21 @@ class SignConfig:
 
 
 @dataclass(frozen=True)
+class WarmConfig:
+    """The ``[warm]`` table: ``packer warm`` run by ``packer build`` after the build.
+
+    Not recorded in the build's manifest (the state lies beside the build, pinned by its own
+    manifest, and is made only where the engine is installed).
+    """
+
+    engine: str | None = None  # "vllm"; None: no warm step
+    args: tuple[str, ...] = ()  # the engine's flags, as the server will be given them
+    model_dir: str | None = None  # the model directory the server will use (it enters the key)
+    device: str | None = None  # "cpu" or "cuda": the device kind this build warms for
+    python: str | None = None  # the engine's interpreter (default: packer's)
+
+
+@dataclass(frozen=True)
 class Recipe:
     """A whole recipe. ``base_dir`` resolves relative local sources."""
 
@@ -140,6 +155,7 @@ class Recipe:
     image: ImageConfig = field(default_factory=ImageConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sign: SignConfig = field(default_factory=SignConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
     base_dir: Path = field(default=Path("."), compare=False)
 
     def normalised(self) -> dict[str, Any]:
@@ -147,6 +163,7 @@ class Recipe:
         data = asdict(self)
         data.pop("base_dir")
         data.pop("sign")
+        data.pop("warm")
         return data
 
     def sign_key(self) -> Path | None:
@@ -416,6 +433,23 @@ _RUNTIME = {"device": _str, "warmup": _warmup}
 _SIGN = {"key": _str}
 
 
+def _engine_args(path: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _fail(path, 'a list of strings (the engine\'s flags, e.g. ["--dtype", "bfloat16"])', v)
+    return tuple(v)
+
+
+_WARM = {"engine": _choice(("vllm",)), "args": _engine_args, "model_dir": _abs_path,
+         "device": _choice(("cpu", "cuda")), "python": _str}
+
+
+def _warm_table(path: str, v: Any) -> WarmConfig:
+    table = _fields(path, _table(path, v), _WARM)
+    if "engine" not in table:
+        raise RecipeError(f"{path}.engine: missing (\"vllm\"); the other keys say how to run it")
+    return WarmConfig(**table)
+
+
 def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> Recipe:
     """Validate raw recipe data and return a :class:`Recipe`.
 
@@ -431,6 +465,7 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
         "image": lambda p, v: ImageConfig(**_fields(p, _table(p, v), _IMAGE)),
         "runtime": lambda p, v: RuntimeConfig(**_fields(p, _table(p, v), _RUNTIME)),
         "sign": lambda p, v: SignConfig(**_fields(p, _table(p, v), _SIGN)),
+        "warm": _warm_table,
     })
     for required in ("name", "version", "source"):
         if required not in top:

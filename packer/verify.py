@@ -25,6 +25,7 @@ from packer.manifest import TIMINGS, read_manifest, split_artifact
 from packer.oci.plan import WEIGHT_ALIGN
 from packer.oci.referrer import referrer_blobs
 from packer.oci.verify import verify_image
+from packer.oci.warm_layer import check_warm_images
 from packer.reading import member
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
@@ -215,10 +216,13 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
     signed = bool(manifest.get("signature"))
     image = manifest.get("image") or {}
     referrer = referrer_blobs(out, index_digest=image["index_digest"]) if signed and image else []
-    warm_files, warm_bytes, warm_names = _check_warm(out)  # pinned apart: warm states come after the build
-    _check_no_extras(out, set(listed), (*warm_files, *((PROVENANCE_NAME, *referrer) if signed else ())))
+    # pinned apart: warm states (and their images) come after the build
+    warm_files, warm_bytes, warm_names = _check_warm(out, public_key)
+    warm_blobs, warm_index = check_warm_images(out, tag=image["tag"], index_digest=image["index_digest"],
+                                               signed=signed) if image else ([], False)
+    _check_no_extras(out, set(listed), (*warm_files, *warm_blobs, *((PROVENANCE_NAME, *referrer) if signed else ())))
     count = len(listed) + 1 + len(referrer)  # with manifest.json
-    if referrer:  # the pinned index is index.json less the referrer: checked above
+    if referrer or warm_index:  # the pinned index is index.json less the referrer and warm images: checked above
         listed = {rel: e for rel, e in listed.items() if rel != INDEX_REL}
     checked: set[str] = set()
     stop = threading.Event()
@@ -243,12 +247,12 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
         verify_signatures(out, manifest, public_key)
     if signed:
         check_signed_outputs(out, manifest)
-    return {"files": count + len(warm_files), "bytes": nbytes + warm_bytes, "signed": signed,
+    return {"files": count + len(warm_files) + len(warm_blobs), "bytes": nbytes + warm_bytes, "signed": signed,
             "signature_verified": public_key is not None, "warm_states": warm_names}
 
 
-def _check_warm(out: Path) -> tuple[set[str], int, list[str]]:
+def _check_warm(out: Path, public_key: Path | None) -> tuple[set[str], int, list[str]]:
     try:
-        return verify_states(out)
+        return verify_states(out, public_key=str(public_key) if public_key is not None else None)
     except WarmStateError as e:
         raise VerifyError(str(e)) from e

@@ -122,6 +122,7 @@ EVERY_STRING = {
               "env": {"A": "1"}},
     "runtime": {"device": "cuda", "warmup": [{"name": "input_ids", "shape": [1], "dtype": "int64"}]},
     "sign": {"key": "k.pem"},
+    "warm": {"engine": "vllm", "args": ["--dtype"], "model_dir": "/models", "device": "cpu", "python": "/opt/py"},
 }
 
 
@@ -154,7 +155,7 @@ def test_every_key_is_in_the_sample() -> None:
 
     sample = EVERY_STRING
     tables = {"weights": recipe._WEIGHTS, "bundle": recipe._BUNDLE, "image": {**recipe._IMAGE},
-              "runtime": recipe._RUNTIME, "sign": recipe._SIGN}
+              "runtime": recipe._RUNTIME, "sign": recipe._SIGN, "warm": recipe._WARM}
     tables["image"].pop("single_layer")  # not a string
     tables["weights"] = {k: v for k, v in tables["weights"].items() if k != "max_expansion"}  # a number
     tables["bundle"] = {k: v for k, v in tables["bundle"].items() if k != "remote_code"}  # a boolean
@@ -192,6 +193,20 @@ def test_tab_is_refused_outside_env_values_and_commands(path: str) -> None:
     else:
         with pytest.raises(RecipeError, match=rf"^{re.escape(path)}: character '\\t'"):
             recipe_from_dict(raw)  # type: ignore[arg-type]
+
+
+def test_the_warm_table_is_validated_with_key_paths_and_kept_out_of_the_manifest() -> None:
+    got = recipe_from_dict({**BASE, "warm": {"engine": "vllm", "args": ["--dtype", "float32"], "device": "cuda"}})
+    assert got.warm.args == ("--dtype", "float32") and got.warm.device == "cuda" and got.warm.model_dir is None
+    assert "warm" not in got.normalised()  # the state is pinned apart; the build's bytes do not change
+    for bad, said in [({"engine": "tgi"}, "warm.engine: expected one of 'vllm'"),
+                      ({"device": "cpu"}, "warm.engine: missing"),
+                      ({"engine": "vllm", "args": "--dtype"}, "warm.args: expected a list of strings"),
+                      ({"engine": "vllm", "model_dir": "models"}, "warm.model_dir: expected an absolute path"),
+                      ({"engine": "vllm", "device": "tpu"}, "warm.device: expected one of 'cpu', 'cuda'"),
+                      ({"engine": "vllm", "gpu": 1}, "warm.gpu: unknown key")]:
+        with pytest.raises(RecipeError, match=f"^{re.escape(said)}"):
+            recipe_from_dict({**BASE, "warm": bad})
 
 
 def test_a_control_character_in_a_table_key_is_refused() -> None:

@@ -177,18 +177,40 @@ def test_a_malformed_manifest_names_the_place(tmp_path: Path) -> None:
         load_state(state)
 
 
+def without_vllm(tmp: Path) -> Path:
+    """An interpreter that cannot import vllm: this one, with a ``vllm`` on its path that is not there."""
+    hide = tmp / "no-vllm" / "vllm"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'vllm\'", name="vllm")\n')
+    python = tmp / "python-without-vllm"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={hide.parent}:$PYTHONPATH exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
 def test_packer_warm_without_the_engine_is_one_line(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, check=False).returncode == 0:
-        pytest.skip("hardware: this interpreter has vLLM; the case is an interpreter without it")
     llama(tmp_path / "hf", **VLLM_LLAMA)
     build_dir(tmp_path / "hf", tmp_path / "out")
-    r = subprocess.run([sys.executable, "-m", "packer", "warm", str(tmp_path / "out"), "--", "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=300, check=False)
+    python = without_vllm(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "packer", "warm", str(tmp_path / "out"), "--python", str(python),
+                        "--", "--dtype", "float32"], capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "PACKER_BUNDLE_CACHE": str(tmp_path / "bundle")})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
-    assert lines[0] == (f"error: {sys.executable} cannot import vllm: run packer warm with --python pointing at "
+    assert lines[0] == (f"error: {python} cannot import vllm: run packer warm with --python pointing at "
                         "the engine's interpreter (the one vLLM is installed in), or pip install vllm there")
+
+
+def test_a_warm_table_where_the_engine_is_not_installed_is_a_note(tmp_path: Path) -> None:
+    llama(tmp_path / "hf", **VLLM_LLAMA)
+    python = without_vllm(tmp_path)
+    out = tmp_path / "out"
+    result = build_dir(tmp_path / "hf", out, warm={"engine": "vllm", "python": str(python), "device": "cpu"})
+    assert result.notes[-1] == (f"[warm] skipped: vLLM is not installed in {python} (warm.python names its "
+                                f"interpreter); run packer warm {out} on the machine that has it")
+    assert result.warm is None and not (out / "warm").exists()
+    assert "warm" in [s["stage"] for s in result.timer.as_json()]
 
 
 def test_packer_verify_checks_a_warm_state_beside_the_build(tmp_path: Path) -> None:
@@ -230,23 +252,27 @@ def engine_env(tmp: Path, **more: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """One ``packer warm`` of a small Llama build, shared by the vLLM tests of this module."""
-    from packer.warm.capture import warm
+    """One ``packer warm`` (signed, with its image) of a small signed Llama build, shared by the
+    vLLM tests of this module."""
+    from packer.warm_step import warm_output
+    from tests.sign_fixtures import make_keypair
 
+    pytest.importorskip("model_signing")
     py = vllm_python()
     tmp = tmp_path_factory.mktemp("warmed")
+    key, pub = make_keypair(tmp / "keys")
     llama(tmp / "hf", **VLLM_LLAMA)
     out = tmp / "out"
-    build_dir(tmp / "hf", out)
+    build_dir(tmp / "hf", out, sign={"key": str(key)})
     saved = dict(os.environ)
     os.environ.update({k: v for k, v in engine_env(tmp).items() if k not in ("VLLM_CACHE_ROOT",
                        "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")})
     try:
-        summary = warm(out, engine="vllm", engine_args=ARGS, python=str(py), timeout=900)
+        summary = warm_output(out, engine="vllm", engine_args=ARGS, python=str(py), timeout=900, sign_key=key)
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    yield {"tmp": tmp, "out": out, "summary": summary, "model_dir": Path(summary["model_path"])}
+    yield {"tmp": tmp, "out": out, "summary": summary, "model_dir": Path(summary["model_path"]), "pub": pub}
 
 
 def serve(tmp: Path, model_dir: Path, max_len: int = 64, **env: str) -> tuple[list[list[int]], str]:
@@ -276,8 +302,12 @@ def test_packer_warm_captures_a_pinned_keyed_state(warmed: dict[str, Any]) -> No
     assert key["model_path"] == str(warmed["model_dir"]) and key["engine_version"].startswith("0.32")
     assert key["engine_args"]["max_model_len"] == 64 and key["config"]["all"]
     assert "VLLM_USE_AOT_COMPILE" in key["env"] or key["env"]
-    r = subprocess.run([sys.executable, "-m", "packer", "verify", str(out), "--json"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, check=False)
+    assert key["state_env"] == {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
+    assert summary["signed"] and (state / "state.sig").is_file()
+    assert summary["image"]["tag"] == f"m:1-warm-{summary['name']}"
+    r = subprocess.run([sys.executable, "-m", "packer", "verify", str(out), "--json", "--public-key",
+                        str(warmed["pub"])], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["warm_states"] == [summary["name"]]
 
@@ -285,7 +315,8 @@ def test_packer_warm_captures_a_pinned_keyed_state(warmed: dict[str, Any]) -> No
 @pytest.mark.vllm
 def test_a_hit_loads_the_compile_cache_and_a_changed_file_is_refused(warmed: dict[str, Any]) -> None:
     tmp, model_dir = warmed["tmp"], warmed["model_dir"]
-    got, log = serve(tmp, model_dir)
+    # served = signed: the build's model.sig, and the state's own state.sig, by the same key
+    got, log = serve(tmp, model_dir, PACKER_REQUIRE_SIGNATURE=str(warmed["pub"]))
     assert log.count("packer: warm state: ") == 1 and HIT in log, log[-3000:]
     assert "Directly load AOT compilation from path" in log, log[-3000:]
     assert "Compiling model again" not in log and "finalize_loading" not in log
@@ -308,4 +339,18 @@ def test_a_changed_engine_argument_is_a_miss_that_names_it(warmed: dict[str, Any
     got, log = serve(warmed["tmp"], warmed["model_dir"], max_len=48)
     assert log.count("packer: warm state: ") == 1, log[-3000:]
     assert f"{MISS}engine argument max_model_len: 48, warmed with 64)" in log, log[-3000:]
+    assert all(len(ids) == 8 for ids in got)
+
+
+@pytest.mark.vllm
+def test_an_unsigned_state_is_refused_where_a_signature_is_required(warmed: dict[str, Any]) -> None:
+    tmp = warmed["tmp"]
+    state = tmp / "unsigned" / "out" / "warm" / warmed["summary"]["name"]
+    shutil.copytree(warmed["out"] / "warm" / warmed["summary"]["name"], state)
+    (state / "state.sig").unlink()
+    got, log = serve(tmp, warmed["model_dir"], PACKER_WARM=str(state),
+                     PACKER_REQUIRE_SIGNATURE=str(warmed["pub"]))
+    lines = [x for x in log.splitlines() if x.startswith("packer: warm state: ")]
+    assert lines == [f"{MISS}refused: {state / 'state.sig'}: missing; the state is unsigned (sign it with packer "
+                     "warm --sign-key, the key that signed the build))"], log[-3000:]
     assert all(len(ids) == 8 for ids in got)

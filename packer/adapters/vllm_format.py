@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Any
 
 from packer.adapters import vllm_warm
+from packer.adapters.import_hook import when_imported
 from packer.adapters.stub_code import check_served, load_stub, required_key
 from packer.errors import EngineAdapterError
 from packer.formats import LOADER_NAME
@@ -52,23 +53,28 @@ _log = logging.getLogger("vllm.model_executor.model_loader.packer")
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the ``packer`` load format.
 
-    Safe to call more than once per process (vLLM may); a vLLM without the model-loader
-    registry gets one warning and no load format.
+    Safe to call more than once per process (vLLM may). The load format is registered, and
+    the engine arguments hooked, where vLLM imports its model-loader registry or its engine
+    arguments anyway (:func:`packer.adapters.import_hook.when_imported`): vLLM calls this in
+    every process it starts, and most of them need neither.
     """
-    try:
-        from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
-    except ImportError as e:
-        _log.warning("packer: this vLLM has no register_model_loader (%s); --load-format packer "
-                     "is unavailable (vLLM 0.32 is tested)", e)
-        return
+    vllm_warm.install(find_loader)  # the warm state's hit/miss line and the state on a hit
+    when_imported("vllm.model_executor.model_loader", _register_loader)
+    when_imported("vllm.engine.arg_utils", _check_before_config)
+
+
+def _register_loader() -> None:
+    """Add the ``packer`` load format to vLLM's registry; a vLLM without one gets one warning."""
     import vllm.model_executor.model_loader as registry
 
-    vllm_warm.install(find_loader)  # the warm state's hit/miss line and the state on a hit
+    if not hasattr(registry, "register_model_loader"):
+        _log.warning("packer: this vLLM has no register_model_loader; --load-format packer "
+                     "is unavailable (vLLM 0.32 is tested)")
+        return
     current = getattr(registry, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT)
     if current is not None and current.__name__ == "PackerModelLoader":
         return
-    register_model_loader(LOAD_FORMAT)(_loader_class(BaseModelLoader))
-    _check_before_config()
+    registry.register_model_loader(LOAD_FORMAT)(_loader_class(registry.BaseModelLoader))
 
 
 def _check_before_config() -> None:

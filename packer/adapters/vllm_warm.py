@@ -18,7 +18,8 @@ A miss or a refused file is never fatal: vLLM compiles as usual. The decision is
 in the process that builds the configuration first; the processes it starts inherit the
 environment (and ``PACKER_WARM_STATE``, which tells them not to decide again).
 ``PACKER_WARM=off`` turns the lookup off; ``PACKER_WARM=DIR`` names a state directory. Under
-``PACKER_REQUIRE_SIGNATURE`` a state is refused: it is not covered by the build's signature.
+``PACKER_REQUIRE_SIGNATURE`` a state is used only when its own ``state.sig`` verifies with that
+key and signs the manifest read, for the build served (:mod:`packer.warm.trust`).
 
 vLLM 0.32 on CPU cannot load its own AOT compile cache: the loader calls ``finalize_loading``
 on the loaded artifact, which on CPU is torch's ``BundledAOTAutogradSerializableCallable``
@@ -44,13 +45,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from packer.adapters.import_hook import when_imported
 from packer.adapters.stub_code import required_key
 from packer.errors import EngineAdapterError, WarmStateError
 from packer.fsutil import atomic_write_bytes, canonical_json
 from packer.reading import Kind, read_bytes
 from packer.show import show
-from packer.warm.key import BEFORE_CONFIG, difference, explain_config, plain, state_name
-from packer.warm.pins import WARM_DIR, load_state, verified_copy
+from packer.warm.key import BEFORE_CONFIG, STATE_ENV, difference, explain_config, plain, state_name
+from packer.warm.pins import WARM_DIR, read_state, verified_copy
+from packer.warm.trust import build_digest, check_signature
 
 LINE = "packer: warm state: "
 DECIDED = "PACKER_WARM_STATE"  # set by the deciding process; inherited by the engine's processes
@@ -65,18 +68,31 @@ def install(find_loader: Callable[..., Path]) -> None:
     """Hook the warm-state decision into vLLM (and fix 0.32's CPU AOT loading); idempotent.
 
     ``find_loader(model_dir, artifacts)`` is the load format's own search for a build's
-    ``packer_loader.py`` (the warm state lives in ``warm/`` beside it). A failure here is
-    logged and leaves vLLM as it was: the warm state is never a reason not to start.
+    ``packer_loader.py`` (the warm state lives in ``warm/`` beside it). The decision hooks the
+    configuration's creation where vLLM imports its engine arguments anyway (the process that
+    builds the configuration). A failure here is logged and leaves vLLM as it was: the warm
+    state is never a reason not to start.
     """
     try:
-        _install(find_loader)
+        _fix_cpu_aot_loading()
+        when_imported("vllm.engine.arg_utils", functools.partial(_hook_decision, find_loader))
     except Exception as e:  # noqa: BLE001 - never fatal for the engine
-        print(show(f"{LINE}miss (packer could not hook into this vLLM: {type(e).__name__}: {e})"),
-              file=sys.stderr, flush=True)
+        _not_hooked(e)
 
 
-def _install(find_loader: Callable[..., Path]) -> None:
-    _fix_cpu_aot_loading()
+def _hook_decision(find_loader: Callable[..., Path]) -> None:
+    try:
+        _install_decision(find_loader)
+    except Exception as e:  # noqa: BLE001 - never fatal for the engine
+        _not_hooked(e)
+
+
+def _not_hooked(e: Exception) -> None:
+    print(show(f"{LINE}miss (packer could not hook into this vLLM: {type(e).__name__}: {e})"),
+          file=sys.stderr, flush=True)
+
+
+def _install_decision(find_loader: Callable[..., Path]) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     orig = EngineArgs.create_engine_config
@@ -157,26 +173,16 @@ def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | 
     if switch == "off":
         return None
     now = current_key(engine_args)
-    name = state_name(now)
-    if switch:
-        state = Path(switch)
-    else:
-        try:
-            extra = dict(getattr(engine_args, "model_loader_extra_config", None) or {})
-            build = find_loader(engine_args.model, extra.get("artifacts")).parent
-        except (EngineAdapterError, OSError, TypeError, ValueError):
-            return None  # not a packer build: not ours to talk about
-        state = build / WARM_DIR / name
-        if not state.is_dir():
-            _decide(f"miss (no warm state {name} in {build / WARM_DIR}; `packer warm` makes one)")
-            return None
-    if required_key():  # served = signed: a state comes after the build, outside its signature
-        _decide(f"miss (refused: PACKER_REQUIRE_SIGNATURE is set and {state} is not covered by the build's "
-                "signature)")
+    found = _find_state(engine_args, state_name(now), switch, find_loader)
+    if found is None:
         return None
+    state, build = found
     start = time.perf_counter()
     try:
-        recorded = load_state(state)
+        recorded, digest = read_state(state)
+        key = required_key()
+        if key:  # served = signed: the state's own signature, by the build's key, for this build
+            check_signature(state, digest, public_key=key, build_sha256=build_digest(build))
         why = difference(recorded["key"], now, BEFORE_CONFIG)
         if why:
             _decide(f"miss ({why})")
@@ -188,8 +194,28 @@ def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | 
         return None
     for root in doc["roots"]:
         os.environ[CACHE_ENV[root]] = str(copy / "state" / root)
+    os.environ.update(STATE_ENV)  # as packer warm ran the engine: it enters Inductor's part of the key
     os.environ[DECIDED] = "pending"
     return Plan(before=now, state=state, recorded=doc["key"], nbytes=nbytes, seconds=time.perf_counter() - start)
+
+
+def _find_state(engine_args: Any, name: str, switch: str,
+                find_loader: Callable[..., Path]) -> tuple[Path, Path] | None:
+    """``(state directory, build directory)`` to decide on; None (and the line, if it is ours) if none."""
+    try:
+        extra = dict(getattr(engine_args, "model_loader_extra_config", None) or {})
+        build = find_loader(engine_args.model, extra.get("artifacts")).parent
+    except (EngineAdapterError, OSError, TypeError, ValueError):
+        if not switch:
+            return None  # not a packer build: not ours to talk about
+        build = Path(switch).parent.parent
+    if switch:
+        return Path(switch), build
+    state = build / WARM_DIR / name
+    if not state.is_dir():
+        _decide(f"miss (no warm state {name} in {build / WARM_DIR}; `packer warm` makes one)")
+        return None
+    return state, build
 
 
 def after_config(engine_args: Any, config: Any, plan: Plan | None) -> None:
@@ -236,7 +262,7 @@ def current_key(engine_args: Any) -> dict[str, Any]:
 
     return {"engine": "vllm", "engine_version": vllm.__version__, "torch": torch.__version__,
             "python": platform.python_version(), "device": device(), "model_path": str(engine_args.model),
-            "env": plain(envs.compile_factors())}
+            "env": plain(envs.compile_factors()), "state_env": dict(STATE_ENV)}
 
 
 def config_key(engine_args: Any, config: Any) -> dict[str, Any]:

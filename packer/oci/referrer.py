@@ -31,6 +31,7 @@ from packer.fsutil import atomic_write_bytes, canonical_json
 from packer.idents import ErrorClass, shown
 from packer.oci.base import OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.base_docs import INDEX, MANIFEST, REFERRER
+from packer.oci.warm_layer import without_warm
 from packer.reading import OCI_DOC, SIGNATURE, blob_path, parse_json, read_bytes, read_json
 from packer.runtime.signature import SIGSTORE_BUNDLE_V03
 
@@ -145,8 +146,10 @@ def referrer_blobs(out_dir: Path, *, index_digest: str) -> list[str]:
     image_dir = Path(out_dir) / "image"
     where = image_dir / "index.json"
     raw, index = _read_index(image_dir, VerifyError)
+    canonical = raw == canonical_json(index)
+    index = without_warm(index)  # warm states' images come after the build (packer.oci.warm_layer)
     manifests = list(index.get("manifests") or [])
-    if raw != canonical_json(index) or not manifests or not is_referrer(manifests[-1]):
+    if not canonical or not manifests or not is_referrer(manifests[-1]):
         raise VerifyError(f"{where}: does not end with the provenance referrer (a signed build's index does)")
     pinned = canonical_json({**index, "manifests": manifests[:-1]})
     if "sha256:" + hashlib.sha256(pinned).hexdigest() != index_digest:
@@ -172,6 +175,7 @@ def check_referrer(out_dir: Path, bundle: bytes, *, tag: str, predicate_type: st
     image_dir = Path(out_dir) / "image"
     where = image_dir / "index.json"
     _, index = _read_index(image_dir, VerifyError)
+    index = without_warm(index)
     subject, created = _image(image_dir, index, tag, VerifyError)
     want = referrer_manifest(subject, bundle, predicate_type=predicate_type, created=created)
     got = (index.get("manifests") or [{}])[-1]

@@ -39,6 +39,7 @@ from packer.oci.plan import WEIGHTS_DIR, image_rel, model_files
 from packer.oci.referrer import ARTIFACT_TYPE as REFERRER_TYPE
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
+from packer.oci.warm_layer import is_warm
 from packer.reading import MANIFEST as MANIFEST_DOC
 from packer.reading import OCI_DOC, blob_path, map_readonly, open_regular, parse_json, read_bytes, read_json
 from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
@@ -444,7 +445,9 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
     if not manifests:
         raise _fail(str(image / "index.json"), "lists no manifest")
     # a signed build's provenance referrer is checked against the provenance (packer.oci.referrer)
-    images = [d for d in manifests if d.get("artifactType") not in (modelpack.ARTIFACT_TYPE, REFERRER_TYPE)]
+    # a warm state's image is checked against its state (packer.oci.warm_layer)
+    images = [d for d in manifests if d.get("artifactType") not in (modelpack.ARTIFACT_TYPE, REFERRER_TYPE)
+              and not is_warm(d)]
     views = [d for d in manifests if d.get("artifactType") == modelpack.ARTIFACT_TYPE]
     if not images:
         raise _fail(str(image / "index.json"), "lists no image manifest (only artifacts)")

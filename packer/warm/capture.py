@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from packer.errors import WarmStateError
 from packer.formats import LOADER_NAME
 from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
-from packer.warm.key import state_name
+from packer.warm.key import STATE_ENV, state_name
 from packer.warm.pins import ROOTS, WARM_DIR, collect, write_state
 
 ENGINES = ("vllm",)
@@ -34,7 +35,8 @@ _ENV_OF_ROOT = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR"
 
 
 def warm(out: Path, *, engine: str, engine_args: list[str], python: str | None = None,
-         model_dir: Path | None = None, timeout: float = 1800.0) -> dict[str, Any]:
+         model_dir: Path | None = None, timeout: float = 1800.0,
+         signer: Callable[[dict[str, Any]], bytes] | None = None) -> dict[str, Any]:
     """Capture the engine's start-up state for the build ``out`` into ``out/warm/<name>/``.
 
     Args:
@@ -47,6 +49,7 @@ def warm(out: Path, *, engine: str, engine_args: list[str], python: str | None =
             out there (links into ``out``) when it does not exist; default: the one
             ``packer_loader.py --model-dir`` prints on this machine.
         timeout: seconds for the engine's run.
+        signer: signs the state (``state.sig``, :mod:`packer.warm.trust`); None: unsigned.
 
     Returns:
         a summary: the state's directory, name, file count, bytes, seconds, the run's token ids.
@@ -68,12 +71,12 @@ def warm(out: Path, *, engine: str, engine_args: list[str], python: str | None =
         for d in roots.values():
             d.mkdir()
         env = {**os.environ, **{_ENV_OF_ROOT[r]: str(d) for r, d in roots.items()},
-               "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off"}
+               **STATE_ENV, "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off"}
         env.pop("PACKER_WARM_STATE", None)
         ids = _run(python, [str(model), *engine_args], env, timeout)
         key = _read_key(work / "key.json")
         name = state_name(key)
-        doc = write_state(out / WARM_DIR / name, name=name, key=key, files=collect(roots))
+        doc = write_state(out / WARM_DIR / name, name=name, key=key, files=collect(roots), signer=signer)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"state": str(out / WARM_DIR / name), "name": name, "files": len(doc["files"]),

@@ -6,6 +6,8 @@ paths (``files/<root>/<path>``, a root per cache directory the engine was given:
 
 ``{"schema": 1, "name": ..., "key": {...}, "roots": [...], "files": {rel: {"size", "sha256"}}}``
 
+and, when signed, ``state.sig`` over that manifest (:mod:`packer.warm.trust`).
+
 Compile caches are code (pickles, generated Python, shared objects): nothing in a state is
 used before :func:`verified_copy` has copied it, hashing each byte on the way, into a private
 directory, so a file changed after the check is never the one the engine reads. A changed,
@@ -18,6 +20,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
@@ -27,6 +30,7 @@ from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
 from packer.idents import check_rel_name
 from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
 from packer.reading import Kind, open_regular, parse_json, read_bytes
+from packer.warm.trust import SIGNATURE_NAME, build_digest, check_signature, statement
 
 WARM_DIR = "warm"
 MANIFEST = MANIFEST_NAME  # a state's own manifest, named as the build's
@@ -52,21 +56,28 @@ def state_dirs(out: Path) -> list[Path]:
     return sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink())
 
 
-def verify_states(out: Path) -> tuple[set[str], int, list[str]]:
+def verify_states(out: Path, *, public_key: str | None = None) -> tuple[set[str], int, list[str]]:
     """Check every warm state of ``out``: ``(its files relative to out, bytes hashed, state names)``.
 
+    A state's ``state.sig``, where there is one, must sign its manifest for this build
+    (:mod:`packer.warm.trust`); with ``public_key`` every state must have one that verifies.
+
     Raises:
-        WarmStateError: the first changed, missing or unpinned file of any state.
+        WarmStateError: the first changed, missing or unpinned file of any state, or a
+            signature that does not cover it.
     """
     rels: set[str] = set()
     total = 0
     names = []
     for state in state_dirs(out):
-        doc, nbytes = check_state(state)
-        total += nbytes
+        doc, digest = read_state(state)
+        total += check_state(state, doc)[1]
         names.append(state.name)
         base = f"{WARM_DIR}/{state.name}"
         rels |= {f"{base}/{MANIFEST}", *(f"{base}/{FILES}/{rel}" for rel in doc["files"])}
+        if public_key is not None or (state / SIGNATURE_NAME).exists():
+            check_signature(state, digest, public_key=public_key, build_sha256=build_digest(out))
+            rels.add(f"{base}/{SIGNATURE_NAME}")
     return rels, total, names
 
 
@@ -90,11 +101,16 @@ def collect(roots: dict[str, Path]) -> dict[str, Path]:
     return found
 
 
-def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, Path]) -> dict[str, Any]:
+def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, Path],
+                signer: Callable[[dict[str, Any]], bytes] | None = None) -> dict[str, Any]:
     """Copy ``files`` into a new state directory ``dest`` with its manifest; replaces an old one whole.
 
     The state is assembled beside ``dest`` and renamed into place, so a reader sees the old
     state or the new one, never a mix.
+
+    Args:
+        signer: makes ``state.sig`` from the statement (:func:`packer.warm.trust.statement`)
+            over the manifest written, for the build in ``dest``'s grandparent; None: unsigned.
 
     Returns:
         the manifest written.
@@ -108,7 +124,11 @@ def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, 
                 pins[rel] = _copy_hashed(f, stage / FILES / rel)
         doc = {"schema": SCHEMA, "name": name, "key": key, "roots": sorted({r.split("/", 1)[0] for r in pins}),
                "files": pins}
-        atomic_write_bytes(stage / MANIFEST, canonical_json(doc))
+        raw = canonical_json(doc)
+        atomic_write_bytes(stage / MANIFEST, raw)
+        if signer is not None:
+            st = statement(name, hashlib.sha256(raw).hexdigest(), build_digest(dest.parent.parent))
+            atomic_write_bytes(stage / SIGNATURE_NAME, signer(st))
         old = None
         if dest.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
@@ -128,6 +148,11 @@ def load_state(state: Path) -> dict[str, Any]:
     Raises:
         WarmStateError: missing, too large, not JSON, the wrong shape, or a path that leaves the state.
     """
+    return read_state(state)[0]
+
+
+def read_state(state: Path) -> tuple[dict[str, Any], str]:
+    """:func:`load_state`, and the sha256 (hex) of the very bytes it parsed (what ``state.sig`` signs)."""
     where = state / MANIFEST
     raw = read_bytes(where, STATE_MANIFEST, error=WarmStateError, what="the warm state's manifest")
     doc = parse_json(raw, STATE_MANIFEST, where=str(where), error=WarmStateError, shape=_SHAPE)
@@ -135,16 +160,19 @@ def load_state(state: Path) -> dict[str, Any]:
         p = check_rel_name(rel, where=f"{where}: files", error=WarmStateError)
         if p.parts[0] not in ROOTS or len(p.parts) < 2:
             raise WarmStateError(f"{where}: files: {rel!r} is not under one of the roots {', '.join(ROOTS)}")
-    return dict(doc)
+    return dict(doc), hashlib.sha256(raw).hexdigest()
 
 
-def check_state(state: Path) -> tuple[dict[str, Any], int]:
+def check_state(state: Path, doc: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
     """Every pinned file of ``state`` against its pin, and nothing unpinned: ``(manifest, bytes)``.
+
+    Args:
+        doc: the manifest as :func:`read_state` read it (the check follows those pins); default: read here.
 
     Raises:
         WarmStateError: naming the first changed, missing or unpinned file.
     """
-    doc = load_state(state)
+    doc = doc if doc is not None else load_state(state)
     _no_unpinned(state, doc)
     total = 0
     for rel, pin in sorted(doc["files"].items()):
@@ -192,8 +220,8 @@ def _no_unpinned(state: Path, doc: dict[str, Any]) -> None:
         if path.relative_to(top).as_posix() not in doc["files"]:
             raise WarmStateError(f"{path}: not pinned by {state / MANIFEST}")
     for path in sorted(state.iterdir()):
-        if path.name not in (MANIFEST, FILES):
-            raise WarmStateError(f"{path}: not part of a warm state (only {MANIFEST} and {FILES}/)")
+        if path.name not in (MANIFEST, FILES, SIGNATURE_NAME):
+            raise WarmStateError(f"{path}: not part of a warm state (only {MANIFEST}, {SIGNATURE_NAME} and {FILES}/)")
 
 
 def _check_one(path: Path, pin: dict[str, Any], sink: Any) -> int:
