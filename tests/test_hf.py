@@ -61,6 +61,8 @@ def test_init_empty_and_load_into_match_transformers(tmp_path: Path) -> None:
     config = AutoConfig.from_pretrained(ld.bundle_dir())
     with init_empty(dtype=torch.bfloat16):
         model = LlamaForCausalLM(config)
+    # flagged as transformers flags loaded tensors: post_init skipped their init on meta
+    assert all(p.is_meta and p._is_hf_initialized for p in model.parameters())
     result = ld.load_into(model)
     assert (result.missing, result.unexpected) == ([], [])
     want = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
