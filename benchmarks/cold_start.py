@@ -9,16 +9,24 @@ and ``pytorch_model.bin`` (what the naive path and ``packer build`` read), then 
 * naive: construction with random init, ``torch.load`` + ``load_state_dict``;
 * transformers: ``AutoModelForCausalLM.from_pretrained`` on the same safetensors;
 * packer: ``packer_loader.from_pretrained`` (init_empty + load_into by assignment);
+* load_into: the same by hand, ``init_empty`` + ``LlamaForCausalLM(config)`` + ``load_into``;
 * warm: a worker forked from ``packer_loader.warm_context`` (torch, transformers and the
   Llama modelling code preloaded, ``prepare()`` done): its clock starts when the pool owner
   asks for it (``Process.start``), so "interpreter" is the fork.
 
 Each reports a stage table (interpreter, import torch, import transformers, config,
 construction, weights, tokenizer, first forward), peak RSS (``ru_maxrss``), and its logits,
-compared bitwise with transformers'. The median round goes to a PNG chart.
+compared bitwise with transformers'. "ready" is the measure the targets use: from torch and
+transformers imported to model and tokenizer ready (loader import, config, construction,
+weights, tokenizer), in wall seconds and in CPU seconds of the process (``process_time``, all
+threads: the figure a shared machine's load disturbs least); each contender's ratio to
+transformers is given of the medians and round by round. The median round goes to a PNG chart.
+
+The packer build is redone when packer's runtime or stub template changed since it was made
+(a fingerprint beside it, ``out.fingerprint``), so the loader measured is this checkout's.
 
 Usage: python benchmarks/cold_start.py [--device cpu|cuda] [--rounds 3] [--prompt-words 18]
-[--chart FILE]
+[--contenders transformers,packer,...] [--chart FILE]
 (matplotlib is needed for the chart only: ``pip install matplotlib``; it is not a packer
 dependency.)
 """
@@ -26,6 +34,7 @@ dependency.)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -40,15 +49,29 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ["interpreter", "import torch", "import transformers", "import loader", "config", "construction",
           "weights", "tokenizer", "first forward"]
 LOADER = ("headers", "map", "assign", "read into module", "ring")  # the loader's own weight stages
-CONTENDERS = ["transformers", "naive", "packer", "warm"]  # transformers: the reference
+CONTENDERS = ["transformers", "naive", "packer", "load_into", "warm"]  # transformers: the reference
+READY = ("import loader", "config", "construction", "weights", "tokenizer")  # after torch + transformers
 TEXT = "the quick brown fox jumps over the lazy dog " * 2  # 18 tokens: a short first request
 PROMPT = {"words": 18}  # --prompt-words: the first request, in words of TEXT (one token each)
 
 
+def fingerprint() -> str:
+    """sha256 over this checkout's runtime modules and stub template: what the build emits."""
+    h = hashlib.sha256()
+    for f in sorted([*(REPO / "packer" / "runtime").rglob("*.py"), REPO / "packer" / "stub" / "template.py"]):
+        if "__pycache__" not in f.parts:
+            h.update(f.relative_to(REPO).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def make_model(work: Path, layers: int) -> None:
-    """The HF directory (config, tokenizer, safetensors, pickle) and the packer build (cached)."""
-    hf, out = work / "hf", work / "out"
-    if (out / "packer_loader.py").is_file():
+    """The HF directory (config, tokenizer, safetensors, pickle) and the packer build (cached,
+    rebuilt when the loader's code changed)."""
+    hf, out, stamp = work / "hf", work / "out", work / "out.fingerprint"
+    if (out / "packer_loader.py").is_file() and stamp.is_file() and stamp.read_text() == fingerprint():
+        return
+    if (hf / "pytorch_model.bin").is_file():
+        build(work, out, stamp)
         return
     import torch
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
@@ -72,12 +95,23 @@ def make_model(work: Path, layers: int) -> None:
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(hf)
+    build(work, out, stamp)
+
+
+def build(work: Path, out: Path, stamp: Path) -> None:
+    """``packer build`` of the generated checkpoint into ``out`` (replaced), then its fingerprint."""
+    import shutil
+
     recipe = work / "recipe.toml"
-    recipe.write_text(f'name = "cold-start"\nversion = "1"\nsource = "{hf}"\n\n[weights]\n'
+    recipe.write_text(f'name = "cold-start"\nversion = "1"\nsource = "{work / "hf"}"\n\n[weights]\n'
                       'files = ["pytorch_model.bin"]\ntie_prefer = ["model.embed_tokens.weight"]\n\n'
                       '[image]\ncompression = "none"\n\n[runtime]\ndevice = "cpu"\n')
+    stamp.unlink(missing_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"building {out} with this checkout's packer", flush=True)
     subprocess.run([sys.executable, "-m", "packer", "build", str(recipe), "-o", str(out), "-q"],
                    check=True, cwd=REPO)
+    stamp.write_text(fingerprint())
 
 
 # --- the contenders, each run in a fresh process ----------------------------------------
@@ -101,6 +135,7 @@ def child(name: str, work: Path, device: str, spawned: float) -> dict[str, Any]:
 
     _ = transformers.models.llama.modeling_llama.LlamaModel  # the lazy modelling import
     lap("import transformers")
+    cpu = time.process_time()
     hf = work / "hf"
     if name == "naive":
         config = AutoConfig.from_pretrained(hf)
@@ -121,6 +156,20 @@ def child(name: str, work: Path, device: str, spawned: float) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(hf, config=config, **on)
         lap("weights")  # construction and weights are one call
         tok = AutoTokenizer.from_pretrained(hf)
+    elif name == "load_into":  # the generic way in, by hand: what from_pretrained strings together
+        sys.path.insert(0, str(work / "out"))
+        import packer_loader as P
+
+        lap("import loader")
+        config = AutoConfig.from_pretrained(P.bundle_dir())
+        lap("config")
+        with P.init_empty(dtype=torch.bfloat16):
+            model = LlamaForCausalLM(config)
+        lap("construction")
+        P.load_into(model, device=device)  # strict: every key has its place; tied names are one tensor
+        model = model.eval()
+        lap("weights")
+        tok = AutoTokenizer.from_pretrained(P.bundle_dir())
     else:
         sys.path.insert(0, str(work / "out"))
         import packer_loader as P
@@ -132,7 +181,10 @@ def child(name: str, work: Path, device: str, spawned: float) -> dict[str, Any]:
         split(t, stages)
         tok = AutoTokenizer.from_pretrained(P.bundle_dir())
     lap("tokenizer")
-    return forward(t, clock, model, tok, torch, device, work / f"logits-{name}.pt")
+    ready_cpu = time.process_time() - cpu
+    out = forward(t, clock, model, tok, torch, device, work / f"logits-{name}.pt")
+    out["ready_cpu_s"] = ready_cpu
+    return out
 
 
 def split(t: dict[str, float], stages: list[dict[str, Any]]) -> None:
@@ -167,7 +219,7 @@ def warm_worker(work: str, device: str, asked: float, conn: Any, words: int) -> 
     PROMPT["words"] = words
     t: dict[str, float] = {"interpreter": time.time() - asked, "import torch": 0.0,
                            "import transformers": 0.0}
-    clock = time.perf_counter()
+    clock, cpu = time.perf_counter(), time.process_time()
     import packer_loader as P
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -179,7 +231,9 @@ def warm_worker(work: str, device: str, asked: float, conn: Any, words: int) -> 
     clock = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(P.bundle_dir())
     t["tokenizer"] = time.perf_counter() - clock
-    conn.send(forward(t, time.perf_counter(), model, tok, torch, device, Path(work) / "logits-warm.pt"))
+    ready_cpu = time.process_time() - cpu
+    out = forward(t, time.perf_counter(), model, tok, torch, device, Path(work) / "logits-warm.pt")
+    conn.send({**out, "ready_cpu_s": ready_cpu})
 
 
 def warm_owner(work: Path, device: str) -> dict[str, Any]:
@@ -215,22 +269,53 @@ def run_one(name: str, work: Path, device: str) -> dict[str, Any]:
     return res
 
 
+def ready(run: dict[str, Any]) -> float:
+    """Wall seconds from torch and transformers imported to model and tokenizer ready."""
+    return sum(run["stages"].get(k, 0.0) for k in READY)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f}"
+
+
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     head = "| stage (s, min / median / max) | " + " | ".join(results) + " |"
     lines = [head, "|" + "---|" * (len(results) + 1)]
-    for stage in [*STAGES, "total"]:
+    for stage in [*STAGES, "total", "ready", "ready, CPU s"]:
         cells = []
         for runs in results.values():
-            xs = [sum(r["stages"].values()) if stage == "total" else r["stages"].get(stage, 0.0) for r in runs]
-            cells.append(f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f}")
+            xs = [sum(r["stages"].values()) if stage == "total" else ready(r) if stage == "ready"
+                  else r["ready_cpu_s"] if stage == "ready, CPU s" else r["stages"].get(stage, 0.0) for r in runs]
+            cells.append(spread(xs))
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
     rss = [f"{statistics.median([r['peak_rss_mib'] for r in runs]):.0f}" for runs in results.values()]
     lines.append("| peak RSS (MiB, median) | " + " | ".join(rss) + " |")
     return "\n".join(lines)
 
 
+def ratios(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each contender's "ready" against transformers': of the medians, and round by round."""
+    ref = results.get("transformers")
+    if not ref:
+        return []
+    lines = []
+    for name, runs in results.items():
+        if name == "transformers":
+            continue
+        for what, key in (("wall", ready), ("CPU", lambda r: r["ready_cpu_s"])):
+            per = [key(a) / key(b) for a, b in zip(runs, ref, strict=True)]
+            med = statistics.median(map(key, runs)) / statistics.median(map(key, ref))
+            lines.append(f"{name}: ready / transformers' ({what}): {med:.2f} of the medians; "
+                         f"round by round {spread(per)} (min / median / max)")
+    return lines
+
+
 def chart(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"chart: not drawn (matplotlib is not installed); {path} left as it was")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -256,6 +341,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=9, help="9 layers: 1.06 GB in bf16")
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--prompt-words", type=int, default=18, help="length of the first request (1..18)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"comma-separated, from {','.join(CONTENDERS)} (transformers: the reference)")
     ap.add_argument("--chart", type=Path, default=Path(__file__).resolve().parent / "cold_start.png")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spawned", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -273,31 +360,37 @@ def main() -> None:
     print(f"model: {size / 1e9:.2f} GB bf16, {args.layers} layers; device {args.device}; "
           f"first request {args.prompt_words} tokens; "
           f"load average before: {os.getloadavg()}", flush=True)
-    results: dict[str, list[dict[str, Any]]] = {n: [] for n in CONTENDERS}
+    names = [n for n in args.contenders.split(",") if n]
+    if "transformers" not in names or not set(names) <= set(CONTENDERS):
+        raise SystemExit(f"--contenders: transformers (the reference) and any of {CONTENDERS}; got {names}")
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     import torch
 
     for r in range(args.rounds):
-        k = r % len(CONTENDERS)  # rotate the order: no contender always follows the 2.4 GB naive run
-        for name in CONTENDERS[k:] + CONTENDERS[:k]:
+        k = r % len(names)  # rotate the order: no contender always follows the 2.4 GB naive run
+        for name in names[k:] + names[:k]:
             results[name].append(run_one(name, args.work, args.device))
         want = torch.load(args.work / "logits-transformers.pt", weights_only=True)  # this round's
-        for name in CONTENDERS:
+        for name in names:
             got = torch.load(args.work / f"logits-{name}.pt", weights_only=True)
             results[name][-1]["bitwise"] = bool(torch.equal(got, want))
         print(f"round {r + 1}/{args.rounds} done; load average {os.getloadavg()}", flush=True)
     print(table(results))
     for name, runs in results.items():
         print(f"{name}: logits bitwise equal to transformers': {[x['bitwise'] for x in runs]}")
+    print("\n".join(ratios(results)))
     for name in ("packer", "warm"):
-        xs = [x["loader_weight_stages_s"] * 1e3 for x in results[name]]
-        print(f"{name}: the loader's weight stages (headers, map, assign): {min(xs):.1f} / "
-              f"{statistics.median(xs):.1f} / {max(xs):.1f} ms")
-    print(f"warm server start (once per pool, not in the worker's time): "
-          f"{[round(x['server_start_s'], 2) for x in results['warm']]} s")
-    print(json.dumps({n: [x["stages"] for x in runs] for n, runs in results.items()}))
+        if name in results:
+            xs = [x["loader_weight_stages_s"] * 1e3 for x in results[name]]
+            print(f"{name}: the loader's weight stages (headers, map, assign): {min(xs):.1f} / "
+                  f"{statistics.median(xs):.1f} / {max(xs):.1f} ms")
+    if "warm" in results:
+        print(f"warm server start (once per pool, not in the worker's time): "
+              f"{[round(x['server_start_s'], 2) for x in results['warm']]} s")
+    print(json.dumps({n: [{**x["stages"], "ready_cpu_s": x["ready_cpu_s"]} for x in runs]
+                      for n, runs in results.items()}))
     chart(results, args.chart)
-    print(f"chart: {args.chart}; load average after: {os.getloadavg()}")
-
+    print(f"load average after: {os.getloadavg()}")
 
 if __name__ == "__main__":
     main()

@@ -91,4 +91,17 @@ def read_manifest(out: Path) -> tuple[bytes, dict[str, Any]]:
     data = parse_json(raw, MANIFEST, where=f"{path}: unreadable", error=VerifyError)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION or not isinstance(data.get("files"), dict):
         raise VerifyError(f"{path}: not a packer manifest of schema {SCHEMA_VERSION}")
+    for key in ("files", "image_files"):  # every record is read as {size, sha256} from here on
+        table = data.get(key) or {}
+        bad = [rel for rel, e in table.items() if not _is_record(e)] if isinstance(table, dict) else [key]
+        if bad:
+            raise VerifyError(f"{path}: {key} entry {bad[0]!r} is not a record of size and sha256")
     return raw, data
+
+
+def _is_record(entry: Any) -> bool:
+    """A file's record: an integer ``size`` and a 64-hex-digit ``sha256`` (other keys allowed)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+        return False
+    digest = entry.get("sha256")
+    return isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)

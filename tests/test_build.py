@@ -134,6 +134,23 @@ def test_verify_passes_then_names_any_changed_file(demo_out: Path, tmp_path: Pat
     verify(copy)
 
 
+@pytest.mark.parametrize("section", ["files", "image_files"])
+def test_verify_blames_a_canonical_manifest_whose_record_lost_a_key(demo_out: Path, tmp_path: Path,
+                                                                   section: str) -> None:
+    """A flipped byte can rename a key ("sha256" -> "rha256") and leave the JSON canonical."""
+    from packer.fsutil import canonical_json
+
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
+    manifest = json.loads((copy / "manifest.json").read_bytes())
+    rel = sorted(manifest[section])[0]
+    manifest[section][rel]["rha256"] = manifest[section][rel].pop("sha256")
+    (copy / "manifest.json").unlink()
+    (copy / "manifest.json").write_bytes(canonical_json(manifest))
+    with pytest.raises(VerifyError, match=f"manifest.json: {section} entry '{rel}' is not a record of size and sha256"):
+        verify(copy)
+
+
 def test_verify_names_every_link_of_a_changed_layer_tarball(demo_out: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)

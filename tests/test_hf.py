@@ -61,6 +61,8 @@ def test_init_empty_and_load_into_match_transformers(tmp_path: Path) -> None:
     config = AutoConfig.from_pretrained(ld.bundle_dir())
     with init_empty(dtype=torch.bfloat16):
         model = LlamaForCausalLM(config)
+    # flagged as transformers flags loaded tensors: post_init skipped their init on meta
+    assert all(p.is_meta and p._is_hf_initialized for p in model.parameters())
     result = ld.load_into(model)
     assert (result.missing, result.unexpected) == ([], [])
     want = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
@@ -142,3 +144,30 @@ def test_emitted_loader_prints_a_model_dir(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir", "--root", str(out)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "model dir failed: weights/model.safetensors: missing" in r.stderr
+
+
+def test_a_cpu_load_by_mapping_compiles_only_the_modules_it_uses(tmp_path: Path) -> None:
+    """The stub compiles each runtime module from its checked source at every start: a warm
+    start of ``from_pretrained`` on CPU (bundle already extracted) leaves the ring, its engines,
+    CUDA graphs, the warm pool, model directories, signatures and the bundle reader unimported."""
+    import json
+    import subprocess
+    import sys
+
+    from packer.stub import emit_loader
+
+    llama(tmp_path / "hf")
+    out = tmp_path / "out"
+    emit_loader(out, packer_artifacts(tmp_path / "hf", out))
+    code = (f"import sys, json; sys.path.insert(0, {str(out)!r}); import transformers; import packer_loader as P; "
+            "m = P.from_pretrained(transformers.AutoModelForCausalLM, device='cpu'); "
+            "print(json.dumps(sorted(n for n in sys.modules if n.startswith('_packer_runtime_'))))")
+    env = {"PATH": "/usr/bin:/bin", "PACKER_BUNDLE_CACHE": str(tmp_path / "cache"), "PACKER_STARTUP_LOG": "off"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+            for _ in range(2)]  # the first extracts the bundle, the second finds it in the cache
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    first, warm = ({n.rpartition(".")[2] for n in json.loads(r.stdout.splitlines()[-1])} for r in runs)
+    assert "bundle_reader" in first
+    assert {"loader", "loading", "cpu", "hf", "bundle_cache"} <= warm
+    unused = {"ring", "engines", "into", "layout", "graphs", "warm", "dirtree", "signature", "tp", "bundle_reader"}
+    assert not warm & unused, sorted(warm & unused)

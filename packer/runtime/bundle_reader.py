@@ -21,13 +21,14 @@ import hashlib
 import os
 import re
 import shutil
-import stat
 import tempfile
 import unicodedata
 from pathlib import Path
 
 import zstandard
 
+from .bundle_cache import cache_root, cached
+from .bundle_cache import is_dir as _is_dir
 from .env import ArtifactMismatchError
 from .reading import open_regular
 
@@ -505,24 +506,6 @@ def _write_tree(root: int, members: dict[tuple[str, ...], tuple[int, int, bool]]
             os.close(fd)
 
 
-def _private_root() -> Path:
-    """``/dev/shm/packer-bundles-<uid>`` (tmpfs) when usable, else under the temp dir."""
-    uid = os.getuid()
-    for parent in ("/dev/shm", tempfile.gettempdir()):
-        base = Path(parent) / f"packer-bundles-{uid}"
-        try:
-            os.mkdir(base, 0o700)
-        except FileExistsError:
-            pass
-        except OSError:
-            continue
-        st = os.lstat(base)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
-            raise PermissionError(f"{base}: not a private directory of uid {uid}; pass root=")
-        return base
-    raise PermissionError("no writable /dev/shm or temp directory for bundles; pass root=")
-
-
 def extract_cached(archive: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, *,
                    expected_sha256: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
                    max_members: int = DEFAULT_MAX_MEMBERS, max_depth: int = DEFAULT_MAX_DEPTH,
@@ -546,10 +529,9 @@ def extract_cached(archive: str | os.PathLike[str], root: str | os.PathLike[str]
         BundleFormatError: digest mismatch, or the archive is malformed or over a cap.
         OSError: the archive cannot be read or the cache cannot be written.
     """
-    base = Path(root) if root is not None else _private_root()
-    base.mkdir(parents=True, exist_ok=True)
-    if expected_sha256 is not None and _is_dir(base / expected_sha256.lower()):
-        return base / expected_sha256.lower()  # warm start: not even one open of the archive
+    base = cache_root(root)
+    if expected_sha256 is not None and (hit := cached(base, expected_sha256)) is not None:
+        return hit  # warm start: not even one open of the archive
     data = _read_once(archive, _compressed_limit(max_bytes))
     digest = hashlib.sha256(data).hexdigest()
     if expected_sha256 is not None and digest != expected_sha256.lower():
@@ -575,10 +557,3 @@ def extract_cached(archive: str | os.PathLike[str], root: str | os.PathLike[str]
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False

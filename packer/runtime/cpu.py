@@ -15,18 +15,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .engines import host_view
 from .env import ArtifactMismatchError
 from .reading import open_regular
-from .ring import Latch, Read, Readers
 from .settings import MIB
 from .shards import Shard
 from .timeline import Timeline
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the ring's modules are imported by the copy paths only (mapping needs none)
     from types import ModuleType
 
     import torch
+
+    from .ring import Read
 
 
 def _anonymous(torch: ModuleType, nbytes: int, hugepages: bool) -> tuple[torch.Tensor, bool]:
@@ -65,6 +65,9 @@ def read_shards(torch: ModuleType, shards: list[Shard], readers: int, timeline: 
                 hugepages: bool = False) -> list[tuple[torch.Tensor, int]]:
     """Private CPU buffers filled by the reader threads straight from the files; the ``read``
     stage's ``hugepages`` counts the buffers on transparent huge pages."""
+    from .engines import host_view
+    from .ring import Read
+
     with timeline.stage("read") as box:
         made = [_anonymous(torch, s.data_size, hugepages) for s in shards]
         box["hugepages"] = sum(applied for _, applied in made)
@@ -76,6 +79,8 @@ def read_shards(torch: ModuleType, shards: list[Shard], readers: int, timeline: 
 
 def read_into(reads: list[Read], readers: int) -> None:
     """Parallel preadv of ``reads`` straight into CPU memory."""
+    from .ring import Latch, Readers
+
     pool, latch = Readers(readers, piece=8 * MIB), Latch()
     try:
         pool.submit_many(latch, [r for r in reads if len(r.view)])

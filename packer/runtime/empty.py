@@ -4,6 +4,12 @@ Parameters are what the weights replace, so allocating and initialising them is 
 buffers are what the constructor computes (rotary ``inv_freq`` tables, ``position_ids``) and
 what a checkpoint usually lacks, so they must be right. ``torch.device("meta")`` would take
 both; torch's global parameter-registration hook takes only the parameters.
+
+A parameter moved to ``meta`` is flagged as transformers flags the tensors its ``from_pretrained``
+loads (``_is_hf_initialized``): a model's ``post_init`` then skips their random init, which on
+``meta`` changes nothing but costs a quarter of a millisecond a tensor in torch's meta kernels
+(15 ms of a 1 GB Llama's 26 ms construction), while the buffers are still initialised as
+transformers initialises them (rotary tables recomputed).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ def init_empty(*, dtype: torch.dtype | None = None) -> Iterator[None]:
     def to_meta(module: Module, name: str, param: Parameter | None) -> Parameter | None:
         if param is None or param.device.type == "meta":
             return None
-        return type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        moved = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        moved._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' init skips it
+        return moved
 
     before = torch.get_default_dtype()
     handle = hook_api(to_meta)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 MAX_RING_BYTES = 512 * MIB
 MAX_HEADER = 100 * MIB
 STARTUP_ENV = {"CUDA_MODULE_LOADING": "LAZY"}
+WARM_ENV = "PACKER_WARM_SERVER"  # set only while warm_context's fork server starts: "you are the server"
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's allocator settings
 DTYPES = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .components import component_dir
-from .dirtree import lay_out
 from .empty import init_empty
 from .env import torch_dtype
 from .hf_keys import check_result, loading_info, prefix_map
@@ -162,4 +161,6 @@ def hf_model_dir(loader: Loader, *, root: str | Path | None = None) -> Path:
     Raises:
         ArtifactMismatchError: no bundle, or a weight file missing or of another size.
     """
+    from .dirtree import lay_out  # with the signature module: compiled only when a directory is laid out
+
     return lay_out(loader, root=root)

@@ -36,20 +36,24 @@ from typing import TYPE_CHECKING, Any
 from .assign import LoadResult
 from .components import all_loaders, component_loader
 from .empty import init_empty
-from .env import ArtifactMismatchError, torch_dtype
-from .graphs import warmup
+from .env import WARM_ENV, ArtifactMismatchError, torch_dtype
 from .loading import Loader
 from .reading import entry_kind, inside, loads_json, sha256_regular
-from .ring import release_ring
 from .settings import RuntimeSettings, setting
 from .shards import pread_exact
 from .timeline import TIMELINE, Timeline, import_torch
-from .warm import prepare_loader, serve_warm, start_warm
+
+# The stub compiles each runtime module from its checked source at every start (no bytecode is
+# trusted), so the modules of the other paths (graphs, the ring, the warm pool) are imported
+# where they are used: a CPU load by mapping never compiles them.
 
 if TYPE_CHECKING:
     import multiprocessing.context
+    from collections.abc import Callable
 
     import torch
+
+    from .graphs import GraphPool
 
 # what the emitted stub takes from here: the Build whose methods are its functions, and the
 # process-wide functions and types it shows beside them
@@ -167,6 +171,8 @@ class Build:
 
     def prepare(self, *, prefetch: bool = False, root: str | Path | None = None) -> dict[str, Any]:
         """Everything before CUDA (headers, bundle, config; optionally the page cache), done once."""
+        from .warm import prepare_loader
+
         return prepare_loader(self.loader(root), prefetch=prefetch)
 
     def warm_context(self, preload: list[str] | tuple[str, ...] = (), *, prefetch: bool = False,
@@ -182,11 +188,16 @@ class Build:
             RuntimeError: CUDA was initialised in the server (a forked child could not use it),
                 ``prepare()`` failed there, or a fork server was already running without it.
         """
+        from .warm import start_warm
+
         return start_warm(self.module, list(preload), root=root, prefetch=prefetch)
 
     def serve_warm(self) -> None:
         """At the stub's import: when this process is a warm fork server, prepare and guard."""
-        serve_warm(self.prepare)
+        if WARM_ENV in os.environ:  # set by warm_context for its fork server only
+            from .warm import serve_warm
+
+            serve_warm(self.prepare)
 
     def bundle_dir(self, *, root: str | Path | None = None) -> Path:
         """The extracted bundle directory; see :meth:`Loader.bundle_dir`."""
@@ -199,6 +210,25 @@ class Build:
     def main(self, argv: list[str] | None = None) -> int:
         """``--selftest [--device cpu|cuda] [--verify] [--root DIR] [--trace FILE]`` or ``--model-dir``."""
         return main(self, argv)
+
+
+def warmup(model: Callable[..., Any], example_inputs: Any, *, cudnn_benchmark: bool = True,
+           cuda_graphs: bool = False, iters: int = 3, timeline: Timeline | None = None) -> GraphPool:
+    """Run each example a few times (cuDNN autotune); optionally capture one graph per shape.
+
+    See ``graphs.warmup`` for the arguments; returns its :class:`~graphs.GraphPool`.
+    """
+    from .graphs import warmup as run
+
+    return run(model, example_inputs, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs, iters=iters,
+               timeline=timeline)
+
+
+def release_ring() -> int:
+    """Free the staging rings of this process (waits for a load in progress); the bytes freed."""
+    from .ring import release_ring as free
+
+    return free()
 
 
 def report(trace: str | Path | None = None) -> list[dict[str, Any]]:

@@ -22,22 +22,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_targets, match_slots, module_slots
+from .bundle_cache import cache_root, cached
 from .cpu import map_shards, prefetch_files, read_shards
-from .engines import CopyEngine, make_engine
 from .env import ArtifactMismatchError
-from .into import finish_into, into_cpu, plan_into, target_device
-from .layout import Layout, plan_layout
 from .reading import check_rel, open_regular
-from .ring import Chunk, RingStats, Segment, plan_chunks, ring_chunk, run_ring
 from .served import check_extracted
 from .settings import RuntimeSettings
 from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, sha256_fd, shard_tensors
 from .timeline import TIMELINE, Timeline, import_torch
 
+# The ring, its engines and the copy-into paths are imported where they are used: the stub
+# compiles every runtime module from its checked source at each start (no bytecode is trusted),
+# and a CPU load by mapping needs none of them.
+
 if TYPE_CHECKING:
     from types import ModuleType
 
     import torch
+
+    from .engines import CopyEngine
+    from .layout import Layout
+    from .ring import Chunk, RingStats, Segment
 
 
 class Loader:
@@ -68,7 +73,7 @@ class Loader:
         self.slots = self.settings.ring_slots
         self.chunk = self.settings.chunk_bytes
         self.readers = self.settings.readers
-        self.make_engine: Callable[[torch.device], CopyEngine] = make_engine  # tests slow the engine down
+        self.make_engine: Callable[[torch.device], CopyEngine] = _make_engine  # tests slow the engine down
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
         self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
 
@@ -224,6 +229,9 @@ class Loader:
                 dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """Through the ring into one device buffer per shard, every tensor ``ALIGN``-aligned;
         with ``verify`` the hash thread checks each file as its chunks pass, in file order."""
+        from .layout import plan_layout
+        from .ring import plan_chunks, ring_chunk
+
         engine = self.make_engine(dev)
         layouts = [plan_layout(s.tensors, s.data_size) for s in shards]
         with self.timeline.stage("device alloc", sum(x.nbytes for x in layouts)):
@@ -238,6 +246,8 @@ class Loader:
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
                   hashers: dict[int, hashlib._Hash] | None) -> None:
+        from .ring import ring_chunk, run_ring
+
         self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),
                                    readers=self.readers, hashers=hashers, timeline=self.timeline)
 
@@ -304,6 +314,8 @@ class Loader:
     def _fill(self, torch: ModuleType, targets: dict[str, list[torch.Tensor]], device: str | None,
               verify: bool, pipeline: bool | None) -> None:
         """Copy into a module whose tensors are all real (as ``load_state_dict`` does)."""
+        from .into import into_cpu, target_device
+
         dev = target_device(torch, targets, device)
         shards = self.open_shards(verify=verify)
         try:
@@ -335,6 +347,9 @@ class Loader:
     def _into_ring(self, torch: ModuleType, dev: torch.device, shards: list[Shard],
                    targets: dict[str, list[torch.Tensor]]) -> None:
         """Stream straight into the parameters; a staging tensor only where dtypes differ."""
+        from .into import finish_into, plan_into
+        from .ring import plan_chunks, ring_chunk
+
         engine = self.make_engine(dev)
         segs, later = plan_into(torch, engine, shards, targets)
         self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, None)
@@ -356,13 +371,11 @@ class Loader:
             raise ArtifactMismatchError("this build has no bundle (no tokenizer/config files)")
         rel = b["file"]
         self.check_file(rel, verify=False)
-        from . import bundle_reader as reader  # zstandard is needed from here on only
-
         with self.timeline.stage("bundle", b["size"]):
             try:
-                out = reader.extract_cached(self.path(rel), self.settings.bundle_cache or None,
-                                            expected_sha256=b["sha256"])
-            except (reader.BundleFormatError, OSError) as e:
+                hit = cached(cache_root(self.settings.bundle_cache or None), b["sha256"])
+                out = hit or self._extract(rel)  # a hit needs neither the reader nor zstandard
+            except OSError as e:
                 raise ArtifactMismatchError(f"{rel}: {e}") from None
             if Path(out) not in self._checked_bundles and "members" in b:  # a reused folder is input too
                 check_extracted(Path(out), b["members"], hashes=bool(self.settings.require_signature))
@@ -370,6 +383,16 @@ class Loader:
         if self.auto_flush:
             self.timeline.flush()
         return Path(out)
+
+    def _extract(self, rel: str) -> Path:
+        """Extract the bundle ``rel`` into the cache (a miss)."""
+        from . import bundle_reader as reader
+
+        try:
+            return reader.extract_cached(self.path(rel), self.settings.bundle_cache or None,
+                                         expected_sha256=self.manifest["bundle"]["sha256"])
+        except reader.BundleFormatError as e:
+            raise ArtifactMismatchError(f"{rel}: {e}") from None
 
     def prefetch(self, *, background: bool = True) -> threading.Thread | None:
         """Warm the page cache with the weight files (fadvise WILLNEED, then parallel reads).
@@ -412,6 +435,13 @@ PAGE = 4096
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
+def _make_engine(dev: torch.device) -> CopyEngine:
+    """The copy engine of ``dev`` (``engines.make_engine``)."""
+    from .engines import make_engine
+
+    return make_engine(dev)
+
+
 def _has_context(torch: ModuleType, dev: torch.device) -> bool:
     """Whether CUDA is initialised and ``dev`` has its primary context already."""
     if not torch.cuda.is_initialized():
@@ -423,6 +453,8 @@ def _has_context(torch: ModuleType, dev: torch.device) -> bool:
 
 def _segments(shards: list[Shard], layouts: list[Layout], bufs: list[torch.Tensor]) -> list[Segment]:
     """The ring's segments into the shards' device buffers, in file order."""
+    from .ring import Segment
+
     return [Segment(i, s.data_start + at, n, buf[dst: dst + n])
             for i, (s, lay, buf) in enumerate(zip(shards, layouts, bufs, strict=True))
             for at, dst, n in lay.segments]

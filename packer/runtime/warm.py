@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .env import WARM_ENV
 from .reading import loads_json
 from .timeline import import_torch
 
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
     from .loading import Loader
 
-WARM_ENV = "PACKER_WARM_SERVER"  # set only while the fork server starts: "you are the server"
 _WARM: dict[str, Any] = {}  # the server's state, inherited by every worker it forks
 
 
