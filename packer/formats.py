@@ -8,6 +8,9 @@ the output shard names (``model.safetensors`` and its index) are the weights pla
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 LOADER_NAME = "packer_loader.py"  # the emitted loader, at the top of OUT and of the image's tree
 MANIFEST_NAME = "manifest.json"  # the artifact manifest, beside it
 
@@ -30,25 +33,55 @@ PROVENANCE_NAME = "provenance.sigstore.json"  # the signed SLSA provenance; outs
 
 # Weight files of other frameworks that packer does not convert, by name: what each is and what
 # to do. They are named (never opened) when a source holds nothing else, and in the left-out note.
-_TF = ("a TensorFlow (Keras) checkpoint, which packer does not convert (it reads PyTorch pickles and "
-       "safetensors): build the PyTorch weights instead; transformers writes them with "
-       "from_pretrained(DIR, from_tf=True).save_pretrained(OUT)")
-_FLAX = ("a Flax checkpoint, which packer does not convert (it reads PyTorch pickles and safetensors): "
-         "build the PyTorch weights instead; transformers writes them with "
-         "from_pretrained(DIR, from_flax=True).save_pretrained(OUT)")
+_NOT_OURS = "which packer does not convert (it reads PyTorch pickles and safetensors)"
+# transformers' own TensorFlow and Flax files. transformers 5 has neither framework (from_pretrained
+# drops from_tf/from_flax unread), and 4.51 to 4.57 build the model on the meta device first, so
+# their from_tf/from_flax copy the weights into nothing: 4.50 is the last release that converts
+# them. The pins beside it are those transformers 4.x declares for each framework (numpy 2 breaks
+# jaxlib 0.4.13; transformers asks TensorFlow for the legacy Keras, which tf-keras provides).
+TF_PACKAGES = ("transformers<4.51", "torch", "tensorflow-cpu<2.16", "tf-keras<2.16")
+FLAX_PACKAGES = ("transformers<4.51", "torch", "flax<=0.7.0", "jax[cpu]<=0.4.13", "numpy<2")
+DIR = "{dir}"  # where foreign_advice() puts the source directory, shell-quoted
+
+
+def _to_pytorch(what: str, framework: str, flag: str, packages: tuple[str, ...]) -> str:
+    """The advice for a transformers checkpoint of ``framework``: the PyTorch weights, written beside it."""
+    pip = " ".join(shlex.quote(p) for p in packages)
+    return (f"{what}, {_NOT_OURS}: build the PyTorch weights that the same hub repo often publishes "
+            f"(model.safetensors, pytorch_model.bin), or write them beside it with transformers 4.50, the last "
+            f"release that converts {framework} weights: `pip install {pip}`, then `python -c \"import sys, "
+            "transformers as t; d = sys.argv[1]; getattr(t, t.AutoConfig.from_pretrained(d).architectures[0])"
+            f".from_pretrained(d, {flag}=True).save_pretrained(d)\" {DIR}`")
+
+
+_TF = _to_pytorch("a TensorFlow (Keras) checkpoint of transformers", "TensorFlow", "from_tf", TF_PACKAGES)
+_FLAX = _to_pytorch("a Flax checkpoint of transformers", "Flax", "from_flax", FLAX_PACKAGES)
+_KERAS = (f"a Keras model, {_NOT_OURS}: serve it with TensorFlow, or build a PyTorch or safetensors "
+          "checkpoint of the same model")
 _GGUF = ("a GGUF file (llama.cpp's format, often re-quantized), which packer does not convert: serve it "
          "with llama.cpp, or build the safetensors model it was made from")
 _ONNX = ("an ONNX graph, which packer does not convert: serve it with ONNX Runtime, or build the "
          "PyTorch or safetensors model it was exported from")
+# first match wins: transformers names its TensorFlow shards tf_model-00001-of-00002.h5
 FOREIGN_WEIGHTS: tuple[tuple[str, str], ...] = (
-    ("*.h5", _TF), ("*.keras", _TF), ("flax_model*.msgpack", _FLAX), ("*.gguf", _GGUF), ("*.onnx", _ONNX),
+    ("tf_model*.h5", _TF), ("*.h5", _KERAS), ("*.keras", _KERAS), ("flax_model*.msgpack", _FLAX),
+    ("*.gguf", _GGUF), ("*.onnx", _ONNX),
 )
 CTRANSLATE2 = ("a CTranslate2 model (model.bin of a {spec}), which only CTranslate2 reads and packer does not "
-               "convert: serve it with CTranslate2, or build the transformers model it was converted from")
+               "convert: serve it with CTranslate2, or build the checkpoint it was converted from (a "
+               "transformers, OpenNMT or fairseq model)")
 
 
 def foreign_weights(name: str) -> str | None:
-    """What the weight file ``name`` of another framework is and what to do, or None (not one)."""
+    """What the weight file ``name`` of another framework is and what to do (its commands name the
+    directory as ``{dir}``: :func:`foreign_advice` fills it in), or None (not one)."""
     from fnmatch import fnmatchcase
 
     return next((what for pattern, what in FOREIGN_WEIGHTS if fnmatchcase(name, pattern)), None)
+
+
+def foreign_advice(path: Path) -> str | None:
+    """What the weight file ``path`` of another framework is and what to do, with the commands that
+    convert it naming its directory (shell-quoted), or None (not one)."""
+    what = foreign_weights(path.name)
+    return None if what is None else what.replace(DIR, shlex.quote(str(path.parent)))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
+import shlex
 import struct
 import sys
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from packer.cli import main
+from packer.formats import FLAX_PACKAGES, TF_PACKAGES
 from tests.built import build_dir
 from tests.component_fixtures import import_loader
 
@@ -172,8 +175,11 @@ def _ctranslate2_bin(spec: str) -> bytes:
 
 
 @pytest.mark.parametrize(("name", "content", "reason"), [
-    ("tf_model.h5", b"\x89HDF\r\n\x1a\n" + bytes(64), "a TensorFlow (Keras) checkpoint"),
-    ("flax_model.msgpack", b"\x82\xa6params" + bytes(16), "a Flax checkpoint"),
+    ("tf_model.h5", b"\x89HDF\r\n\x1a\n" + bytes(64), "a TensorFlow (Keras) checkpoint of transformers"),
+    ("tf_model-00001-of-00002.h5", b"\x89HDF\r\n\x1a\n" + bytes(64), "a TensorFlow (Keras) checkpoint of transformers"),
+    ("weights.h5", b"\x89HDF\r\n\x1a\n" + bytes(64), "a Keras model"),
+    ("model.keras", b"PK\x03\x04" + bytes(64), "a Keras model"),
+    ("flax_model.msgpack", b"\x82\xa6params" + bytes(16), "a Flax checkpoint of transformers"),
     ("model.gguf", b"GGUF\x03\x00\x00\x00" + bytes(32), "a GGUF file (llama.cpp's format"),
     ("model.onnx", b"\x08\x07\x12\x07pytorch" + bytes(16), "an ONNX graph"),
     ("model.bin", _ctranslate2_bin("TransformerDecoderModelSpec"),
@@ -191,7 +197,8 @@ def test_other_frameworks_files_are_named(tmp_path: Path, name: str, content: by
 
 @pytest.mark.parametrize(("name", "what"), [
     ("model-q4_k_m.gguf", "a GGUF file (llama.cpp's format, often re-quantized)"),
-    ("tf_model.h5", "a TensorFlow (Keras) checkpoint"),  # the advice followed: the PyTorch weights beside it
+    # the advice followed: the PyTorch weights beside it (tests/test_foreign_advice.py writes them)
+    ("tf_model.h5", "a TensorFlow (Keras) checkpoint of transformers"),
 ])
 def test_a_foreign_file_beside_the_weights_is_named_left_out(tmp_path: Path, name: str, what: str) -> None:
     from safetensors.torch import save_file
@@ -231,3 +238,23 @@ def test_a_module_beside_top_level_tensors_keeps_the_placeholder_advice(tmp_path
     code, output = convert(tmp_path / "ckpt.pt", tmp_path / "out", "--allow-global", "torch.nn.modules.activation.ReLU")
     assert code == 0, output
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize(("name", "flag", "packages"), [
+    ("tf_model.h5", "from_tf", TF_PACKAGES), ("flax_model.msgpack", "from_flax", FLAX_PACKAGES),
+])
+def test_transformers_tf_and_flax_advice_names_the_commands_for_this_directory(
+        tmp_path: Path, name: str, flag: str, packages: tuple[str, ...]) -> None:
+    """Two commands in backticks, the second converting this very directory (shell-quoted); the
+    real libraries follow them in tests/test_foreign_advice.py (``pytest -m foreign``)."""
+    src = tmp_path / "it's a model dir"
+    src.mkdir()
+    (src / name).write_bytes(bytes(64))
+    code, output = convert(src, tmp_path / "out")
+    line = one_line(output)
+    assert code == 1 and line.startswith(f"error: {src / name}: ") and "transformers 4.50" in line
+    pip, python = re.findall(r"`([^`]+)`", line)
+    assert shlex.split(pip) == ["pip", "install", *packages] and "transformers<4.51" in packages
+    argv = shlex.split(python)
+    assert argv[:2] == ["python", "-c"] and argv[3:] == [str(src)] and f"{flag}=True" in argv[2]
+    assert "save_pretrained(d)" in argv[2]  # beside the source: its tokenizer and other files stay with it

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
-from packer.formats import WEIGHT_PATTERNS, foreign_weights
+from packer.formats import WEIGHT_PATTERNS, foreign_advice, foreign_weights
 from packer.fsutil import not_regular
 from packer.idents import check_rel_name, confined, link_roots
 from packer.jsonshape import STR, MapOf, Obj
@@ -105,11 +105,11 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))
     if not candidates:
-        foreign = sorted((p.name, what) for p in src.iterdir() if (what := foreign_weights(p.name)) and _is_input(p))
+        foreign = sorted(p for p in src.iterdir() if foreign_weights(p.name) and _is_input(p))
         if foreign:
             others = f" (and {len(foreign) - 1} more such file{'s' if len(foreign) > 2 else ''})" \
                 if len(foreign) > 1 else ""
-            raise WeightsError(f"{src / foreign[0][0]}{others}: {foreign[0][1]}")
+            raise WeightsError(f"{foreign[0]}{others}: {foreign_advice(foreign[0])}")
         raise WeightsError(f"{src}: no checkpoint found (looked for {', '.join(SINGLES)}, "
                            f"an index or a single {'/'.join(WEIGHT_PATTERNS)} file)")
     names = ", ".join(p.name for p in candidates[:6])
