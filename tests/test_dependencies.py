@@ -101,7 +101,9 @@ def test_emitted_loader_names_a_missing_zstandard(tmp_path: Path) -> None:
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(BLOCKER)
-    env = {**os.environ, "PACKER_TEST_BLOCK": "zstandard", "PYTHONPATH": str(shim)}
+    # an empty bundle cache: a hit needs no zstandard (one stat), the extraction on a miss does
+    env = {**os.environ, "PACKER_TEST_BLOCK": "zstandard", "PYTHONPATH": str(shim),
+           "PACKER_BUNDLE_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--selftest"], capture_output=True,
                           text=True, env=env, cwd=tmp_path, check=False)
     assert proc.returncode == 1
