@@ -107,10 +107,12 @@ class Loader:
         if self.weights_dir is not None:
             return self.weights_dir / rel[len("weights/"):], 0
         nested, flat = self.root / rel, self.root / rel[len("weights/"):]
-        if nested.exists() or not flat.exists():
-            placed = None if nested.exists() else _placed(self.manifest, rel)
-            return (self.root / placed[0], placed[1]) if placed else (nested, 0)
-        return flat, 0
+        if nested.exists():
+            return nested, 0
+        if flat.exists():
+            return flat, 0
+        placed = _placed(self.manifest, rel)
+        return (self.root / placed[0], placed[1]) if placed else (nested, 0)
 
     def open_shards(self, verify: bool = False, *, random_access: bool = False) -> list[Shard]:
         """Open and check every weight file (size, header; the index file's sha256 when ``verify``);
@@ -147,7 +149,7 @@ class Loader:
         try:
             size = os.fstat(fd).st_size - base  # in a layer blob: what follows the file is the blob's
             where = os.path.abspath(path) + (f" (at offset {base})" if base else "")
-            if size != meta["size"] if not base else size < meta["size"]:
+            if size < meta["size"] if base else size != meta["size"]:
                 raise ArtifactMismatchError(f"{where}: {size} bytes, the manifest says {meta['size']}")
             if verify:
                 check_sha256(where, sha256_fd(fd, meta["size"], offset=base), meta["sha256"])
