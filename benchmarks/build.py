@@ -14,7 +14,15 @@ repository's disk and, where it fits, a tmpfs under /dev/shm as the fast disk). 
 ``--layer-digests`` it also builds in process with the weights stage writing each weight layer
 blob (one copy) and without (``build(layer_digests=...)``: a plain file the image stage copies).
 
-    .venv/bin/python benchmarks/build.py [--reps 5] [--gb 1.0] [--places DIR ...] [--layer-digests]
+The slow disk: where the kernel lets this process throttle a block device (root, and the
+cgroup v1 ``blkio`` controller or cgroup v2's ``io``), a third place is the repository's disk
+with writes capped at ``--slow-mbps`` (default 200 MB/s, a standard hosted runner's disk):
+the floor's copy and the build run in a cgroup holding that cap (``blkio.throttle.
+write_bps_device`` / ``io.max wbps``), so every byte they make durable waits for it; the
+other places' rounds run outside it. ``--slow-mbps 0`` leaves it out.
+
+    .venv/bin/python benchmarks/build.py [--reps 5] [--gb 1.0] [--places DIR ...] [--slow-mbps 200]
+        [--layer-digests]
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -126,15 +136,80 @@ def default_places(gb: float) -> list[Path]:
     return places
 
 
-class Place:
-    """One place's runs: the checkpoint there, its model directory, and every measured number."""
+class Throttle:
+    """A cgroup capping writes to the block device under ``place`` at ``bps`` bytes per second.
 
-    def __init__(self, place: Path, src: Path) -> None:
+    Made with :meth:`make` (None where this kernel or user cannot); :meth:`inside` moves this
+    process there for a block (children started inside inherit it) and back out after.
+    """
+
+    V1 = Path("/sys/fs/cgroup/blkio")
+    V2 = Path("/sys/fs/cgroup")
+
+    def __init__(self, group: Path, root: Path, bps: int, label: str) -> None:
+        self.group, self.root, self.bps, self.label = group, root, bps, label
+
+    @staticmethod
+    def _disk(place: Path) -> str:
+        """``MAJ:MIN`` of the whole disk holding ``place`` (a partition's parent: throttles name disks)."""
+        dev = place.stat().st_dev
+        node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+        if (node / "partition").exists():
+            return (node.resolve().parent / "dev").read_text().strip()
+        return f"{os.major(dev)}:{os.minor(dev)}"
+
+    @classmethod
+    def make(cls, place: Path, mbps: float) -> Throttle | None:
+        bps = int(mbps * 1e6)
+        try:
+            disk = cls._disk(place)
+            if (cls.V1 / "blkio.throttle.write_bps_device").exists():
+                group = cls.V1 / "packer-bench-slow"
+                group.mkdir(exist_ok=True)
+                (group / "blkio.throttle.write_bps_device").write_text(f"{disk} {bps}\n")
+                return cls(group, cls.V1, bps, f"blkio.throttle.write_bps_device {disk} {bps}")
+            if "io" in (cls.V2 / "cgroup.subtree_control").read_text().split():
+                group = cls.V2 / "packer-bench-slow"
+                group.mkdir(exist_ok=True)
+                (group / "io.max").write_text(f"{disk} wbps={bps}\n")
+                return cls(group, cls.V2, bps, f"io.max {disk} wbps={bps}")
+        except OSError as e:
+            print(f"no slow disk: cannot throttle writes under {place} ({e})", file=sys.stderr)
+            return None
+        print(f"no slow disk: neither cgroup v1 blkio nor v2 io is available for {place}", file=sys.stderr)
+        return None
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        (self.group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        try:
+            yield
+        finally:
+            (self.root / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+    def close(self) -> None:
+        with suppress(OSError):
+            self.group.rmdir()
+
+
+class Place:
+    """One place's runs: the checkpoint there, its model directory, and every measured number.
+
+    With ``throttle`` (the slow disk) the model directory goes under ``place/slow`` and every
+    timed command runs inside the throttle's cgroup."""
+
+    def __init__(self, place: Path, src: Path, throttle: Throttle | None = None) -> None:
+        self.throttle = throttle
+        if throttle is not None:
+            place = place / "slow"
         place.mkdir(parents=True, exist_ok=True)
         self.place = place
         self.src = src if src.parent == place else place / src.name
         if self.src != src:
-            shutil.copyfile(src, self.src)
+            try:
+                os.link(src, self.src)  # the slow place is on the same disk
+            except OSError:
+                shutil.copyfile(src, self.src)
         self.root = model_dir(self.src, place)
         self.size = src.stat().st_size
         self.runs: dict[str, list[float]] = {}
@@ -143,8 +218,17 @@ class Place:
     def add(self, name: str, value: float) -> None:
         self.runs.setdefault(name, []).append(value)
 
+    @property
+    def name(self) -> str:
+        return f"{self.place} (writes capped: {self.throttle.label})" if self.throttle else str(self.place)
+
     def round(self, layer_digests: bool) -> None:
         warm(self.src)
+        settle()  # the other places' dirty pages are written before any throttle applies
+        with self.throttle.inside() if self.throttle else nullcontext():
+            self._round(layer_digests)
+
+    def _round(self, layer_digests: bool) -> None:
         cp = time_durable_cp(self.src, self.place)
         sha = time_sha256(self.src)["sha256 of the input alone (hashlib)"]
         self.add("durable copy of the checkpoint (cp + fsync)", cp)
@@ -162,11 +246,13 @@ class Place:
         shutil.rmtree(self.root, ignore_errors=True)
         if self.src.parent == self.place and self.place != WORK:
             shutil.rmtree(self.place, ignore_errors=True)
+        if self.throttle is not None:
+            self.throttle.close()
 
     def table(self, reps: int) -> str:
         floor = statistics.median(self.runs["floor (the slower of the two, per round)"])
         du, weights = self.disk
-        lines = [f"\n{self.place} ({reps} rounds, {self.size / 1e9:.2f} GB zip checkpoint)\n",
+        lines = [f"\n{self.name} ({reps} rounds, {self.size / 1e9:.2f} GB zip checkpoint)\n",
                  "| what | seconds (min / median / max) | median / floor |", "|---|---|---|"]
         lines += [f"| {name} | {stats(vals)} | {statistics.median(vals) / floor:.2f}x |"
                   for name, vals in self.runs.items()]
@@ -180,12 +266,17 @@ def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--layer-digests", action="store_true", help="also compare build(layer_digests=...)")
     parser.add_argument("--places", nargs="*", type=Path, help="directories to build in (default: disk and tmpfs)")
+    parser.add_argument("--slow-mbps", type=float, default=200.0,
+                        help="also build on the repository's disk with writes capped at this rate (0: not)")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     src = generate(args.gb, "zip")
     places: list[Place] = []
     try:
         places = [Place(p, src) for p in (args.places or default_places(args.gb))]
+        throttle = Throttle.make(WORK, args.slow_mbps) if args.slow_mbps > 0 else None
+        if throttle is not None:
+            places.append(Place(WORK, src, throttle))
         for _ in range(args.reps):
             for p in places:  # interleaved: the places take turns within a round
                 p.round(args.layer_digests)

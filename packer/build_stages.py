@@ -28,6 +28,10 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     ``image.single_layer``), the stage writes that layer blob itself, the file's one copy in
     OUT, hashing the safetensors and the layer in the same pass (``ctx.layer_digests``; off:
     a plain file in ``weights/`` that the image stage copies into its layer).
+
+    The writer does not read its output back (``verify=False``): it hashes the bytes it means
+    to write, and the build's final ``verify`` re-hashes every file and blob of OUT against those
+    digests, which proves the same thing (what landed is what was meant) in a pass it makes anyway.
     """
     from packer.oci.runconfig import created_epoch
     from packer.weights.stage import convert_layout
@@ -37,7 +41,7 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     mtime = created_epoch(ctx.snap.identity()) if layer_image else None  # the image's entries' mtime
     return convert_layout(ctx.snap.weights, ctx.staging, ctx.recipe.weights, single_file=ctx.snap.single_file,
                           dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, layer_image=layer_image,
-                          layer_blobs=layer_image is not None, layer_mtime=mtime)
+                          layer_blobs=layer_image is not None, layer_mtime=mtime, verify=False)
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:

@@ -102,7 +102,8 @@ def _child_main() -> int:
         result = convert(Path(request["src"]), Path(request["out"]), _cfg_from_json(request["cfg"]),
                          rel_root=rel_root, dry_run=request["dry_run"],
                          layer_framing=_framing(image, request.get("mtime")),
-                         layer_blobs=bool(request.get("blobs")), progress=_report if request.get("progress") else None)
+                         layer_blobs=bool(request.get("blobs")), progress=_report if request.get("progress") else None,
+                         verify=bool(request.get("verify", True)))
     except errors.PackerError as e:
         json.dump({"error": str(e), "type": type(e).__name__}, sys.stdout)
         return 1
@@ -194,13 +195,14 @@ def _layer_mtime(image: ImageConfig | None, mtime: int | None = None) -> int | N
 def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
                       dry_run: bool = False, progress: Progress | None = None,
                       layer_image: ImageConfig | None = None, layer_blobs: bool = False,
-                      layer_mtime: int | None = None) -> StageOutput:
+                      layer_mtime: int | None = None, verify: bool = True) -> StageOutput:
     """Run :func:`packer.weights.convert.convert` in an isolated child process.
 
     ``layer_image``: also compute each weight file's image-layer digest while writing it
     (see :func:`packer.oci.plan.weight_layer_framing`, its entries' mtime ``layer_mtime``,
     default ``SOURCE_DATE_EPOCH``); they come back in ``digests``. ``layer_blobs``: write each
-    weight file as its layer blob (see :func:`packer.weights.convert.convert`).
+    weight file as its layer blob (see :func:`packer.weights.convert.convert`). ``verify``: as
+    :func:`packer.weights.convert.convert`.
 
     Raises:
         PackerError: the child's own error, or why the child was stopped.
@@ -208,7 +210,7 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
     request = {"src": str(src), "out": str(out), "cfg": asdict(cfg), "dry_run": dry_run,
                "rel_root": str(rel_root) if rel_root else None,
                "image": asdict(layer_image) if layer_image else None, "blobs": layer_blobs,
-               "mtime": _layer_mtime(layer_image, layer_mtime), "progress": progress is not None,
+               "mtime": _layer_mtime(layer_image, layer_mtime), "progress": progress is not None, "verify": verify,
                "limits": _limits(_input_size(src), cfg.max_expansion)}
     proc, reported = _run_child(json.dumps(request), progress)
     if proc.returncode < 0:
@@ -230,23 +232,26 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
 def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None, dry_run: bool = False,
                 sandbox: bool = True, progress: Progress | None = None,
                 layer_image: ImageConfig | None = None, layer_blobs: bool = False,
-                layer_mtime: int | None = None) -> StageOutput:
+                layer_mtime: int | None = None, verify: bool = True) -> StageOutput:
     """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
 
     ``progress`` receives the bytes as they are written (increments, see
     :data:`packer.stage.Progress`), with or without the sandbox. With
     ``layer_image``, each weight file's image-layer digest is computed while it is written
     and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``); with ``layer_blobs`` each
-    weight file is written as that layer blob (its one copy in OUT).
+    weight file is written as that layer blob (its one copy in OUT). ``verify=False`` skips the
+    writer's read-back and re-parse (:func:`packer.weights.convert.convert`): only for a caller
+    that re-hashes every file written against the digests returned, as ``packer build`` does.
     """
     if sandbox:
         return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
-                                 layer_image=layer_image, layer_blobs=layer_blobs, layer_mtime=layer_mtime)
+                                 layer_image=layer_image, layer_blobs=layer_blobs, layer_mtime=layer_mtime,
+                                 verify=verify)
     from packer.weights.convert import convert
 
     return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
                    layer_framing=_framing(layer_image, _layer_mtime(layer_image, layer_mtime)),
-                   layer_blobs=layer_blobs)
+                   layer_blobs=layer_blobs, verify=verify)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ _EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors"
 def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file: bool = False,
                    dry_run: bool = False, sandbox: bool = True, progress: Progress | None = None,
                    layer_image: ImageConfig | None = None, layer_blobs: bool = False,
-                   layer_mtime: int | None = None) -> StageOutput:
+                   layer_mtime: int | None = None, verify: bool = True) -> StageOutput:
     """Convert every component of the source ``src`` into ``staging/weights``.
 
     Args:
@@ -36,7 +36,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
         cfg: the recipe's weights section (``layout`` and ``components`` choose the parts;
             ``files`` given with ``layout = "auto"`` means one plain model).
         single_file: ``src`` is one checkpoint file.
-        dry_run, sandbox, progress, layer_image, layer_blobs, layer_mtime: as
+        dry_run, sandbox, progress, layer_image, layer_blobs, layer_mtime, verify: as
             :func:`packer.weights.sandbox.convert_cli`.
 
     Returns:
@@ -50,7 +50,8 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
 
     layout = _layout(src, cfg, single_file)
     opts: dict[str, Any] = {"rel_root": staging, "dry_run": dry_run, "sandbox": sandbox, "progress": progress,
-                            "layer_image": layer_image, "layer_blobs": layer_blobs, "layer_mtime": layer_mtime}
+                            "layer_image": layer_image, "layer_blobs": layer_blobs, "layer_mtime": layer_mtime,
+                            "verify": verify}
     if not layout.multi:  # one plain model: its layout is said too, so every build shows one
         out = convert_cli(src, staging / "weights", cfg, **opts)
         out = replace(out, notes=(layout.describe(), *out.notes))
