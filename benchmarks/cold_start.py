@@ -356,7 +356,8 @@ def main() -> None:
         return
     args.work.mkdir(parents=True, exist_ok=True)
     make_model(args.work, args.layers)
-    size = sum(f.stat().st_size for f in (args.work / "out" / "weights").glob("*.safetensors"))
+    files = json.loads((args.work / "out" / "manifest.json").read_text())["files"]  # weights may lie in blobs
+    size = sum(e["size"] for rel, e in files.items() if rel.endswith(".safetensors"))
     print(f"model: {size / 1e9:.2f} GB bf16, {args.layers} layers; device {args.device}; "
           f"first request {args.prompt_words} tokens; "
           f"load average before: {os.getloadavg()}", flush=True)

@@ -98,6 +98,17 @@ class InputPath(click.ParamType):
             check_regular(path)
 
 
+class WeightFilePath(InputPath):
+    """A file argument that may also be a build output's weight file held in its layer blob
+    (``OUT/weights/model.safetensors``, listed by the manifest, not on disk by itself)."""
+
+    def check(self, path: Path) -> None:
+        from packer.manifest import held_in_blob
+
+        if path.exists() or held_in_blob(path) is None:
+            super().check(path)
+
+
 def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -294,31 +305,43 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
 
 
 @main.command()
-@click.argument("file", type=InputPath(dir_okay=False))
+@click.argument("file", type=WeightFilePath(dir_okay=False))
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
 def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
     """List a checkpoint's tensors and other entries without converting or executing anything.
 
+    A build output's weight file is read where the build keeps it, inside its layer blob
+    (``packer inspect OUT/weights/model.safetensors``); ``--json`` then adds ``blob`` and ``offset``.
+
     \b
     Examples:
       packer inspect pytorch_model.bin
       packer inspect model.safetensors --json
+      packer inspect out/weights/model.safetensors
     """
     from packer.checkpoint import inspect_checkpoint
+    from packer.manifest import held_in_blob
 
-    report: dict[str, Any] = inspect_checkpoint(file, allow_globals=allow_globals)
+    held = None if file.exists() else held_in_blob(file)
+    if held is None:
+        report: dict[str, Any] = inspect_checkpoint(file, allow_globals=allow_globals)
+    else:
+        blob, offset, size = held
+        report = {**inspect_checkpoint(blob, region=(offset, size)), "path": str(file), "blob": str(blob),
+                  "offset": offset}
     if not ctx.json:
         n = len(report["tensors"])
-        ctx.log(f"{file}: {report['format']}, {n} tensor{'' if n == 1 else 's'}")
+        where = f" (held in {held[0]} at offset {held[1]})" if held else ""
+        ctx.log(f"{file}{where}: {report['format']}, {n} tensor{'' if n == 1 else 's'}")
         for t in report["tensors"]:
             alias = f"  alias group {t['alias_group']}" if t.get("alias_group") is not None else ""
             attrs = t.get("dropped_attributes")
             dropped = f"  attributes dropped: {', '.join(attrs)}" if attrs else ""
             ctx.log(f"  {t['name']}  {t['dtype']}  {list(t['shape'])}  {t['nbytes']} B{alias}{dropped}")
-        held = {p["name"] for p in report.get("placeholders", [])}
+        placeholders = {p["name"] for p in report.get("placeholders", [])}
         for name in report.get("skipped", []):
-            if name not in held:  # a placeholder is listed once, as one, below
+            if name not in placeholders:  # a placeholder is listed once, as one, below
                 ctx.log(f"  (not a tensor) {name}")
         for p in report.get("placeholders", []):
             ctx.log(f"  (placeholder) {p['name']}  {p['type']}")

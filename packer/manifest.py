@@ -20,7 +20,7 @@ import packer
 from packer.errors import VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json
-from packer.reading import MANIFEST, parse_json, read_bytes
+from packer.reading import MANIFEST, member, parse_json, read_bytes
 
 SCHEMA_VERSION = 2  # 2: a files entry may be held in a layer blob (blob, offset)
 TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical
@@ -105,3 +105,36 @@ def _is_record(entry: Any) -> bool:
         return False
     digest = entry.get("sha256")
     return isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+
+
+def held_in_blob(path: Path, *, levels: int = 4) -> tuple[Path, int, int] | None:
+    """Where a build output's weight file lies when the build keeps it in its layer blob.
+
+    ``path`` names the file as the manifest lists it (``OUT/weights/model.safetensors``), which
+    does not exist on disk in a default build: the file's one copy is the ``size`` bytes at
+    ``offset`` of ``OUT/image/blobs/sha256/<digest>``. The nearest of ``path``'s ``levels``
+    parent directories holding a ``manifest.json`` is taken as OUT.
+
+    Returns:
+        ``(blob, offset, size)``, or None: no build output above ``path``, or the manifest does
+        not place ``path`` in a blob.
+
+    Raises:
+        VerifyError: the manifest is unreadable, or names a blob outside OUT or a bad offset or size.
+    """
+    path = Path(path).absolute()
+    for out in list(path.parents)[:levels]:
+        if not (out / MANIFEST_NAME).is_file():
+            continue
+        _, manifest = read_manifest(out)
+        entry = manifest["files"].get(path.relative_to(out).as_posix())
+        if not isinstance(entry, dict) or not entry.get("blob"):
+            return None
+        where = out / MANIFEST_NAME
+        blob = member(out, entry["blob"], where=where, error=VerifyError)
+        offset, size = entry.get("offset"), entry.get("size")
+        if not all(type(v) is int and v >= 0 for v in (offset, size)):
+            raise VerifyError(f"{where}: files entry for {path.relative_to(out).as_posix()}: offset and size must be "
+                              "non-negative integers")
+        return blob, int(offset), int(size)  # type: ignore[arg-type]
+    return None

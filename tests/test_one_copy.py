@@ -94,6 +94,32 @@ def test_the_loader_reads_the_file_inside_the_blob(signed: tuple[Path, dict[str,
                 tensor.view(-1)), name
 
 
+def test_inspect_reads_the_weight_file_where_the_build_keeps_it(signed: tuple[Path, dict[str, Any]],
+                                                                tmp_path: Path) -> None:
+    # the manifest's name for the file, not on disk by itself: inspect finds it in its blob
+    out, _ = signed
+    entry = _manifest(out)["files"][WEIGHTS]
+    from safetensors import safe_open
+
+    from tests.test_cli import packer
+
+    alone = tmp_path / "model.safetensors"
+    alone.write_bytes(weight_bytes(out))
+    with safe_open(str(alone), framework="numpy") as f:
+        want = {n: [f.get_slice(n).get_dtype(), list(f.get_slice(n).get_shape())] for n in f.keys()}  # noqa: SIM118
+    proc = packer("inspect", str(out / WEIGHTS), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["path"], report["blob"], report["offset"]) == (str(out / WEIGHTS), str(out / entry["blob"]),
+                                                                  entry["offset"])
+    assert {t["name"]: [t["dtype"], list(t["shape"])] for t in report["tensors"]} == want
+    text = packer("inspect", str(out / WEIGHTS))
+    assert text.stdout.startswith(f"{out / WEIGHTS} (held in {out / entry['blob']} at offset {entry['offset']}): "
+                                  f"safetensors, {len(want)} tensor")
+    missing = packer("inspect", str(out / "weights" / "other.safetensors"))
+    assert missing.returncode == 1 and "other.safetensors: does not exist" in missing.stderr
+
+
 def _flipped(out: Path, tmp_path: Path) -> Path:
     """A copy of the build with one byte of the weight file's one copy flipped (inside a tensor)."""
     bad = tmp_path / "bad"

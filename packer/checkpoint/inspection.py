@@ -32,7 +32,8 @@ def _describe(
     return tensors, alias_groups
 
 
-def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = ()) -> dict[str, object]:
+def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
+                       region: tuple[int, int] | None = None) -> dict[str, object]:
     """Describe a checkpoint: tensors, alias groups, non-tensor entries, containers.
 
     Tensors are listed under their full dotted names from the top of the pickle. A dtype
@@ -42,6 +43,8 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = ()) -> dict
     Args:
         path: a torch zip, legacy torch or safetensors file.
         allow_globals: the user's plain-data classes (as :func:`read_checkpoint`).
+        region: ``(offset, size)``: the safetensors file is those bytes of ``path`` (a build's
+            weight file in its layer blob, :func:`packer.manifest.held_in_blob`).
 
     Returns:
         ``{"path", "format", "tensors": [{name, dtype, shape, nbytes, alias_group}],
@@ -54,7 +57,7 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = ()) -> dict
         UnsafeInputError / CheckpointError: as :func:`read_checkpoint`.
     """
     path = Path(path)
-    fmt, loaded = _open(path, verify_crc=False, allow_globals=allow_globals)
+    fmt, loaded = _open(path, verify_crc=False, allow_globals=allow_globals, region=region)
     rows: list[tuple[TensorRecord | None, str, str, tuple[int, ...], int]] = []
     unsupported: list[str] = []
     dropped: dict[str, object] = {}

@@ -68,14 +68,21 @@ def _ctranslate2_spec(head: bytes) -> str | None:
     return name[:-1].decode("ascii")
 
 
-def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = ()) -> tuple[str, object]:
-    """Return (format, root object) or (format, CheckpointContents) for safetensors."""
+def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = (),
+          region: tuple[int, int] | None = None) -> tuple[str, object]:
+    """Return (format, root object) or (format, CheckpointContents) for safetensors; with
+    ``region`` (offset, size), the safetensors file held at that place of ``path`` (a layer blob)."""
     try:
         f = open_regular(path, CheckpointError)  # a FIFO or device is refused, never waited on
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open: {e.strerror or e}") from e
     with f:
         size = os.fstat(f.fileno()).st_size
+        if region is not None:
+            offset, held = region
+            if offset + held > size:
+                raise CheckpointError(f"{path}: {size} bytes, too short for {held} bytes at offset {offset}")
+            return "safetensors", read_safetensors(f, path, held, offset=offset)
         fmt = _detect(f, path, size)
         if fmt == "safetensors":
             return fmt, read_safetensors(f, path, size)

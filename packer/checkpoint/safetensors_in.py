@@ -70,8 +70,11 @@ def _record(path: Path, name: str, info: object, base: int) -> tuple[TensorRecor
     return rec, begin, end
 
 
-def read_safetensors(f: BinaryIO, path: Path, size: int) -> CheckpointContents:
+def read_safetensors(f: BinaryIO, path: Path, size: int, *, offset: int = 0) -> CheckpointContents:
     """Parse and check a safetensors file's header; return one record per tensor.
+
+    With ``offset`` the file is the ``size`` bytes at ``offset`` of ``f`` (a weight file inside
+    its layer blob); the records' storage offsets then count from the start of ``f``.
 
     Offsets must tile the data area exactly (no gaps, overlaps or trailing bytes), as the
     safetensors library requires.
@@ -79,14 +82,14 @@ def read_safetensors(f: BinaryIO, path: Path, size: int) -> CheckpointContents:
     Raises:
         CheckpointError: a malformed header, an unknown or complex dtype, bad offsets.
     """
-    header, base = read_header(f, path, size, error=CheckpointError)
+    header, base = read_header(f, path, size, error=CheckpointError, offset=offset)
     meta: tuple[tuple[str, str], ...] = ()
     spans: list[tuple[int, int, TensorRecord]] = []
     for name, info in header.items():
         if name == "__metadata__":
             meta = _metadata(path, info)
             continue
-        rec, begin, end = _record(path, name, info, base)
+        rec, begin, end = _record(path, name, info, offset + base)
         spans.append((begin, end, rec))
     spans.sort(key=lambda s: (s[0], s[1]))
     expected = 0
