@@ -116,17 +116,21 @@ def held_in_blob(path: Path, *, levels: int = 4) -> tuple[Path, int, int] | None
     parent directories holding a ``manifest.json`` is taken as OUT.
 
     Returns:
-        ``(blob, offset, size)``, or None: no build output above ``path``, or the manifest does
-        not place ``path`` in a blob.
+        ``(blob, offset, size)``, or None: no packer build output above ``path`` (a
+        ``manifest.json`` that is not packer's counts as none), or its manifest does not place
+        ``path`` in a blob.
 
     Raises:
-        VerifyError: the manifest is unreadable, or names a blob outside OUT or a bad offset or size.
+        VerifyError: the manifest names a blob outside OUT, or a bad offset or size.
     """
     path = Path(path).absolute()
     for out in list(path.parents)[:levels]:
         if not (out / MANIFEST_NAME).is_file():
             continue
-        _, manifest = read_manifest(out)
+        try:
+            _, manifest = read_manifest(out)
+        except VerifyError:  # another tool's manifest.json, or none we can read: not a build output
+            return None
         entry = manifest["files"].get(path.relative_to(out).as_posix())
         if not isinstance(entry, dict) or not entry.get("blob"):
             return None

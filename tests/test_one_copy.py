@@ -118,6 +118,9 @@ def test_inspect_reads_the_weight_file_where_the_build_keeps_it(signed: tuple[Pa
                                   f"safetensors, {len(want)} tensor")
     missing = packer("inspect", str(out / "weights" / "other.safetensors"))
     assert missing.returncode == 1 and "other.safetensors: does not exist" in missing.stderr
+    (tmp_path / "manifest.json").write_text('{"name": "another tool\'s"}')  # not a build output
+    elsewhere = packer("inspect", str(tmp_path / "weights" / "model.safetensors"))
+    assert elsewhere.returncode == 1 and "model.safetensors: does not exist" in elsewhere.stderr
 
 
 def _flipped(out: Path, tmp_path: Path) -> Path:
