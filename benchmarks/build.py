@@ -264,7 +264,8 @@ class Place:
 
 def main() -> None:
     parser = base_parser(__doc__)
-    parser.add_argument("--layer-digests", action="store_true", help="also compare build(layer_digests=...)")
+    parser.add_argument("--layer-digests", action="store_true",
+                        help="also time build() in process, the weights stage writing the layer blobs and not")
     parser.add_argument("--places", nargs="*", type=Path, help="directories to build in (default: disk and tmpfs)")
     parser.add_argument("--slow-mbps", type=float, default=200.0,
                         help="also build on the repository's disk with writes capped at this rate (0: not)")

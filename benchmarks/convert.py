@@ -205,7 +205,7 @@ def stats(values: list[float]) -> str:
 def base_parser(doc: str) -> argparse.ArgumentParser:
     """``--reps`` and ``--gb``: the options of every benchmark built on :func:`generate`."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="interleaved rounds (each reported as min / median / max)")
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB")
     return parser
 

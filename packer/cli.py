@@ -311,8 +311,8 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
 def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
     """List a checkpoint's tensors and other entries without converting or executing anything.
 
-    A build output's weight file is read where the build keeps it, inside its layer blob
-    (``packer inspect OUT/weights/model.safetensors``); ``--json`` then adds ``blob`` and ``offset``.
+    A build output's weight file (OUT/weights/model.safetensors) is read where the build keeps
+    it, inside its layer blob; --json then adds "blob" and "offset".
 
     \b
     Examples:

@@ -60,22 +60,23 @@ def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
     return ahead
 
 
-def _in_blob(out: Path, rel: str, want: dict[str, Any], checked_blobs: set[str]) -> int:
+def _in_blob(out: Path, rel: str, want: dict[str, Any], checked_blobs: set[str]) -> None:
     """A file held in its layer blob: the image walk read that blob once, checking its digest and
-    the file inside it (size, sha256, offset) side by side; nothing is read again here."""
+    the file inside it (size, sha256, offset) side by side; nothing is read again here (and its
+    bytes are counted once, as the blob's)."""
     blob = str(want["blob"])
     if "sha256:" + blob.rsplit("/", 1)[-1] not in checked_blobs:
         raise VerifyError(f"{out / rel}: the manifest places it in {out / blob}, which the image does not hold")
-    return int(want["size"])
 
 
 def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
                  ahead: dict[Inode, Future[tuple[int, str] | None]]) -> int:
     total = 0
     hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
+    counted: set[Inode] = set()
     for rel, want in sorted(listed.items()):
         if want.get("blob"):
-            total += _in_blob(out, rel, want, checked_blobs)
+            _in_blob(out, rel, want, checked_blobs)
             continue
         path = out / rel
         if not path.is_file() or path.is_symlink():
@@ -97,7 +98,9 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
         digest = hashed[inode]
         if digest != want["sha256"]:
             raise VerifyError(f"{path}: sha256 {digest[:16]}… differs from the manifest's {want['sha256'][:16]}…")
-        total += size
+        if inode not in counted:  # a hard link's bytes are on disk (and read) once
+            counted.add(inode)
+            total += size
     return total
 
 
@@ -193,8 +196,9 @@ def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
     names (a layer tarball under ``image/layers/`` is a hard link of its blob) is named by all.
 
     Returns:
-        A summary: files checked, bytes hashed, ``disk_bytes`` (what OUT takes on disk, as ``du``
-        counts it: hard links once).
+        A summary: files checked (every name, hard links and files held in blobs included),
+        bytes checked (each file's bytes once: a hard link or a file inside a blob adds none),
+        ``disk_bytes`` (what OUT takes on disk, as ``du`` counts it: hard links once).
 
     Raises:
         VerifyError: naming the first mismatch.

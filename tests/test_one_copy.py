@@ -65,6 +65,8 @@ def test_the_layer_blob_is_the_one_copy_at_a_page_offset(signed: tuple[Path, dic
     assert "models/model.safetensors" in listed and str(entry["size"]) in listed
     # OUT on disk: the weights once, plus the rest (bundle, loader, small layers) under 64 MiB
     assert summary["disk_bytes"] == disk_usage(out) <= 1.05 * entry["size"] + 64 * 2**20, summary
+    # the bytes verify checked count each file once: not the blob's hard link, not the file inside it
+    assert entry["size"] < summary["bytes"] <= summary["disk_bytes"], summary
     assert disk_usage(out) < 2 * entry["size"]
 
 
