@@ -103,9 +103,9 @@ class WeightFilePath(InputPath):
     (``OUT/weights/model.safetensors``, listed by the manifest, not on disk by itself)."""
 
     def check(self, path: Path) -> None:
-        from packer.manifest import held_in_blob
-
-        if path.exists() or held_in_blob(path) is None:
+        """Checks an existing path as :class:`InputPath`; a missing one is left to the command,
+        which looks for it in a build output's manifest (once) before calling it missing."""
+        if path.exists():
             super().check(path)
 
 
@@ -324,6 +324,8 @@ def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
     from packer.manifest import held_in_blob
 
     held = None if file.exists() else held_in_blob(file)
+    if held is None and not file.exists():
+        raise PackerError(f"{file}: does not exist")
     if held is None:
         report: dict[str, Any] = inspect_checkpoint(file, allow_globals=allow_globals)
     else:
