@@ -323,10 +323,11 @@ def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
     from packer.checkpoint import inspect_checkpoint
     from packer.manifest import held_in_blob
 
-    held = None if file.exists() else held_in_blob(file)
-    if held is None and not file.exists():
-        raise PackerError(f"{file}: does not exist")
+    exists = file.exists()
+    held = None if exists else held_in_blob(file)
     if held is None:
+        if not exists:  # and in no build's manifest: InputPath's own message
+            InputPath(dir_okay=False).check(file)
         report: dict[str, Any] = inspect_checkpoint(file, allow_globals=allow_globals)
     else:
         blob, offset, size = held
