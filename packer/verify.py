@@ -24,7 +24,7 @@ from packer.idents import digest_parts, shown
 from packer.manifest import TIMINGS, read_manifest, split_artifact
 from packer.oci.plan import WEIGHT_ALIGN
 from packer.oci.referrer import referrer_blobs
-from packer.oci.verify import verify_image
+from packer.oci.verify import Vouched, verify_image
 from packer.oci.warm_layer import check_warm_images
 from packer.reading import member
 from packer.sign.check import check_signed_outputs, verify_signatures
@@ -183,7 +183,7 @@ def _name_every_link(out: Path, e: VerifyError) -> VerifyError:
     return VerifyError(f"{where} (the same file as {', '.join(others)}): {rest}") if others else e
 
 
-def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
+def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None = None) -> dict[str, Any]:
     """Check every file of a build output against its manifest, then each stage's own rules.
 
     A signed build's ``model.sig`` and provenance must describe exactly what the manifest
@@ -195,6 +195,12 @@ def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
     rather than blaming the file whose recorded digest was changed. A blamed file with other
     names (a layer tarball under ``image/layers/`` is a hard link of its blob) is named by all.
 
+    ``vouched`` is for the build's own final verification: the weight layer blobs its writer
+    wrote, each with the sha256 of the file inside it, computed from the same bytes as the
+    blob's digest. Such a blob is read and hashed against its digest as any other; the file
+    inside it is then known to be those bytes and is not hashed a second time (one sha256
+    per weight byte instead of two). ``packer verify`` passes nothing and hashes both.
+
     Returns:
         A summary: files checked (every name, hard links and files held in blobs included),
         bytes checked (each file's bytes once: a hard link or a file inside a blob adds none),
@@ -204,7 +210,7 @@ def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
         VerifyError: naming the first mismatch.
     """
     try:
-        return {**_verify(out, public_key), "disk_bytes": disk_usage(Path(out))}
+        return {**_verify(out, public_key, vouched), "disk_bytes": disk_usage(Path(out))}
     except VerifyError as e:
         named = _name_every_link(out, e)
         if named is e:
@@ -212,7 +218,7 @@ def verify(out: Path, *, public_key: Path | None = None) -> dict[str, Any]:
         raise named from e
 
 
-def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
+def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict[str, Any]:
     raw, manifest = read_manifest(out)
     _check_self(out, raw, manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
@@ -235,7 +241,7 @@ def _verify(out: Path, public_key: Path | None) -> dict[str, Any]:
         ahead = _hash_ahead(out, listed, pool, stop)  # while the image is walked
         if manifest.get("image"):
             try:
-                checked = verify_image(out, artifact_manifest=split_artifact(manifest))
+                checked = verify_image(out, artifact_manifest=split_artifact(manifest), vouched=vouched)
             except ImageArtifactMismatchError as e:
                 raise VerifyError(f"{out / MANIFEST_NAME}: differs from the copy built into the image ({e})") from e
         nbytes = _check_files(out, listed, checked, ahead)

@@ -16,13 +16,14 @@ import os
 import tarfile
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
 from packer.errors import BlobDigestError, ImageArtifactMismatchError, ImageError, VerifyError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import HashThread
+from packer.fsutil import HashThread, Identity, identity
 from packer.jsonshape import ListOf, Obj
 from packer.oci import modelpack
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
@@ -49,6 +50,27 @@ Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
 Offsets = dict[str, tuple[str, int]]  # image path -> (uncompressed layer blob digest, data offset in it)
 
 
+@dataclass(frozen=True)
+class Vouch:
+    """What the build knows of an uncompressed weight layer blob its writer wrote.
+
+    ``offset``, ``size`` (bytes) and ``sha256`` (hex) are the safetensors file inside it, whose
+    sha256 the writer computed from the same bytes as the blob's digest: once the blob matches
+    its digest, the file in it is known without hashing it again. ``hashed``, when given, is
+    the blob's own re-read, begun as soon as it was written: the :func:`~packer.fsutil.identity`
+    of the file it read, its size and sha256 (None: it could not); the walk takes that digest
+    for a blob of the same identity instead of hashing it a second time.
+    """
+
+    offset: int
+    size: int
+    sha256: str
+    hashed: Future[tuple[Identity, int, str] | None] | None = None
+
+
+Vouched = dict[str, Vouch]  # layer blob digest ("sha256:<hex>") -> what the build knows of it
+
+
 class _Mapped:
     """An uncompressed blob through a read-only mapping: ``read`` hands out views of it, so the
     blob's digest (one thread) and the files' sha256 (the walk) read the same pages, uncopied."""
@@ -72,14 +94,32 @@ class _Mapped:
         os.close(self.fd)
 
 
+class _Known:
+    """A blob's digest taken by a re-read of the same, unwritten file: stands in for its hasher."""
+
+    def __init__(self, hexdigest: str) -> None:
+        self._hex = hexdigest
+
+    def update(self, data: bytes | memoryview) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return self._hex
+
+
 class _HashingReader:
     """A read-only stream that hashes (on another thread) and counts everything read through it.
 
-    The blob's digest runs beside the tar walk, which hashes the files inside the layer.
+    The blob's digest runs beside the tar walk, which hashes the files inside the layer; a blob
+    hashed ahead (``known``: its sha256 hex) is only counted.
     """
 
-    def __init__(self, raw: IO[bytes] | _Mapped) -> None:
-        self.raw, self.hash, self.size = raw, HashThread(), 0
+    def __init__(self, raw: IO[bytes] | _Mapped, known: str | None = None) -> None:
+        self.raw, self.size = raw, 0
+        self.hash: HashThread | _Known = HashThread() if known is None else _Known(known)
 
     def read(self, n: int = -1) -> bytes | memoryview:
         data = self.raw.read(n)
@@ -197,9 +237,11 @@ def _check_entry(
 
 
 def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files: bool,
-              offsets: tuple[str, Offsets] | None = None) -> Expected:
+              offsets: tuple[str, Offsets] | None = None, vouched: tuple[int, int, str] | None = None) -> Expected:
     """Every entry against the rules; each file's size and sha256 (``hash_files``), and, for an
-    uncompressed layer (``offsets``: its digest and the map to fill), where its data lies."""
+    uncompressed layer (``offsets``: its digest and the map to fill), where its data lies. The
+    file at ``vouched``'s offset and size takes its sha256 from there: the caller checks the
+    blob's digest after the walk, and nothing the walk found counts before that passes."""
     seen: set[str] = set()
     last = ""
     found: Expected = {}
@@ -208,7 +250,9 @@ def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files
         last = _check_entry(m, where, rules, seen, last)
         if m.isfile() and offsets is not None:
             offsets[1]["/" + last] = (offsets[0], m.offset_data)
-        if m.isfile() and hash_files:
+        if m.isfile() and hash_files and vouched is not None and (m.offset_data, m.size) == vouched[:2]:
+            found["/" + last] = (m.size, vouched[2])  # its bytes still feed the blob's digest
+        elif m.isfile() and hash_files:
             h = hashlib.sha256()
             for chunk in reader.chunks():
                 h.update(chunk)
@@ -216,10 +260,24 @@ def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files
     return found
 
 
+def _hashed_ahead(vouch: Vouch | None, raw: IO[bytes] | _Mapped) -> str | None:
+    """The sha256 hex of a blob's re-read begun when it was written, if the file open now is
+    the one it read, unwritten since; else None (hash it now)."""
+    if vouch is None or vouch.hashed is None or not isinstance(raw, _Mapped):
+        return None
+    try:
+        got = vouch.hashed.result()
+    except CancelledError:  # the build is stopping
+        return None
+    return got[2] if got is not None and got[0] == identity(os.fstat(raw.fd)) else None
+
+
 def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[str, Any] | None,
-                 hash_files: bool, kind: str | None = None, offsets: Offsets | None = None) -> Expected:
+                 hash_files: bool, kind: str | None = None, offsets: Offsets | None = None,
+                 vouched: Vouched | None = None) -> Expected:
     """One layer blob in one pass: its digest on a thread beside the tar walk, which hashes the
-    files inside (a weight file's sha256 and its layer's digest from the same read)."""
+    files inside (a weight file's sha256 and its layer's digest from the same read); a blob
+    ``vouched`` for is hashed once (ahead, or here), the file inside it not at all."""
     media = desc.get("mediaType")
     path = _blob_path(image, desc.get("digest", ""))
     if kind is not None:  # an artifact's own tar media type
@@ -233,12 +291,14 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
         raw: IO[bytes] | _Mapped = _Mapped(path) if plain else open_regular(path, VerifyError)
     except OSError as e:
         raise _fail(str(path), f"missing blob ({e.strerror})") from e
-    reader = _HashingReader(raw)
+    vouch = (vouched or {}).get(str(desc.get("digest"))) if plain else None
+    reader = _HashingReader(raw, _hashed_ahead(vouch, raw))
     try:
         stream = _DiffHasher(_decompressed(reader, media), reader.hash if plain else None)
         if rules is not None:
             mine = (str(desc.get("digest")), offsets) if plain and offsets is not None else None
-            found = _walk_tar(stream, str(path), rules, hash_files, mine)
+            inside = (vouch.offset, vouch.size, vouch.sha256) if vouch is not None else None
+            found = _walk_tar(stream, str(path), rules, hash_files, mine, inside)
         stream.drain()
         reader.drain()
     except (OSError, EOFError, tarfile.TarError, ValueError, zlib.error, VerifyError) as e:
@@ -279,7 +339,7 @@ def _rules(ann: dict[str, Any], created: str) -> dict[str, Any]:
 
 def _check_manifest(image: Path, desc: dict[str, Any], found: Expected, hash_files: bool,
                     per_layer: dict[str, Expected] | None = None,
-                    offsets: Offsets | None = None) -> dict[str, Any]:
+                    offsets: Offsets | None = None, vouched: Vouched | None = None) -> dict[str, Any]:
     manifest = _check_json_blob(image, desc, OCI_MANIFEST)
     config = _check_json_blob(image, manifest.get("config") or {}, OCI_CONFIG)
     _check_platform(str(image / "index.json"), desc, config)
@@ -297,7 +357,7 @@ def _check_manifest(image: Path, desc: dict[str, Any], found: Expected, hash_fil
     workers = max(1, min(len(layers), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="packer-verify") as pool:
         futures = [pool.submit(_check_layer, image, ldesc, diff_id, rules if mine else None,
-                               hash_files, None, offsets)
+                               hash_files, None, offsets, vouched)
                    for ldesc, diff_id, mine in zip(layers, diff_ids, ours, strict=True)]
         for ldesc, fut in zip(layers, futures, strict=True):
             got = fut.result()
@@ -417,13 +477,17 @@ def _annotations(image: Path, desc: dict[str, Any]) -> dict[str, Any]:
     return dict(_check_json_blob(image, desc, OCI_MANIFEST).get("annotations") or {})
 
 
-def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> set[str]:
+def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None,
+                 vouched: Vouched | None = None) -> set[str]:
     """Check ``OUT/image`` completely; raise on the first problem.
 
     Args:
         out_dir: the output directory holding ``image/``.
         artifact_manifest: when given, the image's files must equal the artifact files
             listed in its ``files`` map and its ``manifest.json`` must equal these bytes.
+        vouched: layer blobs whose one file's sha256 the caller computed from the same bytes
+            as the blob's digest (:data:`Vouched`; the build's own final verification): that
+            file is not hashed again, the blob is (only with ``artifact_manifest``).
 
     Returns:
         The digests of the blobs whose content was checked (so callers need not hash them again).
@@ -466,7 +530,7 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None) -> se
             layer_blobs = [lay["digest"] for lay in manifest["layers"]]
         else:
             try:
-                manifest = _check_manifest(image, desc, found, hash_files, seen, offsets)
+                manifest = _check_manifest(image, desc, found, hash_files, seen, offsets, vouched)
             except BlobDigestError as e:
                 if artifact_manifest is None:
                     raise
