@@ -3,8 +3,7 @@
 source → weights → bundle → loader → inputs (the artifact manifest) → image → manifest → verify
 → publish. Each stage is a function of one :class:`~packer.stage.StageContext` returning a
 :class:`~packer.stage.StageOutput`; this module runs the one list of them,
-:data:`packer.build_stages.STAGES`, in order and times them, so it knows nothing of their internals
-but one: the weight blobs' re-read for the final verification begins as the weights stage returns.
+:data:`packer.build_stages.STAGES`, in order and times them, so it knows nothing of their internals.
 """
 
 from __future__ import annotations
@@ -13,24 +12,16 @@ import contextlib
 import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from packer.build_stages import STAGES, BuildStage, default_layer_digests, final_manifest, vouched_blobs
+from packer.build_stages import STAGES, BuildStage, default_layer_digests, final_manifest
 from packer.errors import PackerError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import (
-    Identity,
-    atomic_write_bytes,
-    canonical_json,
-    disk_usage,
-    sha256_file_or_none,
-    sha256_unchanged,
-)
+from packer.fsutil import atomic_write_bytes, canonical_json, disk_usage, sha256_file_or_none
 from packer.manifest import TIMINGS
-from packer.oci.verify import Vouched
 from packer.publish import make_scratch, make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
@@ -78,49 +69,14 @@ def _check_out(out: Path) -> None:
         raise PackerError(f"{out}: exists and is not a packer build output; remove it or choose another -o")
 
 
-WRITER_THREADS = 3  # the weights stage's busy threads: the copy and two hashers (file, layer)
+def _hash_inputs_early(snap: Snapshot, recipe: Recipe, pool: ThreadPoolExecutor,
+                       stop: threading.Event) -> Early:
+    """Start hashing the checkpoint files the weights stage will read, while it converts them.
 
-
-def _cores() -> int:
-    """The cores this process may run on (its affinity mask, where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class _Ahead:
-    """Hashing begun before it is needed, on threads of its own (hashlib releases the GIL).
-
-    ``pins`` hash the inputs; ``rereads`` re-read each weight layer blob as soon as the weights
-    stage has written it, for the final verification, beside the later stages. Where a core is
-    left beside the writer's :data:`WRITER_THREADS`, the pins run while it converts; with fewer
-    cores they would only slow it down, and start when it returns, beside the re-reads.
-    """
-
-    def __init__(self) -> None:
-        cores = _cores()
-        self.pins_first = cores > WRITER_THREADS
-        self.stop = threading.Event()
-        self.pins = ThreadPoolExecutor(max(1, cores - 1), thread_name_prefix="packer-inputs")
-        self.rereads = ThreadPoolExecutor(cores, thread_name_prefix="packer-reread")
-
-    def reread(self, path: Path) -> Future[tuple[Identity, int, str] | None]:
-        """Start hashing ``path`` (:func:`~packer.fsutil.sha256_unchanged`)."""
-        return self.rereads.submit(sha256_unchanged, path, self.stop)
-
-    def close(self) -> None:
-        """Stop what is still running (a failed build need not wait for it) and join the threads."""
-        self.stop.set()
-        for pool in (self.pins, self.rereads):
-            pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _hash_inputs_early(snap: Snapshot, recipe: Recipe, ahead: _Ahead) -> Early:
-    """Start hashing the checkpoint files the weights stage reads (while it converts them, or
-    as it returns: :class:`_Ahead`).
-
-    The manifest records every input's sha256; hashing the checkpoints in the inputs stage
-    would be a full pass on one core that nothing else overlaps. The list comes from the same
-    search the weights stage makes (names and the index only; no checkpoint is opened here);
-    anything it gets wrong is simply hashed again later.
+    The manifest records every input's sha256; hashing the checkpoints after conversion
+    would be a second full pass on one core. The list comes from the same search the weights
+    stage makes (names and the index only; no checkpoint is opened here); anything it gets
+    wrong is simply hashed again later.
     """
     from packer.weights.inputs import find_inputs
 
@@ -129,7 +85,7 @@ def _hash_inputs_early(snap: Snapshot, recipe: Recipe, ahead: _Ahead) -> Early:
         files = sorted([*found.files, *([found.index] if found.index else [])], key=lambda f: -f.stat().st_size)
     except (PackerError, OSError):
         return {}  # the weights stage reports it
-    return {f.absolute(): ahead.pins.submit(sha256_file_or_none, f, ahead.stop) for f in files}
+    return {f.absolute(): pool.submit(sha256_file_or_none, f, stop) for f in files}
 
 
 def _run_stage(ctx: StageContext, timer: StageTimer, stage: BuildStage) -> None:
@@ -140,19 +96,23 @@ def _run_stage(ctx: StageContext, timer: StageTimer, stage: BuildStage) -> None:
     ctx.outputs[stage.name] = out
 
 
-def _run_stages(ctx: StageContext, timer: StageTimer, ahead: _Ahead) -> tuple[dict[str, Any], list[str], Vouched]:
-    """Run every stage; return the manifest, the notes and the weight blobs vouched for (their
-    re-reads begun as the weights stage returned)."""
-    if not ctx.dry_run and ahead.pins_first:
-        ctx = replace(ctx, early=_hash_inputs_early(ctx.snap, ctx.recipe, ahead))
-    vouched: Vouched = {}
+def _run_stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="packer-inputs")
+    try:
+        early = {} if ctx.dry_run else _hash_inputs_early(ctx.snap, ctx.recipe, pool, stop)
+        return _stages(replace(ctx, early=early), timer)
+    finally:
+        stop.set()  # a failed stage need not wait for the inputs to be hashed
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stages(ctx: StageContext, timer: StageTimer) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    """Run every stage; return the manifest, the notes and what the weights stage re-read
+    itself (its ``vouched``, for the final verification)."""
     for stage in STAGES:
         if stage.runs_when(ctx):
             _run_stage(ctx, timer, stage)
-            if stage.name == "weights" and not ctx.dry_run:
-                vouched = vouched_blobs(ctx, ahead.reread)
-                if not ahead.pins_first:
-                    ctx = replace(ctx, early=_hash_inputs_early(ctx.snap, ctx.recipe, ahead))
     out = ctx.outputs
     image = out["image"]
     if ctx.dry_run:  # the plan: nothing was written, no input hashed
@@ -163,7 +123,7 @@ def _run_stages(ctx: StageContext, timer: StageTimer, ahead: _Ahead) -> tuple[di
     else:
         manifest = final_manifest(ctx)
         atomic_write_bytes(ctx.staging / MANIFEST_NAME, canonical_json(manifest))
-    return manifest, [note for o in out.values() for note in o.notes], vouched
+    return manifest, [note for o in out.values() for note in o.notes], out["weights"].vouched
 
 
 def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bool = True,
@@ -199,7 +159,6 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
 
         load_signing_key(recipe.sign_key() or "")
     staging = make_staging(out)
-    ahead = _Ahead()
     try:
         with contextlib.ExitStack() as stack:
             with timer.stage("source"):
@@ -209,17 +168,16 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
                 snap = stack.enter_context(resolve_source(recipe, cache_dir=cache_dir, scratch=scratch))
             ctx = StageContext(recipe, snap, staging, dry_run=dry_run, sandbox=sandbox, progress=progress,
                                layer_digests=default_layer_digests() if layer_digests is None else layer_digests)
-            manifest, notes, vouched = _run_stages(ctx, timer, ahead)
+            manifest, notes, vouched = _run_stages(ctx, timer)
         if dry_run:
             return BuildResult(out, manifest, timer, notes, dry_run=True)
         with timer.stage("verify") as t:
-            checked = verify(staging, vouched=vouched)  # each weight byte hashed once more, most of it ahead
+            checked = verify(staging, vouched=vouched)  # the weight blobs' hashes: the weights stage's re-read
             t.nbytes = checked["bytes"]
         atomic_write_bytes(staging / TIMINGS, canonical_json({"stages": timer.as_json()}))
         on_disk = disk_usage(staging)  # with the timings: what OUT takes once published
         publish(staging, out)
     finally:
-        ahead.close()  # before the staging files it reads go
         shutil.rmtree(staging, ignore_errors=True)
     warm = None
     if recipe.warm.engine:  # after the publish: the state lies beside the build, pinned apart

@@ -10,10 +10,8 @@ inside the stage functions, so importing this module stays cheap (no torch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
 
 from packer.errors import SignError
 from packer.formats import MANIFEST_NAME
@@ -21,9 +19,6 @@ from packer.fsutil import FileEntry, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
 from packer.reading import SIGNATURE, read_bytes
 from packer.stage import Stage, StageContext, StageOutput
-
-if TYPE_CHECKING:
-    from packer.oci.verify import Vouched
 
 
 def weights_stage(ctx: StageContext) -> StageOutput:
@@ -35,19 +30,26 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     a plain file in ``weights/`` that the image stage copies into its layer).
 
     The writer does not read its output back (``verify=False``): it hashes the bytes it means
-    to write, and the build re-reads every blob against those digests (:func:`vouched_blobs`,
-    then the final ``verify``), which proves the same thing (what landed is what was meant) in a
-    pass it makes anyway.
+    to write, and this process re-reads every blob it wrote (:func:`packer.oci.reread.
+    reread_blobs`): the blob against the digest it is named by, which proves the same thing
+    (what landed is what was meant), and the file inside it hashed from the same read for the
+    manifest, nothing taken from the sandboxed writer. The final ``verify`` takes both digests
+    from that read for a blob not written since (``vouched``).
     """
+    from packer.oci.reread import reread_blobs
     from packer.oci.runconfig import created_epoch
     from packer.weights.stage import convert_layout
 
     img = ctx.recipe.image
     layer_image = img if ctx.layer_digests and img.weights == "layer" and not img.single_layer else None
     mtime = created_epoch(ctx.snap.identity()) if layer_image else None  # the image's entries' mtime
-    return convert_layout(ctx.snap.weights, ctx.staging, ctx.recipe.weights, single_file=ctx.snap.single_file,
-                          dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, layer_image=layer_image,
-                          layer_blobs=layer_image is not None, layer_mtime=mtime, verify=False)
+    out = convert_layout(ctx.snap.weights, ctx.staging, ctx.recipe.weights, single_file=ctx.snap.single_file,
+                         dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, layer_image=layer_image,
+                         layer_blobs=layer_image is not None, layer_mtime=mtime, verify=False)
+    if ctx.dry_run:
+        return out
+    files, vouched = reread_blobs(ctx.staging, out.files)
+    return replace(out, files=files, vouched=vouched)
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:
@@ -120,18 +122,6 @@ def sign_stage(ctx: StageContext) -> StageOutput:
     beside = sorted({image_rel(f.path) for f in ctx.artifacts() if not f.path.startswith("weights/")}
                     | {MANIFEST_NAME})
     return write_model_signature(ctx.staging, embedded_manifest(ctx), key, name=ctx.recipe.name, ignore=beside)
-
-
-def vouched_blobs(ctx: StageContext, reread: Callable[[Path], Future[Any]]) -> Vouched:
-    """The weight layer blobs the weights stage wrote, for the final verification
-    (:func:`packer.verify.verify`'s ``vouched``): each with the offset, size and sha256 of its
-    safetensors file (the writer fed the same bytes to the file's and the blob's hashers, so once
-    the blob matches its digest, the file in it matches this sha256), and its re-read begun now
-    (``reread``: a path to the future :attr:`~packer.oci.verify.Vouch.hashed`)."""
-    from packer.oci.verify import Vouch
-
-    return {"sha256:" + f.blob.rsplit("/", 1)[-1]: Vouch(f.offset, f.size, f.sha256, reread(ctx.staging / f.blob))
-            for f in ctx.outputs["weights"].files if f.blob}
 
 
 def final_manifest(ctx: StageContext) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from packer.errors import PackerError
 from packer.reading import check_regular as check_regular  # moved to packer.reading; kept for callers
 from packer.reading import file_kind as file_kind
 from packer.reading import not_regular as not_regular
@@ -81,24 +80,13 @@ def sha256_file_or_none(path: str | Path, stop: threading.Event) -> tuple[int, s
         return None
 
 
-Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns: the same file, unwritten
+Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
 
 def identity(st: os.stat_result) -> Identity:
-    """What tells that a file is the one seen before and was not written since."""
+    """What tells that a file is the one seen before and that stat shows no write to it since
+    (a write that puts the mtime back, or lands within the same timestamp tick, does not show)."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def sha256_unchanged(path: str | Path, stop: threading.Event) -> tuple[Identity, int, str] | None:
-    """:func:`sha256_file_or_none` with the file's :func:`identity`, the same before and after
-    the read (else None): a later reader holding a file of that identity may take the digest."""
-    try:
-        before = os.stat(path)
-        size, digest = sha256_file(path, stop)
-        after = os.stat(path)
-    except (OSError, PackerError):  # unreadable, stopped, not a regular file: the reader reports it
-        return None
-    return (identity(after), size, digest) if identity(before) == identity(after) else None
 
 
 class HashThread(threading.Thread):

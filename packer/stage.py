@@ -41,6 +41,8 @@ class StageOutput:
         notes: human-readable remarks for the build log (skipped entries and the like).
         digests: facts for later stages that are not part of the manifest section, e.g.
             ``{"layer:weights/model.safetensors": "sha256:…"}`` (a weight file's image layer).
+        vouched: what the stage re-read and hashed itself, for the final verification (the
+            weights stage's blobs: :data:`packer.oci.reread.Vouched`).
     """
 
     files: tuple[FileEntry, ...] = ()
@@ -48,6 +50,7 @@ class StageOutput:
     bytes_processed: int = 0
     notes: tuple[str, ...] = ()
     digests: dict[str, str] = field(default_factory=dict)
+    vouched: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from packer.idents import digest_parts, shown
 from packer.manifest import TIMINGS, read_manifest, split_artifact
 from packer.oci.plan import WEIGHT_ALIGN
 from packer.oci.referrer import referrer_blobs
-from packer.oci.verify import Vouched, verify_image
+from packer.oci.reread import Vouched
+from packer.oci.verify import verify_image
 from packer.oci.warm_layer import check_warm_images
 from packer.reading import member
 from packer.sign.check import check_signed_outputs, verify_signatures
@@ -195,11 +196,11 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
     rather than blaming the file whose recorded digest was changed. A blamed file with other
     names (a layer tarball under ``image/layers/`` is a hard link of its blob) is named by all.
 
-    ``vouched`` is for the build's own final verification: the weight layer blobs its writer
-    wrote, each with the sha256 of the file inside it, computed from the same bytes as the
-    blob's digest. Such a blob is read and hashed against its digest as any other; the file
-    inside it is then known to be those bytes and is not hashed a second time (one sha256
-    per weight byte instead of two). ``packer verify`` passes nothing and hashes both.
+    ``vouched`` is for the build's own final verification: its weights stage re-read each
+    weight layer blob (:func:`packer.oci.reread.reread_blobs`: the blob against its name, the
+    file inside it hashed from the same read). A blob that stat shows unwritten since takes
+    both digests from there, its tar entries checked all the same; anything else is hashed
+    here. ``packer verify`` passes nothing and hashes the blob and the file side by side.
 
     Returns:
         A summary: files checked (every name, hard links and files held in blobs included),

@@ -1,11 +1,12 @@
-"""The build's final verification: every weight byte hashed once more after it landed, most of
-that while the later stages run, and a byte changed anywhere after the writer still refused.
+"""The build's own re-read of its weight blobs, and the final verification that builds on it.
 
-The weights stage hands the build each weight layer blob with the sha256 of the file inside it
-(computed from the same bytes as the blob's digest); the build re-reads each blob as the stage
-returns (``sha256_unchanged``) and the final ``verify`` takes that digest for the same,
-unwritten file, or hashes the blob itself when the file changed since. ``packer verify``
-on its own hashes the blob and the file inside it, side by side.
+The weights stage's sandboxed writer hashes each weight layer blob from the bytes it means to
+write and leaves the safetensors file's sha256 to the build: the build maps each blob once and
+hashes the blob (against the digest it is named by) and the file inside it side by side
+(``packer.oci.reread``). The final ``verify`` takes both digests for a blob that stat shows
+unwritten since, and hashes anything else; ``packer verify`` on its own hashes the blob and the
+file inside it. A byte changed after the writer is refused either way, and the manifest's
+sha256 of a weight file is what its bytes hash to, whatever the writer says.
 """
 
 from __future__ import annotations
@@ -21,22 +22,27 @@ import pytest
 
 import packer.build
 import packer.oci.verify
+import packer.weights.stage
 from packer.build import build
 from packer.build_stages import STAGES
-from packer.errors import VerifyError
-from packer.fsutil import sha256_unchanged
+from packer.errors import VerifyError, WeightsError
+from packer.fsutil import FileEntry
+from packer.oci.reread import reread_blobs
 from packer.recipe import demo_recipe
 from packer.stage import StageContext, StageOutput
 from packer.verify import verify
+from tests.built import weight_bytes
+
+WEIGHTS = "weights/model.safetensors"
 
 
-def _blob(staging: Path, out: StageOutput) -> Path:
+def _held(out: StageOutput) -> FileEntry:
     (entry,) = [f for f in out.files if f.blob]
-    return staging / entry.blob
+    return entry
 
 
 def _flip(path: Path, at: int, *, keep_mtime: bool = False) -> None:
-    """Invert one byte of ``path`` in place (the same inode); optionally keep its mtime."""
+    """Invert one byte of ``path`` in place (the same inode); optionally put its mtime back."""
     st = path.stat()
     with path.open("r+b") as f:
         f.seek(at)
@@ -47,53 +53,83 @@ def _flip(path: Path, at: int, *, keep_mtime: bool = False) -> None:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def _with_weights_then(monkeypatch: pytest.MonkeyPatch, after: Any) -> None:
-    """Run ``after(ctx, output)`` as the weights stage returns, before the build re-reads its blobs."""
+def _writer_then(monkeypatch: pytest.MonkeyPatch, after: Any) -> list[StageOutput]:
+    """Run ``after(staging, writer's output) -> output`` as the (sandboxed) writer returns, before
+    the build re-reads its blobs; returns the writer's outputs as they came."""
+    seen: list[StageOutput] = []
+    real = packer.weights.stage.convert_layout
+
+    def convert_layout(src: Path, staging: Path, *args: Any, **kwargs: Any) -> StageOutput:
+        out = real(src, staging, *args, **kwargs)
+        seen.append(out)
+        return after(staging, out) or out
+
+    monkeypatch.setattr(packer.weights.stage, "convert_layout", convert_layout)
+    return seen
+
+
+def test_the_writer_leaves_the_file_sha256_to_the_build_which_hashes_the_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _writer_then(monkeypatch, lambda staging, out: None)
+    result = build(demo_recipe(), tmp_path / "out")  # the sandboxed writer, as the CLI runs it
+    assert _held(seen[0]).sha256 == ""  # one hash pass fewer in the writer
+    entry = result.manifest["files"][WEIGHTS]
+    assert entry["sha256"] == hashlib.sha256(weight_bytes(tmp_path / "out")).hexdigest()
+    assert verify(tmp_path / "out")["bytes"] == result.checked["bytes"]
+
+
+def test_a_writer_that_misreports_the_file_sha256_is_not_believed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def lying(staging: Path, out: StageOutput) -> StageOutput:
+        files = tuple(replace(f, sha256="ab" * 32) if f.blob else f for f in out.files)
+        return replace(out, files=files)
+
+    _writer_then(monkeypatch, lying)
+    result = build(demo_recipe(), tmp_path / "out", sandbox=False)
+    data = weight_bytes(tmp_path / "out")
+    assert result.manifest["files"][WEIGHTS]["sha256"] == hashlib.sha256(data).hexdigest() != "ab" * 32
+    loader = json.loads((tmp_path / "out/manifest.json").read_bytes())["files"][WEIGHTS]
+    assert loader["sha256"] == hashlib.sha256(data).hexdigest()
+    verify(tmp_path / "out")  # what the build published, packer verify accepts
+
+
+def test_a_blob_that_does_not_match_its_name_is_refused_and_nothing_is_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def flip(staging: Path, out: StageOutput) -> None:  # the same inode, its mtime put back
+        entry = _held(out)
+        _flip(staging / entry.blob, entry.offset + entry.size // 2, keep_mtime=True)
+
+    _writer_then(monkeypatch, flip)
+    with pytest.raises(WeightsError, match=r"image/blobs/sha256/[0-9a-f]{64}: the layer blob does not match "
+                                           r"the digest it is named by"):
+        build(demo_recipe(), tmp_path / "out", sandbox=False)
+    assert list(tmp_path.iterdir()) == []  # no OUT, no staging
+
+
+def _after_the_weights_stage(monkeypatch: pytest.MonkeyPatch, then: Any) -> None:
     def weights(ctx: StageContext, run: Any = STAGES[0].run) -> StageOutput:
         out = run(ctx)
-        after(ctx, out)
+        then(ctx, out)
         return out
 
     assert STAGES[0].name == "weights"
     monkeypatch.setattr(packer.build, "STAGES", (replace(STAGES[0], run=weights), *STAGES[1:]))
 
 
-def _middle(staging: Path, out: StageOutput) -> int:
-    (entry,) = [f for f in out.files if f.blob]
-    return entry.offset + entry.size // 2  # a tensor byte of the safetensors file in the blob
-
-
-def test_a_byte_flipped_before_the_re_read_is_refused_and_nothing_is_published(
+def test_a_blob_written_after_the_re_read_is_hashed_again_and_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the same inode, its mtime put back: only the bytes tell
-    _with_weights_then(monkeypatch, lambda ctx, out: _flip(_blob(ctx.staging, out), _middle(ctx.staging, out),
-                                                           keep_mtime=True))
-    with pytest.raises(VerifyError, match=r"image/blobs/sha256/[0-9a-f]{64}.*blob does not match its descriptor"):
+    _after_the_weights_stage(monkeypatch, lambda ctx, out: _flip(ctx.staging / _held(out).blob, 5000))
+    with pytest.raises(VerifyError, match=r"image/blobs/sha256/[0-9a-f]{64}.*: blob does not match its descriptor"):
         build(demo_recipe(), tmp_path / "out", sandbox=False)
-    assert list(tmp_path.iterdir()) == []  # no OUT, no staging
-
-
-def test_a_blob_written_after_its_re_read_is_hashed_again_and_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    reread: list[Path] = []
-
-    def then_flip(path: Path, stop: Any) -> Any:
-        got = sha256_unchanged(path, stop)
-        _flip(Path(path), os.path.getsize(path) // 2)  # after its digest was taken: a later write
-        reread.append(Path(path))
-        return got
-
-    monkeypatch.setattr(packer.build, "sha256_unchanged", then_flip)
-    with pytest.raises(VerifyError, match="blob does not match its descriptor"):
-        build(demo_recipe(), tmp_path / "out", sandbox=False)
-    assert len(reread) == 1 and list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 class _Counted:
-    """Bytes that the image walk's hashers took, by kind (``blob``: a blob's digest; ``file``: a
-    file inside a layer)."""
+    """Bytes that the image walk's hashers took (``blob``: blobs' digests; ``file``: files inside layers)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = {"blob": 0, "file": 0}
@@ -104,76 +140,71 @@ class _Counted:
                 counts["blob"] += len(data)
                 super().update(data)
 
-        class Hashlib:
-            @staticmethod
-            def sha256(data: bytes = b"") -> Any:
-                h = hashlib.sha256(data)
+        class Counting:
+            def __init__(self, data: bytes = b"") -> None:
+                self.h = hashlib.sha256(data)
                 counts["file"] += len(data)
 
-                class Counting:
-                    def update(self, more: bytes | memoryview) -> None:
-                        counts["file"] += len(more)
-                        h.update(more)
+            def update(self, more: bytes | memoryview) -> None:
+                counts["file"] += len(more)
+                self.h.update(more)
 
-                    def hexdigest(self) -> str:
-                        return h.hexdigest()
+            def hexdigest(self) -> str:
+                return self.h.hexdigest()
 
-                return Counting()
+        class Hashlib:
+            sha256 = Counting
 
         monkeypatch.setattr(packer.oci.verify, "HashThread", Thread)
         monkeypatch.setattr(packer.oci.verify, "hashlib", Hashlib)
 
 
-def test_the_final_verification_hashes_no_weight_byte_a_second_time(
+def test_the_final_verification_hashes_no_weight_byte_the_re_read_hashed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counted = _Counted(monkeypatch)
-    result = build(demo_recipe(), tmp_path / "out", sandbox=False)
-    entry = result.manifest["files"]["weights/model.safetensors"]
-    # the blob's digest came from its re-read, the file's sha256 from the writer: the walk hashed
-    # only the small layers and files
-    assert counted.bytes["blob"] + counted.bytes["file"] < entry["size"] // 4, counted.bytes
-    assert result.checked["bytes"] > entry["size"]  # and still counted every byte as checked
-    # packer verify on its own hashes the blob and the file inside it
+    result = build(demo_recipe(), tmp_path / "out")
+    size = result.manifest["files"][WEIGHTS]["size"]
+    # both digests came from the weights stage's re-read: the walk hashed the small layers only
+    assert counted.bytes["blob"] + counted.bytes["file"] < size // 4, counted.bytes
+    assert result.checked["bytes"] > size  # and still counts every byte as checked
     counted.bytes.update(blob=0, file=0)
-    verify(tmp_path / "out")
-    assert counted.bytes["blob"] > entry["size"] and counted.bytes["file"] > entry["size"], counted.bytes
+    verify(tmp_path / "out")  # on its own: the blob and the file inside it, both hashed
+    assert counted.bytes["blob"] > size and counted.bytes["file"] > size, counted.bytes
 
 
-def test_a_vouched_sha256_is_still_held_against_the_manifest(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("built") / "out"
     build(demo_recipe(), out, sandbox=False)
-    files = json.loads((out / "manifest.json").read_bytes())["files"]
-    entry = files["weights/model.safetensors"]
-    digest = "sha256:" + entry["blob"].rsplit("/", 1)[-1]
-    right = packer.oci.verify.Vouch(entry["offset"], entry["size"], entry["sha256"])
-    assert verify(out, vouched={digest: right})["bytes"] > entry["size"]
-    wrong = replace(right, sha256="0" * 64)  # a vouch that disagrees with the manifest is refused
-    with pytest.raises(VerifyError, match="models/model.safetensors.*differ"):
-        verify(out, vouched={digest: wrong})
-    elsewhere = replace(right, sha256="0" * 64, offset=right.offset + 4096)  # not the file's place: hashed
-    assert verify(out, vouched={digest: elsewhere})["bytes"] > entry["size"]
+    return out
 
 
-def test_sha256_unchanged_gives_nothing_for_a_file_written_while_it_was_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _entry(out: Path) -> FileEntry:
+    e = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]
+    return FileEntry(WEIGHTS, e["size"], "", e["blob"], e["offset"])
+
+
+def test_a_vouch_is_taken_only_for_the_file_it_read(built: Path) -> None:
+    entry = _entry(built)
+    (_, vouched) = reread_blobs(built, (entry,))
+    ((digest, vouch),) = vouched.items()
+    assert verify(built, vouched=vouched)["bytes"] > entry.size
+    moved = replace(vouch, identity=(0, 0, 0, 0))  # not the file read: both digests hashed again
+    assert verify(built, vouched={digest: moved})["bytes"] > entry.size
+    wrong = replace(vouch, sha256="0" * 64)  # a vouch for other bytes disagrees with the manifest
+    with pytest.raises(VerifyError, match=r"models/model\.safetensors: size/sha256 .* differ"):
+        verify(built, vouched={digest: wrong})
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"blob": "image/blobs/sha256/../../../etc/passwd"}, "is not a digest"),
+    ({"blob": "/etc/" + "0" * 64}, "not a layer blob place"),
+    ({"offset": -1}, "not a layer blob place"),
+    ({"offset": 2**40}, "too short to hold"),
+])
+def test_a_blob_place_from_the_writer_is_checked_before_it_is_read(
+    built: Path, change: dict[str, Any], why: str
 ) -> None:
-    import threading
-
-    import packer.fsutil
-
-    path = tmp_path / "f"
-    path.write_bytes(b"x" * 10_000)
-    stop = threading.Event()
-    assert sha256_unchanged(path, stop) is not None
-    real = packer.fsutil.sha256_file
-
-    def written_meanwhile(p: Any, s: Any) -> tuple[int, str]:
-        got = real(p, s)
-        with open(p, "ab") as f:
-            f.write(b"y")
-        return got
-
-    monkeypatch.setattr(packer.fsutil, "sha256_file", written_meanwhile)
-    assert sha256_unchanged(path, stop) is None
-    assert sha256_unchanged(tmp_path / "missing", stop) is None
+    with pytest.raises(WeightsError, match=why):
+        reread_blobs(built, (replace(_entry(built), **change),))

@@ -16,14 +16,13 @@ import os
 import tarfile
 import time
 import zlib
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
 from packer.errors import BlobDigestError, ImageArtifactMismatchError, ImageError, VerifyError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import HashThread, Identity, identity
+from packer.fsutil import HashThread, identity
 from packer.jsonshape import ListOf, Obj
 from packer.oci import modelpack
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
@@ -38,6 +37,7 @@ from packer.oci.layout import (
 )
 from packer.oci.plan import WEIGHTS_DIR, image_rel, model_files
 from packer.oci.referrer import ARTIFACT_TYPE as REFERRER_TYPE
+from packer.oci.reread import Vouch, Vouched
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
 from packer.oci.warm_layer import is_warm
@@ -50,25 +50,6 @@ Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
 Offsets = dict[str, tuple[str, int]]  # image path -> (uncompressed layer blob digest, data offset in it)
 
 
-@dataclass(frozen=True)
-class Vouch:
-    """What the build knows of an uncompressed weight layer blob its writer wrote.
-
-    ``offset``, ``size`` (bytes) and ``sha256`` (hex) are the safetensors file inside it, whose
-    sha256 the writer computed from the same bytes as the blob's digest: once the blob matches
-    its digest, the file in it is known without hashing it again. ``hashed``, when given, is
-    the blob's own re-read, begun as soon as it was written: the :func:`~packer.fsutil.identity`
-    of the file it read, its size and sha256 (None: it could not); the walk takes that digest
-    for a blob of the same identity instead of hashing it a second time.
-    """
-
-    offset: int
-    size: int
-    sha256: str
-    hashed: Future[tuple[Identity, int, str] | None] | None = None
-
-
-Vouched = dict[str, Vouch]  # layer blob digest ("sha256:<hex>") -> what the build knows of it
 
 
 class _Mapped:
@@ -261,23 +242,21 @@ def _walk_tar(stream: _DiffHasher, where: str, rules: dict[str, Any], hash_files
 
 
 def _hashed_ahead(vouch: Vouch | None, raw: IO[bytes] | _Mapped) -> str | None:
-    """The sha256 hex of a blob's re-read begun when it was written, if the file open now is
-    the one it read, unwritten since; else None (hash it now)."""
-    if vouch is None or vouch.hashed is None or not isinstance(raw, _Mapped):
+    """The blob's sha256 hex from the build's own re-read (:mod:`packer.oci.reread`), if the file
+    open now has the identity it read (no write since that stat shows); else None: hash it now."""
+    if vouch is None or not isinstance(raw, _Mapped):
         return None
-    try:
-        got = vouch.hashed.result()
-    except CancelledError:  # the build is stopping
-        return None
-    return got[2] if got is not None and got[0] == identity(os.fstat(raw.fd)) else None
+    return vouch.digest if vouch.identity == identity(os.fstat(raw.fd)) else None
 
 
 def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[str, Any] | None,
                  hash_files: bool, kind: str | None = None, offsets: Offsets | None = None,
                  vouched: Vouched | None = None) -> Expected:
     """One layer blob in one pass: its digest on a thread beside the tar walk, which hashes the
-    files inside (a weight file's sha256 and its layer's digest from the same read); a blob
-    ``vouched`` for is hashed once (ahead, or here), the file inside it not at all."""
+    files inside (a weight file's sha256 and its layer's digest from the same read). A blob
+    ``vouched`` for takes its digest from the build's re-read while it is the file that was read
+    (else it is hashed here), and the file inside it that read's sha256: its tar entries are
+    walked and checked all the same."""
     media = desc.get("mediaType")
     path = _blob_path(image, desc.get("digest", ""))
     if kind is not None:  # an artifact's own tar media type
@@ -292,7 +271,11 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
     except OSError as e:
         raise _fail(str(path), f"missing blob ({e.strerror})") from e
     vouch = (vouched or {}).get(str(desc.get("digest"))) if plain else None
-    reader = _HashingReader(raw, _hashed_ahead(vouch, raw))
+    try:
+        reader = _HashingReader(raw, _hashed_ahead(vouch, raw))
+    except BaseException:
+        raw.close()
+        raise
     try:
         stream = _DiffHasher(_decompressed(reader, media), reader.hash if plain else None)
         if rules is not None:
@@ -408,7 +391,8 @@ def _check_places(offsets: Offsets, artifact_manifest: bytes, ann: dict[str, Any
 
 def _name_the_file(out_dir: Path, e: BlobDigestError, artifact_manifest: bytes, ann: dict[str, Any]) -> VerifyError:
     """A blob that holds a weight file's one copy, its digest wrong: name the weight file whose
-    sha256 differs too (the walk hashed both side by side) after the blob."""
+    sha256 differs too (the walk hashed both side by side) after the blob. (A file the build
+    vouched for was not hashed: the blob alone is named.)"""
     prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
     root = f"/{prefix}/" if prefix else "/"
     files = parse_json(artifact_manifest, MANIFEST_DOC, where=str(out_dir), error=VerifyError).get("files") or {}
@@ -485,9 +469,10 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None,
         out_dir: the output directory holding ``image/``.
         artifact_manifest: when given, the image's files must equal the artifact files
             listed in its ``files`` map and its ``manifest.json`` must equal these bytes.
-        vouched: layer blobs whose one file's sha256 the caller computed from the same bytes
-            as the blob's digest (:data:`Vouched`; the build's own final verification): that
-            file is not hashed again, the blob is (only with ``artifact_manifest``).
+        vouched: the build's own re-read of its weight layer blobs (:data:`Vouched`): such a
+            blob, while it is the file that was read (:func:`~packer.fsutil.identity`), takes
+            its digest from there; the file inside it, with ``artifact_manifest``, that read's
+            sha256. Anything else is hashed here.
 
     Returns:
         The digests of the blobs whose content was checked (so callers need not hash them again).

@@ -106,8 +106,9 @@ def _write_all(
             tmp = staged.temp_for(shard.filename)
             frame = framing(prefix + shard.filename, shard.size) if framing else None
             try:
+                # a blob for a caller that re-reads it: the file's sha256 is taken there
                 out = write_shard(shard, tmp, sources, verify=verify, progress=progress,
-                                  framing=frame, blob=blobs is not None)
+                                  framing=frame, blob=blobs is not None, hash_file=verify or blobs is None)
             except OSError as e:
                 raise WeightsError(f"{dest_dir / shard.filename}: cannot write: "
                                    f"{e.strerror or e}") from e
@@ -154,7 +155,9 @@ def convert(
         progress: called with the tensor bytes just written (increments, see
             :data:`packer.stage.Progress`).
         dry_run: plan only; ``section`` describes what would be written.
-        verify: re-parse the outputs and compare every tensor's bytes with its source.
+        verify: re-parse the outputs and compare every tensor's bytes with its source. False
+            is for a caller that re-reads what was written (``packer build``); a file written
+            as its layer blob then comes back with ``sha256`` "": that re-read hashes it.
         layer_framing: given a shard's path relative to ``rel_root`` and its size, the bytes
             before and after it in its image layer (:func:`packer.oci.plan.weight_layer_framing`);
             each layer's sha256 is then computed while the shard is written (another thread).

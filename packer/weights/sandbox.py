@@ -241,7 +241,8 @@ def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | No
     and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``); with ``layer_blobs`` each
     weight file is written as that layer blob (its one copy in OUT). ``verify=False`` skips the
     writer's read-back and re-parse (:func:`packer.weights.convert.convert`): only for a caller
-    that re-hashes every file written against the digests returned, as ``packer build`` does.
+    that re-hashes every file written against the digests returned, as ``packer build`` does
+    (a file in its layer blob then comes back without its sha256, which that re-read takes).
     """
     if sandbox:
         return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,

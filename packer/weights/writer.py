@@ -10,8 +10,9 @@ the GIL). Memory stays bounded by a few chunks.
 
 With a layer framing and ``blob``, the file written is the shard's image layer itself: the
 tar prefix, the safetensors bytes at ``len(prefix)`` (a page boundary), the suffix; the
-shard's sha256 and the layer's digest are computed from the same bytes in the same pass, so
-OUT holds the weights once.
+shard's sha256 and the layer's digest are computed from the same bytes in the same pass (or
+the layer's alone, ``hash_file=False``, for a caller that re-reads the blob), so OUT holds the
+weights once.
 """
 
 from __future__ import annotations
@@ -135,18 +136,18 @@ class _Output:
     """The shard being written: bytes land at a position, are read back if verifying, hashed."""
 
     def __init__(self, path: Path, label: Path, verify: bool,
-                 framing: tuple[bytes, bytes] | None = None, blob: bool = False) -> None:
+                 framing: tuple[bytes, bytes] | None = None, blob: bool = False, hash_file: bool = True) -> None:
         self.label = label
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
         self.ro = os.open(path, os.O_RDONLY) if verify else -1
         self.buf = bytearray(CHUNK if verify else 0)
-        self.hashers = [HashThread()]
+        self.file = HashThread() if hash_file or framing is None else None
         # the framed hash (e.g. the file's image layer) runs on its own thread too
+        self.framed = HashThread(framing[0]) if framing is not None else None
+        self.hashers = [h for h in (self.file, self.framed) if h is not None]
         self.suffix = framing[1] if framing else b""
         self.prefix = framing[0] if framing and blob else b""
         self.base = len(self.prefix)  # the shard's byte 0 in the file written
-        if framing is not None:
-            self.hashers.append(HashThread(framing[0]))
 
     def landed(self, pos: int, expected: Any, name: str) -> None:
         """``expected`` now lies at ``pos``: compare it with the file (verify), then hash it."""
@@ -169,17 +170,18 @@ class _Output:
             _pwrite_all(self.fd, self.suffix, self.base + end)
 
     def close(self) -> tuple[str, str | None]:
-        """Stop hashing, close the file; return the sha256 and the framed sha256 (hex)."""
+        """Stop hashing, close the file; return the sha256 ("" when not hashed) and the framed
+        sha256 (hex; None without a framing)."""
         for h in self.hashers:
             h.close()
         os.close(self.fd)
         if self.ro >= 0:
             os.close(self.ro)
         try:
-            if len(self.hashers) == 1:
-                return self.hashers[0].hexdigest(), None
-            self.hashers[1].sha.update(self.suffix)
-            return self.hashers[0].hexdigest(), self.hashers[1].hexdigest()
+            if self.framed is not None:
+                self.framed.sha.update(self.suffix)
+            return (self.file.hexdigest() if self.file is not None else "",
+                    self.framed.hexdigest() if self.framed is not None else None)
         except Exception as e:
             raise WeightsError(f"{self.label}: hashing failed: {e}") from e
 
@@ -240,6 +242,7 @@ def write_shard(
     progress: Progress | None = None,
     framing: tuple[bytes, bytes] | None = None,
     blob: bool = False,
+    hash_file: bool = True,
 ) -> WrittenShard:
     """Write one planned shard to ``path`` (created; must not exist) and hash it on the way.
 
@@ -254,6 +257,8 @@ def write_shard(
             image layer) on another thread, into ``framed_sha256``.
         blob: with ``framing``, write ``prefix + file + suffix`` to ``path`` (the layer blob;
             the shard starts at ``base = len(prefix)``); else the shard alone.
+        hash_file: with ``framing``, False leaves the shard's own sha256 to the caller
+            (``sha256`` is ""), which re-reads the layer blob and hashes the file inside it there.
 
     Returns:
         The written shard with its size and sha256.
@@ -262,7 +267,7 @@ def write_shard(
         WeightsError: a truncated input or a read-back mismatch.
         OSError: the output cannot be written.
     """
-    out = _Output(path, path.parent / shard.filename, verify, framing, blob)
+    out = _Output(path, path.parent / shard.filename, verify, framing, blob, hash_file)
     checked: set[str] = set()
     try:
         os.pwrite(out.fd, shard.header, out.base)
