@@ -26,6 +26,7 @@ from typing import Any
 
 from packer.errors import WeightsError
 from packer.fsutil import FileEntry, Identity, identity
+from packer.idents import shown
 from packer.reading import blob_path, map_readonly
 
 CHUNK = 16 * 2**20
@@ -65,11 +66,11 @@ def _sha256(view: memoryview, start: int, end: int) -> str:
 def _checked_place(root: Path, entry: FileEntry) -> Path:
     """The blob path of ``entry``, checked as a name before it is opened: ``image/blobs/sha256/<hex>``."""
     hexd = entry.blob.rsplit("/", 1)[-1]
-    path = blob_path(root / "image", "sha256:" + hexd, where=f"the weights stage's reply for {entry.path}",
+    path = blob_path(root / "image", "sha256:" + hexd, where=f"the weights stage's reply for {shown(entry.path)}",
                      error=WeightsError)
     if entry.blob != f"{BLOBS}/{hexd}" or entry.offset < 0 or entry.size < 0:
-        raise WeightsError(f"{root / entry.blob}: not a layer blob place for {entry.path} "
-                           f"(offset {entry.offset}, size {entry.size})")
+        raise WeightsError(f"the weights stage's reply: {shown(entry.blob)} is not a layer blob place for "
+                           f"{shown(entry.path)} (offset {shown(entry.offset)}, size {shown(entry.size)})")
     return path
 
 
@@ -78,7 +79,7 @@ def _read(path: Path, entry: FileEntry, pool: ThreadPoolExecutor) -> Vouch:
     try:
         before = identity(os.fstat(fd))
         if entry.offset + entry.size > size:
-            raise WeightsError(f"{path}: {size} bytes, too short to hold {entry.path} at offset {entry.offset} "
+            raise WeightsError(f"{path}: {size} bytes, too short to hold {shown(entry.path)} at offset {entry.offset} "
                                f"({entry.size} bytes)")
         with memoryview(mm if mm is not None else b"") as view:
             blob = pool.submit(_sha256, view, 0, size)

@@ -50,8 +50,6 @@ Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
 Offsets = dict[str, tuple[str, int]]  # image path -> (uncompressed layer blob digest, data offset in it)
 
 
-
-
 class _Mapped:
     """An uncompressed blob through a read-only mapping: ``read`` hands out views of it, so the
     blob's digest (one thread) and the files' sha256 (the walk) read the same pages, uncopied."""
