@@ -26,15 +26,15 @@ def weights_stage(ctx: StageContext) -> StageOutput:
 
     Where each weight file gets a layer of its own (``image.weights = "layer"``, not
     ``image.single_layer``), the stage writes that layer blob itself, the file's one copy in
-    OUT, hashing the safetensors and the layer in the same pass (``ctx.layer_digests``; off:
-    a plain file in ``weights/`` that the image stage copies into its layer).
+    OUT (``ctx.layer_digests``; off: a plain file in ``weights/``, hashed as it is written,
+    that the image stage copies into its layer).
 
-    The writer does not read its output back (``verify=False``): it hashes the bytes it means
-    to write, and this process re-reads every blob it wrote (:func:`packer.oci.reread.
-    reread_blobs`): the blob against the digest it is named by, which proves the same thing
-    (what landed is what was meant), and the file inside it hashed from the same read for the
-    manifest, nothing taken from the sandboxed writer. The final ``verify`` takes both digests
-    from that read for a blob not written since (``vouched``).
+    The writer hashes nothing it writes as a blob: it reads each span back as it lands and
+    compares it with its source (what landed is what was meant), and this process re-reads
+    every blob (:func:`packer.oci.reread.reread_blobs`), hashing the blob, which names it, and
+    the file inside it for the manifest from the same read: no digest is taken from the
+    sandboxed writer. The final ``verify`` takes both digests from that read for a blob not
+    written since (``vouched``).
     """
     from packer.oci.reread import reread_blobs
     from packer.oci.runconfig import created_epoch
@@ -49,7 +49,8 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     if ctx.dry_run:
         return out
     files, vouched = reread_blobs(ctx.staging, out.files)
-    return replace(out, files=files, vouched=vouched)
+    layers = {f"layer:{f.path}": "sha256:" + f.blob.rsplit("/", 1)[-1] for f in files if f.blob}
+    return replace(out, files=files, vouched=vouched, digests={**out.digests, **layers})
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 LOADER_NAME = "packer_loader.py"  # the emitted loader, at the top of OUT and of the image's tree
 MANIFEST_NAME = "manifest.json"  # the artifact manifest, beside it
+# where the sandboxed weights stage leaves each weight layer blob it wrote (``<file path>``), for
+# the build to hash and move to ``image/blobs/sha256/<digest>`` (packer/oci/reread.py)
+UNNAMED_BLOBS = "image/unnamed"
 
 SAFETENSORS_SUFFIX = ".safetensors"
 # Weight files packer converts: safetensors, then what torch.save writes under its customary

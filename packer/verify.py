@@ -197,8 +197,8 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
     names (a layer tarball under ``image/layers/`` is a hard link of its blob) is named by all.
 
     ``vouched`` is for the build's own final verification: its weights stage re-read each
-    weight layer blob (:func:`packer.oci.reread.reread_blobs`: the blob against its name, the
-    file inside it hashed from the same read). A blob that stat shows unwritten since takes
+    weight layer blob (:func:`packer.oci.reread.reread_blobs`: the blob hashed, which names it,
+    and the file inside it from the same read). A blob that stat shows unwritten since takes
     both digests from there, its tar entries checked all the same; anything else is hashed
     here. ``packer verify`` passes nothing and hashes the blob and the file side by side.
 

@@ -1,12 +1,13 @@
 """The build's own re-read of its weight blobs, and the final verification that builds on it.
 
-The weights stage's sandboxed writer hashes each weight layer blob from the bytes it means to
-write and leaves the safetensors file's sha256 to the build: the build maps each blob once and
-hashes the blob (against the digest it is named by) and the file inside it side by side
+The weights stage's sandboxed writer hashes nothing it writes as a layer blob: it reads each
+span back as it lands and compares it with its source, and leaves the blob unnamed. The build
+maps each blob once, hashes the blob (which names it) and the file inside it side by side
 (``packer.oci.reread``). The final ``verify`` takes both digests for a blob that stat shows
 unwritten since, and hashes anything else; ``packer verify`` on its own hashes the blob and the
-file inside it. A byte changed after the writer is refused either way, and the manifest's
-sha256 of a weight file is what its bytes hash to, whatever the writer says.
+file inside it. A span that lands wrong is refused by the writer, a byte changed after the
+re-read by the final verification, and every digest published is what the bytes hash to,
+whatever the writer says.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import pytest
 import packer.build
 import packer.oci.verify
 import packer.weights.stage
+import packer.weights.writer
 from packer.build import build
 from packer.build_stages import STAGES
 from packer.errors import VerifyError, WeightsError
@@ -68,15 +71,21 @@ def _writer_then(monkeypatch: pytest.MonkeyPatch, after: Any) -> list[StageOutpu
     return seen
 
 
-def test_the_writer_leaves_the_file_sha256_to_the_build_which_hashes_the_bytes(
+def test_the_writer_leaves_both_digests_to_the_build_which_hashes_the_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = _writer_then(monkeypatch, lambda staging, out: None)
     result = build(demo_recipe(), tmp_path / "out")  # the sandboxed writer, as the CLI runs it
-    assert _held(seen[0]).sha256 == ""  # one hash pass fewer in the writer
+    held = _held(seen[0])  # two hash passes fewer in the writer: it names neither the file nor the blob
+    assert (held.sha256, held.blob) == ("", f"image/unnamed/{WEIGHTS}")
+    assert f"layer:{WEIGHTS}" not in seen[0].digests
+    out = tmp_path / "out"
     entry = result.manifest["files"][WEIGHTS]
-    assert entry["sha256"] == hashlib.sha256(weight_bytes(tmp_path / "out")).hexdigest()
-    assert verify(tmp_path / "out")["bytes"] == result.checked["bytes"]
+    assert entry["sha256"] == hashlib.sha256(weight_bytes(out)).hexdigest()
+    blob = out / json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]["blob"]
+    assert blob.name == hashlib.sha256(blob.read_bytes()).hexdigest()
+    assert not (out / "image/unnamed").exists()
+    assert verify(out)["bytes"] == result.checked["bytes"]
 
 
 def test_a_writer_that_misreports_the_file_sha256_is_not_believed(
@@ -95,18 +104,39 @@ def test_a_writer_that_misreports_the_file_sha256_is_not_believed(
     verify(tmp_path / "out")  # what the build published, packer verify accepts
 
 
-def test_a_blob_that_does_not_match_its_name_is_refused_and_nothing_is_published(
+def test_a_span_that_lands_wrong_is_refused_by_the_writer_and_nothing_is_published(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def flip(staging: Path, out: StageOutput) -> None:  # the same inode, its mtime put back
-        entry = _held(out)
-        _flip(staging / entry.blob, entry.offset + entry.size // 2, keep_mtime=True)
+    real = packer.weights.writer._kernel_copy
 
-    _writer_then(monkeypatch, flip)
-    with pytest.raises(WeightsError, match=r"image/blobs/sha256/[0-9a-f]{64}: the layer blob does not match "
-                                           r"the digest it is named by"):
+    def copy_then_flip(src_fd: int, dst_fd: int, src_pos: int, dst_pos: int, n: int) -> int:
+        done = real(src_fd, dst_fd, src_pos, dst_pos, n)
+        meant = os.pread(src_fd, 1, src_pos)
+        os.pwrite(dst_fd, bytes([meant[0] ^ 0xFF]), dst_pos)  # what landed is not what was meant
+        return done
+
+    monkeypatch.setattr(packer.weights.writer, "_kernel_copy", copy_then_flip)
+    with pytest.raises(WeightsError, match=r"tensor '.*': bytes read back at offset \d+ differ from what was written"):
         build(demo_recipe(), tmp_path / "out", sandbox=False)
     assert list(tmp_path.iterdir()) == []  # no OUT, no staging
+
+
+def test_a_blob_the_writer_changed_after_its_read_back_is_named_and_pinned_by_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def flip(staging: Path, out: StageOutput) -> None:  # what a lying writer could have written
+        entry = _held(out)
+        _flip(staging / entry.blob, entry.offset + entry.size // 2)
+
+    seen = _writer_then(monkeypatch, flip)
+    build(demo_recipe(), tmp_path / "out", sandbox=False)
+    out = tmp_path / "out"
+    entry = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]
+    blob = (out / entry["blob"]).read_bytes()
+    assert entry["blob"] == f"image/blobs/sha256/{hashlib.sha256(blob).hexdigest()}"
+    assert entry["sha256"] == hashlib.sha256(weight_bytes(out)).hexdigest()
+    assert _held(seen[0]).blob.startswith("image/unnamed/")
+    verify(out)  # whatever the writer did, what the build published packer verify accepts
 
 
 def _after_the_weights_stage(monkeypatch: pytest.MonkeyPatch, then: Any) -> None:
@@ -180,14 +210,19 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _entry(out: Path) -> FileEntry:
+def _unnamed(out: Path) -> FileEntry:
+    """The weight file's entry as the writer gives it, its blob copied back to where it is left."""
     e = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]
-    return FileEntry(WEIGHTS, e["size"], "", e["blob"], e["offset"])
+    (out / "image/unnamed/weights").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(out / e["blob"], out / "image/unnamed" / WEIGHTS)  # another inode, as written
+    return FileEntry(WEIGHTS, e["size"], "", f"image/unnamed/{WEIGHTS}", e["offset"])
 
 
 def test_a_vouch_is_taken_only_for_the_file_it_read(built: Path) -> None:
-    entry = _entry(built)
-    (_, vouched) = reread_blobs(built, (entry,))
+    entry = _unnamed(built)
+    (files, vouched) = reread_blobs(built, (entry,))
+    assert files[0].blob == json.loads((built / "manifest.json").read_bytes())["files"][WEIGHTS]["blob"]
+    assert not (built / "image/unnamed").exists()
     ((digest, vouch),) = vouched.items()
     assert verify(built, vouched=vouched)["bytes"] > entry.size
     moved = replace(vouch, identity=(0, 0, 0, 0))  # not the file read: both digests hashed again
@@ -198,13 +233,54 @@ def test_a_vouch_is_taken_only_for_the_file_it_read(built: Path) -> None:
 
 
 @pytest.mark.parametrize(("change", "why"), [
-    ({"blob": "image/blobs/sha256/../../../etc/passwd"}, "is not a digest"),
-    ({"blob": "/etc/" + "0" * 64}, "not a layer blob place"),
-    ({"offset": -1}, "not a layer blob place"),
+    ({"blob": "image/unnamed/../../../etc/passwd"}, "is not where a layer blob of it is left"),
+    ({"blob": "image/blobs/sha256/" + "0" * 64}, "is not where a layer blob of it is left"),  # no name from it
+    ({"blob": "/etc/passwd"}, "is not where a layer blob of it is left"),
+    ({"path": "weights/../../passwd"}, "is not a relative file name"),
+    ({"offset": -1}, "is not where a layer blob of it is left"),
     ({"offset": 2**40}, "too short to hold"),
 ])
 def test_a_blob_place_from_the_writer_is_checked_before_it_is_read(
     built: Path, change: dict[str, Any], why: str
 ) -> None:
+    entry = _unnamed(built)
     with pytest.raises(WeightsError, match=why):
-        reread_blobs(built, (replace(_entry(built), **change),))
+        reread_blobs(built, (replace(entry, **change),))
+    shutil.rmtree(built / "image/unnamed")
+
+
+def test_a_blob_named_twice_or_anything_else_left_unnamed_is_refused(built: Path) -> None:
+    entry = _unnamed(built)
+    with pytest.raises(WeightsError, match="names a layer blob in .*image/unnamed twice"):
+        reread_blobs(built, (entry, entry))
+    (built / "image/unnamed/weights/stray").write_bytes(b"x")
+    with pytest.raises(WeightsError, match="image/unnamed: holds more than the layer blobs .*stray was not named"):
+        reread_blobs(built, (entry,))
+    shutil.rmtree(built / "image/unnamed")
+    verify(built)  # the blob the re-read moved onto its own name is the same bytes
+
+
+def test_a_symlink_the_writer_left_on_the_way_to_a_blob_or_its_name_is_refused(
+    built: Path, tmp_path: Path
+) -> None:
+    entry = _unnamed(built)
+    elsewhere = tmp_path / "elsewhere"
+    (built / "image/unnamed/weights").rename(elsewhere)
+    (built / "image/unnamed/weights").symlink_to(elsewhere)  # a file outside OUT, to be moved into it
+    with pytest.raises(WeightsError, match="image/unnamed/weights/model.safetensors: the layer blob's place "
+                                           "passes through a symlink"):
+        reread_blobs(built, (entry,))
+    assert (elsewhere / "model.safetensors").is_file()
+    shutil.rmtree(built / "image/unnamed")
+    entry = _unnamed(built)
+    blobs = built / "image/blobs"
+    (blobs / "sha256").rename(tmp_path / "sha256")
+    (blobs / "sha256").symlink_to(tmp_path / "sha256")  # the blob moved out of OUT
+    try:
+        with pytest.raises(WeightsError, match="image/blobs/sha256: the blobs folder passes through a symlink"):
+            reread_blobs(built, (entry,))
+    finally:
+        (blobs / "sha256").unlink()
+        (tmp_path / "sha256").rename(blobs / "sha256")
+        shutil.rmtree(built / "image/unnamed")
+    verify(built)

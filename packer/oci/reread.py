@@ -1,14 +1,15 @@
-"""The build's own re-read of each weight layer blob its sandboxed writer wrote.
+"""The build's own re-read of each weight layer blob its sandboxed writer wrote, and its name.
 
 The weights stage writes in a child process that parses untrusted checkpoints, so the build
-believes nothing the child says about the bytes it wrote. This process maps each blob the child
-names once and hashes, side by side on two threads (hashlib releases the GIL), the whole blob and
-the safetensors file inside it:
+believes nothing the child says about the bytes it wrote. The child hashes nothing: it reads
+each span back as it lands and compares it with its source (what landed is what was meant),
+and leaves each blob at ``image/unnamed/<file path>``. This process maps each blob once and
+hashes, side by side on two threads (hashlib releases the GIL), the whole blob and the
+safetensors file inside it:
 
-- the blob must match the digest it is named by: the writer hashed the bytes it meant to write,
-  so this proves that what landed is what was meant (and the name honest);
+- the blob's digest names it: it moves to ``image/blobs/sha256/<digest>``;
 - the file's sha256, which the manifest, the emitted loader and the model signature pin, comes
-  from these bytes, never from the child (which leaves it empty).
+  from these bytes, never from the child.
 
 Each blob's :class:`Vouch` lets the final verification (:func:`packer.verify.verify`) take both
 digests for the same file, not written since, instead of hashing it again.
@@ -25,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
+from packer.formats import UNNAMED_BLOBS
 from packer.fsutil import FileEntry, Identity, identity
-from packer.idents import shown
-from packer.reading import blob_path, map_readonly
+from packer.idents import check_rel_name, shown
+from packer.reading import map_readonly
 
 CHUNK = 16 * 2**20
 BLOBS = "image/blobs/sha256"
@@ -40,7 +42,7 @@ class Vouch:
     Attributes:
         offset, size: where the safetensors file lies in the blob (bytes).
         sha256: the file's sha256 (hex), from this read.
-        digest: the blob's sha256 (hex), from the same read: equal to its name.
+        digest: the blob's sha256 (hex), from the same read: its name.
         identity: the blob file read (:func:`~packer.fsutil.identity`: device, inode, size and
             mtime, the same before and after the read). A later reader holding a file of that
             identity takes both digests; stat shows no write since, which is what it can tell.
@@ -63,15 +65,38 @@ def _sha256(view: memoryview, start: int, end: int) -> str:
     return h.hexdigest()
 
 
-def _checked_place(root: Path, entry: FileEntry) -> Path:
-    """The blob path of ``entry``, checked as a name before it is opened: ``image/blobs/sha256/<hex>``."""
-    hexd = entry.blob.rsplit("/", 1)[-1]
-    path = blob_path(root / "image", "sha256:" + hexd, where=f"the weights stage's reply for {shown(entry.path)}",
-                     error=WeightsError)
-    if entry.blob != f"{BLOBS}/{hexd}" or entry.offset < 0 or entry.size < 0:
-        raise WeightsError(f"the weights stage's reply: {shown(entry.blob)} is not a layer blob place for "
-                           f"{shown(entry.path)} (offset {shown(entry.offset)}, size {shown(entry.size)})")
+def _unlinked(root: Path, rel: str, error_where: str) -> Path:
+    """``root / rel``, proved to pass through no symlink below ``root`` (which the child could have made)."""
+    path = root / rel
+    if os.path.realpath(path) != os.path.join(os.path.realpath(root), rel):
+        raise WeightsError(f"{path}: {error_where} passes through a symlink")
     return path
+
+
+def _checked_place(root: Path, entry: FileEntry) -> Path:
+    """Where the writer left the blob of ``entry``, checked before it is opened:
+    ``image/unnamed/<the file's path>``, no symlink on the way, the file at a non-negative offset."""
+    where = f"the weights stage's reply for {shown(entry.path)}"
+    rel = check_rel_name(entry.path, where=where, error=WeightsError)
+    if entry.blob != f"{UNNAMED_BLOBS}/{rel}" or entry.offset < 0 or entry.size < 0:
+        raise WeightsError(f"{where}: {shown(entry.blob)} is not where a layer blob of it is left "
+                           f"(offset {shown(entry.offset)}, size {shown(entry.size)})")
+    return _unlinked(root, f"{UNNAMED_BLOBS}/{rel}", "the layer blob's place")
+
+
+def _remove_unnamed(root: Path) -> None:
+    """Remove ``image/unnamed``, which must hold nothing but empty folders now."""
+    top = root / UNNAMED_BLOBS
+    try:
+        for folder, dirs, files in os.walk(top, topdown=False):
+            if files:
+                raise OSError(f"{Path(folder, files[0])} was not named by the weights stage")
+            for d in dirs:
+                os.rmdir(Path(folder, d))
+        top.rmdir()
+    except OSError as e:
+        raise WeightsError(f"{top}: holds more than the layer blobs the weights stage named "
+                           f"({e.strerror or e})") from e
 
 
 def _read(path: Path, entry: FileEntry, pool: ThreadPoolExecutor) -> Vouch:
@@ -91,36 +116,45 @@ def _read(path: Path, entry: FileEntry, pool: ThreadPoolExecutor) -> Vouch:
             with contextlib.suppress(BufferError):  # a view held by a traceback: freed with it
                 mm.close()
         os.close(fd)
-    if digest != path.name:
-        raise WeightsError(f"{path}: the layer blob does not match the digest it is named by (sha256 "
-                           f"{digest[:16]}…): the weights stage wrote it wrong")
     if before != after:
         raise WeightsError(f"{path}: written while the build re-read it")
     return Vouch(entry.offset, entry.size, sha256, digest, after)
 
 
 def reread_blobs(root: Path, files: tuple[FileEntry, ...]) -> tuple[tuple[FileEntry, ...], Vouched]:
-    """Re-read every file of ``files`` held in a layer blob under ``root`` (the build's staging).
+    """Re-read every file of ``files`` held in a layer blob under ``root`` (the build's staging),
+    and move each blob to its name, ``image/blobs/sha256/<digest>``.
 
     Returns:
         ``files`` with each blob-held file's ``sha256`` from this read (any value the writer
-        gave is replaced), and the :data:`Vouched` of each blob for the final verification.
+        gave is replaced) and its ``blob`` at its name, and the :data:`Vouched` of each blob
+        for the final verification.
 
     Raises:
-        WeightsError: a blob place that is not ``image/blobs/sha256/<hex>`` with the file inside
-            it, a blob that does not match its name, or one written during the read.
+        WeightsError: a blob place that is not ``image/unnamed/<file path>`` (no symlink on
+            the way) with the file inside it, a blob written during the read, or anything else
+            left in ``image/unnamed``.
     """
     held = [(i, f, _checked_place(root, f)) for i, f in enumerate(files) if f.blob]
     if not held:
         return files, {}
+    if len({path for _i, _f, path in held}) != len(held):
+        raise WeightsError(f"the weights stage's reply names a layer blob in {root / UNNAMED_BLOBS} twice")
     out = list(files)
     vouched: Vouched = {}
+    (root / BLOBS).mkdir(parents=True, exist_ok=True)
+    named = _unlinked(root, BLOBS, "the blobs folder")
     at_once = min(len(held), os.cpu_count() or 1)  # blobs read at a time, each by two hashers
     with ThreadPoolExecutor(2 * at_once, thread_name_prefix="packer-reread") as hashers, \
             ThreadPoolExecutor(at_once, thread_name_prefix="packer-reread-blob") as blobs:
-        reads: list[Any] = [(i, f, blobs.submit(_read, path, f, hashers)) for i, f, path in held]
-        for i, f, read in reads:
+        reads: list[Any] = [(i, f, path, blobs.submit(_read, path, f, hashers)) for i, f, path in held]
+        for i, f, path, read in reads:
             got = read.result()
+            try:
+                os.replace(path, named / got.digest)  # a rename: the identity read stays the blob's
+            except OSError as e:
+                raise WeightsError(f"{path}: cannot move the layer blob to its name: {e.strerror or e}") from e
             vouched["sha256:" + got.digest] = got
-            out[i] = replace(f, sha256=got.sha256)
+            out[i] = replace(f, sha256=got.sha256, blob=f"{BLOBS}/{got.digest}")
+    _remove_unnamed(root)
     return tuple(out), vouched

@@ -16,6 +16,7 @@ from typing import Any
 
 from packer.checkpoint.records import CheckpointContents, listing
 from packer.errors import DependencyError, PackerError, WeightsError
+from packer.formats import UNNAMED_BLOBS
 from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import WeightsConfig
 from packer.stage import Progress, StageOutput
@@ -87,14 +88,11 @@ def _check_dest(dest_dir: Path, plan: WeightsPlan) -> None:
 LayerFraming = Callable[[str, int], tuple[bytes, bytes]]
 
 
-BLOBS = "image/blobs/sha256"  # where a weight layer blob goes, relative to the build's root
-
-
 def _write_all(
     plan: WeightsPlan, dest_dir: Path, staged: StagedFiles, *, verify: bool,
     progress: Progress | None, framing: LayerFraming | None, prefix: str, blobs: Path | None,
 ) -> tuple[list[FileEntry], dict[str, str]]:
-    """Write every shard (into its layer blob under ``blobs`` when given) and the index."""
+    """Write every shard (into its layer blob under ``blobs`` when given, unhashed) and the index."""
     written: list[FileEntry] = []
     framed: dict[str, str] = {}  # shard name -> sha256 of its framed bytes
     sources = Sources()
@@ -106,19 +104,21 @@ def _write_all(
             tmp = staged.temp_for(shard.filename)
             frame = framing(prefix + shard.filename, shard.size) if framing else None
             try:
-                # a blob for a caller that re-reads it: the file's sha256 is taken there
-                out = write_shard(shard, tmp, sources, verify=verify, progress=progress,
-                                  framing=frame, blob=blobs is not None, hash_file=verify or blobs is None)
+                # a blob is for a caller that re-reads it: both digests are taken there
+                out = write_shard(shard, tmp, sources, verify=verify or blobs is not None, progress=progress,
+                                  framing=frame, blob=blobs is not None, hashed=blobs is None)
             except OSError as e:
                 raise WeightsError(f"{dest_dir / shard.filename}: cannot write: "
                                    f"{e.strerror or e}") from e
             paths[shard.filename], bases[shard.filename], checked = tmp, out.base, checked | out.checked
             entry = FileEntry(prefix + shard.filename, out.size, out.sha256)
-            if out.framed_sha256 is not None and out.size == shard.size:
+            if out.size != shard.size:  # the framing and the header were made for the planned size
+                raise WeightsError(f"{dest_dir / shard.filename}: wrote {out.size} bytes, planned {shard.size}")
+            if blobs is not None:  # the layer blob is the file's one copy; the re-read names it
+                staged.retarget(tmp, blobs / shard.filename)
+                entry = replace(entry, blob=f"{UNNAMED_BLOBS}/{entry.path}", offset=out.base)
+            elif out.framed_sha256 is not None:
                 framed[shard.filename] = out.framed_sha256
-                if blobs is not None:  # the layer blob is the file's one copy, named by its digest
-                    staged.retarget(tmp, blobs / out.framed_sha256)
-                    entry = replace(entry, blob=f"{BLOBS}/{out.framed_sha256}", offset=out.base)
             written.append(entry)
         if verify:
             verify_written(plan, paths, sources, skip=checked, bases=bases)
@@ -155,21 +155,25 @@ def convert(
         progress: called with the tensor bytes just written (increments, see
             :data:`packer.stage.Progress`).
         dry_run: plan only; ``section`` describes what would be written.
-        verify: re-parse the outputs and compare every tensor's bytes with its source. False
-            is for a caller that re-reads what was written (``packer build``); a file written
-            as its layer blob then comes back with ``sha256`` "": that re-read hashes it.
+        verify: read each span back as it lands and compare it with its source (memcmp), and
+            re-parse the outputs and compare every other tensor (a gather or a cast) with its
+            source. False is for a caller that re-hashes what was written (``packer build``):
+            a file it hashes is not read back, one written as its layer blob (unhashed) still is.
         layer_framing: given a shard's path relative to ``rel_root`` and its size, the bytes
             before and after it in its image layer (:func:`packer.oci.plan.weight_layer_framing`);
             each layer's sha256 is then computed while the shard is written (another thread).
-        layer_blobs: with ``layer_framing``, write each shard as its layer blob,
-            ``rel_root/image/blobs/sha256/<digest>`` (the tar framing around the safetensors
-            bytes, which start at a page boundary), instead of a file in ``dest_dir``: its
-            file entry keeps the safetensors' size and sha256 and names the ``blob`` and the
-            ``offset`` of the bytes in it (OUT then holds each weight byte once).
+        layer_blobs: with ``layer_framing``, write each shard as its layer blob (the tar
+            framing around the safetensors bytes, which start at a page boundary) instead of a
+            file in ``dest_dir``, and hash neither: ``rel_root/image/unnamed/<its path>``
+            (:data:`~packer.formats.UNNAMED_BLOBS`), whose file entry keeps the safetensors'
+            size, names the ``blob`` and the ``offset`` of the bytes in it, and has ``sha256``
+            "": the caller re-reads it, hashes both and names it by its digest
+            (:func:`packer.oci.reread.reread_blobs`; OUT then holds each weight byte once).
 
     Returns:
         The files written, the manifest section, bytes processed and notes; with
-        ``layer_framing``, ``digests`` maps ``"layer:<path>"`` to ``"sha256:<hex>"``.
+        ``layer_framing`` (and not ``layer_blobs``), ``digests`` maps ``"layer:<path>"`` to
+        ``"sha256:<hex>"``.
 
     Raises:
         PackerError: WeightsError, CheckpointError or VerifyError with a one-line reason.
@@ -194,7 +198,7 @@ def convert(
         return StageOutput(section=section, notes=tuple(notes))
     created = not dest_dir.exists()
     staged = StagedFiles(dest_dir)
-    blobs = root / BLOBS if layer_blobs and layer_framing is not None else None
+    blobs = root / UNNAMED_BLOBS / prefix if layer_blobs and layer_framing is not None else None
     try:
         dest_dir.mkdir(parents=True, exist_ok=True)
         _check_dest(dest_dir, plan)

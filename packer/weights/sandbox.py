@@ -201,7 +201,7 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
     ``layer_image``: also compute each weight file's image-layer digest while writing it
     (see :func:`packer.oci.plan.weight_layer_framing`, its entries' mtime ``layer_mtime``,
     default ``SOURCE_DATE_EPOCH``); they come back in ``digests``. ``layer_blobs``: write each
-    weight file as its layer blob (see :func:`packer.weights.convert.convert`). ``verify``: as
+    weight file as its layer blob, unhashed (see :func:`packer.weights.convert.convert`). ``verify``: as
     :func:`packer.weights.convert.convert`.
 
     Raises:
@@ -239,10 +239,11 @@ def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | No
     :data:`packer.stage.Progress`), with or without the sandbox. With
     ``layer_image``, each weight file's image-layer digest is computed while it is written
     and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``); with ``layer_blobs`` each
-    weight file is written as that layer blob (its one copy in OUT). ``verify=False`` skips the
-    writer's read-back and re-parse (:func:`packer.weights.convert.convert`): only for a caller
-    that re-hashes every file written against the digests returned, as ``packer build`` does
-    (a file in its layer blob then comes back without its sha256, which that re-read takes).
+    weight file is written as that layer blob instead (its one copy in OUT), hashed by neither:
+    the caller re-reads it and names it, as ``packer build`` does (:mod:`packer.oci.reread`).
+    ``verify=False`` skips the writer's re-parse, and its read-back of files it hashes
+    (:func:`packer.weights.convert.convert`): only for a caller that re-hashes every file
+    written, as ``packer build`` does.
     """
     if sandbox:
         return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,

@@ -9,10 +9,11 @@ file order, so the sha256 runs on the second core while the first copies (hashli
 the GIL). Memory stays bounded by a few chunks.
 
 With a layer framing and ``blob``, the file written is the shard's image layer itself: the
-tar prefix, the safetensors bytes at ``len(prefix)`` (a page boundary), the suffix; the
-shard's sha256 and the layer's digest are computed from the same bytes in the same pass (or
-the layer's alone, ``hash_file=False``, for a caller that re-reads the blob), so OUT holds the
-weights once.
+tar prefix, the safetensors bytes at ``len(prefix)`` (a page boundary), the suffix, so OUT
+holds the weights once; the shard's sha256 and the layer's digest are computed from the same
+bytes in the same pass, or neither (``hashed=False``): ``packer build`` re-reads the blob,
+hashes both there and names the blob by its digest, while the read-back here still proves
+that what landed is what was meant.
 """
 
 from __future__ import annotations
@@ -136,14 +137,14 @@ class _Output:
     """The shard being written: bytes land at a position, are read back if verifying, hashed."""
 
     def __init__(self, path: Path, label: Path, verify: bool,
-                 framing: tuple[bytes, bytes] | None = None, blob: bool = False, hash_file: bool = True) -> None:
+                 framing: tuple[bytes, bytes] | None = None, blob: bool = False, hashed: bool = True) -> None:
         self.label = label
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
         self.ro = os.open(path, os.O_RDONLY) if verify else -1
         self.buf = bytearray(CHUNK if verify else 0)
-        self.file = HashThread() if hash_file or framing is None else None
+        self.file = HashThread() if hashed else None
         # the framed hash (e.g. the file's image layer) runs on its own thread too
-        self.framed = HashThread(framing[0]) if framing is not None else None
+        self.framed = HashThread(framing[0]) if framing is not None and hashed else None
         self.hashers = [h for h in (self.file, self.framed) if h is not None]
         self.suffix = framing[1] if framing else b""
         self.prefix = framing[0] if framing and blob else b""
@@ -171,7 +172,7 @@ class _Output:
 
     def close(self) -> tuple[str, str | None]:
         """Stop hashing, close the file; return the sha256 ("" when not hashed) and the framed
-        sha256 (hex; None without a framing)."""
+        sha256 (hex; None without a framing or when not hashed)."""
         for h in self.hashers:
             h.close()
         os.close(self.fd)
@@ -242,7 +243,7 @@ def write_shard(
     progress: Progress | None = None,
     framing: tuple[bytes, bytes] | None = None,
     blob: bool = False,
-    hash_file: bool = True,
+    hashed: bool = True,
 ) -> WrittenShard:
     """Write one planned shard to ``path`` (created; must not exist) and hash it on the way.
 
@@ -257,8 +258,8 @@ def write_shard(
             image layer) on another thread, into ``framed_sha256``.
         blob: with ``framing``, write ``prefix + file + suffix`` to ``path`` (the layer blob;
             the shard starts at ``base = len(prefix)``); else the shard alone.
-        hash_file: with ``framing``, False leaves the shard's own sha256 to the caller
-            (``sha256`` is ""), which re-reads the layer blob and hashes the file inside it there.
+        hashed: False hashes nothing (``sha256`` is "", ``framed_sha256`` None), for a caller
+            that re-reads what was written and hashes it there (``verify`` still compares).
 
     Returns:
         The written shard with its size and sha256.
@@ -267,7 +268,7 @@ def write_shard(
         WeightsError: a truncated input or a read-back mismatch.
         OSError: the output cannot be written.
     """
-    out = _Output(path, path.parent / shard.filename, verify, framing, blob, hash_file)
+    out = _Output(path, path.parent / shard.filename, verify, framing, blob, hashed)
     checked: set[str] = set()
     try:
         os.pwrite(out.fd, shard.header, out.base)
