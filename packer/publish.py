@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import re
 import shutil
@@ -63,10 +62,7 @@ def make_scratch(out: Path) -> Path:
 
 
 def _exchange(a: Path, b: Path) -> bool:
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the C library this process runs on
     fn = getattr(libc, "renameat2", None)
     if fn is None:
         return False

@@ -9,7 +9,6 @@ never as pickles. A child killed by a limit becomes one clear :class:`PackerErro
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import json
 import os
 import resource
@@ -59,11 +58,10 @@ def _deny_sockets(event: str, _args: tuple[Any, ...]) -> None:
 
 def _isolate(limits: dict[str, int]) -> None:
     """Applied in the child before anything reads the input."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the build that started us
-        libc.unshare(_CLONE_NEWNET)  # needs CAP_SYS_ADMIN or user namespaces; the hook covers the rest
+    # the C library this process runs on (find_library would run /sbin/ldconfig in a subprocess)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the build that started us
+    libc.unshare(_CLONE_NEWNET)  # needs CAP_SYS_ADMIN or user namespaces; the hook covers the rest
     sys.addaudithook(_deny_sockets)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for which, value in ((resource.RLIMIT_AS, limits["as"]), (resource.RLIMIT_CPU, limits["cpu"]),
