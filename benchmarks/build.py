@@ -21,12 +21,21 @@ the floor's copy and the build run in a cgroup holding that cap (``blkio.throttl
 write_bps_device`` / ``io.max wbps``), so every byte they make durable waits for it; the
 other places' rounds run outside it. ``--slow-mbps 0`` leaves it out.
 
+Before the rounds, as a user's install would have it and so that no round pays for it: packer's
+modules are byte-compiled (a pip install compiles them; an editable checkout under
+``PYTHONDONTWRITEBYTECODE``, this machine's setting, would compile every module again in each
+of a build's two processes, about 0.2 s), and ``--touch-gb`` of memory is written once on a
+tmpfs and freed (a VM that hands freed pages back to its host makes the first touch of a page
+cost a host fault, about 3 s per GB here, which would land at random on the floor's copy and
+on the builds; 0: not).
+
     .venv/bin/python benchmarks/build.py [--reps 5] [--gb 1.0] [--places DIR ...] [--slow-mbps 200]
-        [--layer-digests]
+        [--layer-digests] [--touch-gb 18]
 """
 
 from __future__ import annotations
 
+import compileall
 import json
 import os
 import shutil
@@ -125,6 +134,25 @@ def time_in_process(root: Path, layer_digests: bool) -> float:
     elapsed = time.perf_counter() - start
     shutil.rmtree(out)
     return elapsed
+
+
+def touch_memory(gb: float) -> float:
+    """Write up to ``gb`` GB of zeros to a tmpfs file, leaving 2 GB available, and remove it: seconds."""
+    shm = Path("/dev/shm")
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    todo = min(int(gb * 1e9), available - 2 * 2**30, shutil.disk_usage(shm).free - 2**30)
+    if not shm.is_dir() or todo <= 0:
+        return 0.0
+    block, path = b"\0" * 2**26, shm / f"packer-touch-{os.getpid()}"
+    start = time.perf_counter()
+    try:
+        with path.open("wb") as f:
+            for _ in range(todo // len(block)):
+                f.write(block)
+    finally:
+        path.unlink(missing_ok=True)
+    return time.perf_counter() - start
 
 
 def default_places(gb: float) -> list[Path]:
@@ -269,9 +297,13 @@ def main() -> None:
     parser.add_argument("--places", nargs="*", type=Path, help="directories to build in (default: disk and tmpfs)")
     parser.add_argument("--slow-mbps", type=float, default=200.0,
                         help="also build on the repository's disk with writes capped at this rate (0: not)")
+    parser.add_argument("--touch-gb", type=float, default=18.0,
+                        help="memory to write once and free before the rounds (0: not)")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     src = generate(args.gb, "zip")
+    compileall.compile_dir(Path(__file__).resolve().parents[1] / "packer", quiet=1)
+    touched = touch_memory(args.touch_gb) if args.touch_gb > 0 else 0.0
     places: list[Place] = []
     try:
         places = [Place(p, src) for p in (args.places or default_places(args.gb))]
@@ -284,7 +316,8 @@ def main() -> None:
     finally:
         for p in places:
             p.close()
-    print(f"\n{os.cpu_count()} CPUs, warm page cache; each place's rounds interleaved with the others'")
+    print(f"\n{os.cpu_count()} CPUs, warm page cache, memory touched first ({args.touch_gb:g} GB in "
+          f"{touched:.1f} s), packer byte-compiled; each place's rounds interleaved with the others'")
     for p in places:
         print(p.table(args.reps))
 
