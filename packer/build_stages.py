@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from packer.errors import SignError
@@ -36,6 +37,7 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     sandboxed writer. The final ``verify`` takes both digests from that read for a blob not
     written since (``vouched``).
     """
+    from packer.oci.plan import weight_layer_framing
     from packer.oci.reread import reread_blobs
     from packer.oci.runconfig import created_epoch
     from packer.weights.stage import convert_layout
@@ -48,9 +50,10 @@ def weights_stage(ctx: StageContext) -> StageOutput:
                          layer_blobs=layer_image is not None, layer_mtime=mtime, verify=False)
     if ctx.dry_run:
         return out
-    files, vouched = reread_blobs(ctx.staging, out.files)
+    framing = None if layer_image is None else partial(weight_layer_framing, layer_image, mtime=mtime)
+    files, vouched = reread_blobs(ctx.staging, out.files, framing)
     layers = {f"layer:{f.path}": "sha256:" + f.blob.rsplit("/", 1)[-1] for f in files if f.blob}
-    return replace(out, files=files, vouched=vouched, digests={**out.digests, **layers})
+    return replace(out, files=files, vouched=vouched, digests=layers)  # none of the child's
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:

@@ -30,7 +30,8 @@ class FileEntry:
 
     ``blob`` (a path relative to OUT, ``image/blobs/sha256/<hex>``) says the file's bytes are
     not a file of their own but bytes ``offset:offset + size`` of that image layer blob: the
-    one copy of a weight file.
+    one copy of a weight file (in the weights stage's reply, before the build names the blob,
+    ``image/unnamed/<path>``: :mod:`packer.oci.reread`).
     """
 
     path: str

@@ -2,11 +2,12 @@
 
 The weights stage's sandboxed writer hashes nothing it writes as a layer blob: it reads each
 span back as it lands and compares it with its source, and leaves the blob unnamed. The build
-maps each blob once, hashes the blob (which names it) and the file inside it side by side
-(``packer.oci.reread``). The final ``verify`` takes both digests for a blob that stat shows
-unwritten since, and hashes anything else; ``packer verify`` on its own hashes the blob and the
-file inside it. A span that lands wrong is refused by the writer, a byte changed after the
-re-read by the final verification, and every digest published is what the bytes hash to,
+maps each blob once, compares its tar framing with the one it computes itself, hashes the blob
+(which names it) and the file inside it side by side (``packer.oci.reread``). The final
+``verify`` takes both digests for a blob that stat shows unwritten since, and hashes anything
+else; ``packer verify`` on its own hashes the blob and the file inside it. A span that lands
+wrong is refused by the writer, framing that lands wrong by the re-read, a byte changed after
+the re-read by the final verification, and every digest published is what the bytes hash to,
 whatever the writer says.
 """
 
@@ -121,6 +122,28 @@ def test_a_span_that_lands_wrong_is_refused_by_the_writer_and_nothing_is_publish
     assert list(tmp_path.iterdir()) == []  # no OUT, no staging
 
 
+@pytest.mark.parametrize(("where", "why"), [
+    (lambda e: e.offset + e.size, "the tar framing around 'weights/model.safetensors' is not what this build writes"),
+    (lambda e: 100, "the tar framing around"),  # the file's tar header
+    (None, "not its layer"),  # bytes appended after the end blocks
+])
+def test_a_blob_whose_framing_landed_wrong_is_refused_and_nothing_is_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: Any, why: str
+) -> None:
+    def spoil(staging: Path, out: StageOutput) -> None:  # bytes no read-back of a span covers
+        entry = _held(out)
+        if where is None:
+            with (staging / entry.blob).open("ab") as f:
+                f.write(b"\0" * 1024)
+        else:
+            _flip(staging / entry.blob, where(entry))
+
+    _writer_then(monkeypatch, spoil)
+    with pytest.raises(WeightsError, match=why):
+        build(demo_recipe(), tmp_path / "out", sandbox=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_blob_the_writer_changed_after_its_read_back_is_named_and_pinned_by_its_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -210,6 +233,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _framing_of(out: Path) -> Any:
+    """The build's framing of the weight file, as read off its blob (what the build computes)."""
+    e = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]
+    blob = (out / e["blob"]).read_bytes()
+    around = (blob[:e["offset"]], blob[e["offset"] + e["size"]:])
+    return lambda rel, size: around if (rel, size) == (WEIGHTS, e["size"]) else (b"", b"")
+
+
 def _unnamed(out: Path) -> FileEntry:
     """The weight file's entry as the writer gives it, its blob copied back to where it is left."""
     e = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]
@@ -220,7 +251,7 @@ def _unnamed(out: Path) -> FileEntry:
 
 def test_a_vouch_is_taken_only_for_the_file_it_read(built: Path) -> None:
     entry = _unnamed(built)
-    (files, vouched) = reread_blobs(built, (entry,))
+    (files, vouched) = reread_blobs(built, (entry,), _framing_of(built))
     assert files[0].blob == json.loads((built / "manifest.json").read_bytes())["files"][WEIGHTS]["blob"]
     assert not (built / "image/unnamed").exists()
     ((digest, vouch),) = vouched.items()
@@ -238,24 +269,28 @@ def test_a_vouch_is_taken_only_for_the_file_it_read(built: Path) -> None:
     ({"blob": "/etc/passwd"}, "is not where a layer blob of it is left"),
     ({"path": "weights/../../passwd"}, "is not a relative file name"),
     ({"offset": -1}, "is not where a layer blob of it is left"),
-    ({"offset": 2**40}, "too short to hold"),
+    ({"offset": "4096"}, "is not where a layer blob of it is left"),
+    ({"offset": 2**40}, "not its layer"),
+    ({"size": 1}, "not its layer"),
 ])
 def test_a_blob_place_from_the_writer_is_checked_before_it_is_read(
     built: Path, change: dict[str, Any], why: str
 ) -> None:
     entry = _unnamed(built)
     with pytest.raises(WeightsError, match=why):
-        reread_blobs(built, (replace(entry, **change),))
+        reread_blobs(built, (replace(entry, **change),), _framing_of(built))
     shutil.rmtree(built / "image/unnamed")
 
 
 def test_a_blob_named_twice_or_anything_else_left_unnamed_is_refused(built: Path) -> None:
     entry = _unnamed(built)
     with pytest.raises(WeightsError, match="names a layer blob in .*image/unnamed twice"):
-        reread_blobs(built, (entry, entry))
+        reread_blobs(built, (entry, entry), _framing_of(built))
+    with pytest.raises(WeightsError, match="names layer blobs in .*image/unnamed; none was asked for"):
+        reread_blobs(built, (entry,), None)
     (built / "image/unnamed/weights/stray").write_bytes(b"x")
     with pytest.raises(WeightsError, match="image/unnamed: holds more than the layer blobs .*stray was not named"):
-        reread_blobs(built, (entry,))
+        reread_blobs(built, (entry,), _framing_of(built))
     shutil.rmtree(built / "image/unnamed")
     verify(built)  # the blob the re-read moved onto its own name is the same bytes
 
@@ -269,18 +304,32 @@ def test_a_symlink_the_writer_left_on_the_way_to_a_blob_or_its_name_is_refused(
     (built / "image/unnamed/weights").symlink_to(elsewhere)  # a file outside OUT, to be moved into it
     with pytest.raises(WeightsError, match="image/unnamed/weights/model.safetensors: the layer blob's place "
                                            "passes through a symlink"):
-        reread_blobs(built, (entry,))
+        reread_blobs(built, (entry,), _framing_of(built))
     assert (elsewhere / "model.safetensors").is_file()
     shutil.rmtree(built / "image/unnamed")
-    entry = _unnamed(built)
-    blobs = built / "image/blobs"
-    (blobs / "sha256").rename(tmp_path / "sha256")
-    (blobs / "sha256").symlink_to(tmp_path / "sha256")  # the blob moved out of OUT
-    try:
-        with pytest.raises(WeightsError, match="image/blobs/sha256: the blobs folder passes through a symlink"):
-            reread_blobs(built, (entry,))
-    finally:
-        (blobs / "sha256").unlink()
-        (tmp_path / "sha256").rename(blobs / "sha256")
-        shutil.rmtree(built / "image/unnamed")
+    image, framing = built / "image", _framing_of(built)
+    for moved in ("blobs/sha256", "blobs"):  # the blob would be moved out of OUT
+        entry = _unnamed(built)
+        saved, target = (tmp_path / f"{moved.replace('/', '-')}-{what}" for what in ("saved", "target"))
+        (image / moved).rename(saved)
+        target.mkdir()
+        (image / moved).symlink_to(target)
+        try:
+            with pytest.raises(WeightsError, match=f"image/{moved}: not a folder .*: the layer blobs cannot be named"):
+                reread_blobs(built, (entry,), framing)
+            assert list(target.iterdir()) == []  # nothing made or moved outside OUT
+        finally:
+            (image / moved).unlink()
+            saved.rename(image / moved)
+            shutil.rmtree(built / "image/unnamed")
     verify(built)
+
+
+def test_a_blob_that_is_a_hard_link_is_refused(built: Path, tmp_path: Path) -> None:
+    entry = _unnamed(built)
+    outside = tmp_path / "outside.bin"
+    os.link(built / "image/unnamed" / WEIGHTS, outside)  # the same inode outside staging
+    with pytest.raises(WeightsError, match="model.safetensors: 2 hard links; a layer blob must be a file of its own"):
+        reread_blobs(built, (entry,), _framing_of(built))
+    shutil.rmtree(built / "image/unnamed")
+    assert outside.is_file()

@@ -7,6 +7,9 @@ and leaves each blob at ``image/unnamed/<file path>``. This process maps each bl
 hashes, side by side on two threads (hashlib releases the GIL), the whole blob and the
 safetensors file inside it:
 
+- the tar framing around the file (headers, padding, end blocks) must be the bytes this build
+  writes for it (:func:`packer.oci.plan.weight_layer_framing`, computed here), so the blob is
+  what was meant outside the spans the child read back too, and reproducible;
 - the blob's digest names it: it moves to ``image/blobs/sha256/<digest>``;
 - the file's sha256, which the manifest, the emitted loader and the model signature pin, comes
   from these bytes, never from the child.
@@ -20,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +61,7 @@ class Vouch:
 
 
 Vouched = dict[str, Vouch]  # "sha256:<blob hex>" -> what was read of it
+Framing = Callable[[str, int], tuple[bytes, bytes]]  # (file path in OUT, size) -> (bytes before, after)
 
 
 def _sha256(view: memoryview, start: int, end: int) -> str:
@@ -78,7 +84,8 @@ def _checked_place(root: Path, entry: FileEntry) -> Path:
     ``image/unnamed/<the file's path>``, no symlink on the way, the file at a non-negative offset."""
     where = f"the weights stage's reply for {shown(entry.path)}"
     rel = check_rel_name(entry.path, where=where, error=WeightsError)
-    if entry.blob != f"{UNNAMED_BLOBS}/{rel}" or entry.offset < 0 or entry.size < 0:
+    counts = [type(n) is int and n >= 0 for n in (entry.offset, entry.size)]
+    if entry.blob != f"{UNNAMED_BLOBS}/{rel}" or not all(counts):
         raise WeightsError(f"{where}: {shown(entry.blob)} is not where a layer blob of it is left "
                            f"(offset {shown(entry.offset)}, size {shown(entry.size)})")
     return _unlinked(root, f"{UNNAMED_BLOBS}/{rel}", "the layer blob's place")
@@ -99,14 +106,33 @@ def _remove_unnamed(root: Path) -> None:
                            f"({e.strerror or e})") from e
 
 
-def _read(path: Path, entry: FileEntry, pool: ThreadPoolExecutor) -> Vouch:
+def _named_dir(root: Path) -> Path:
+    """``root/image/blobs/sha256``, each level made here or found a folder (not a symlink)."""
+    path = root
+    for part in BLOBS.split("/"):
+        path = path / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise WeightsError(f"{path}: not a folder (a symlink?): the layer blobs cannot be named there")
+    return path
+
+
+def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor) -> Vouch:
+    prefix, suffix = framing(entry.path, entry.size)
     fd, mm, size = map_readonly(path, WeightsError)
     try:
-        before = identity(os.fstat(fd))
-        if entry.offset + entry.size > size:
-            raise WeightsError(f"{path}: {size} bytes, too short to hold {shown(entry.path)} at offset {entry.offset} "
-                               f"({entry.size} bytes)")
+        st = os.fstat(fd)
+        before = identity(st)
+        if st.st_nlink != 1:  # a hard link would make a file outside staging part of OUT
+            raise WeightsError(f"{path}: {st.st_nlink} hard links; a layer blob must be a file of its own")
+        if entry.offset != len(prefix) or size != len(prefix) + entry.size + len(suffix):
+            raise WeightsError(f"{path}: {size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
+                               f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
         with memoryview(mm if mm is not None else b"") as view:
+            if view[:len(prefix)] != prefix or view[size - len(suffix):] != suffix:
+                raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this build "
+                                   "writes: the weights stage wrote it wrong")
             blob = pool.submit(_sha256, view, 0, size)
             inside = pool.submit(_sha256, view, entry.offset, entry.offset + entry.size)
             digest, sha256 = blob.result(), inside.result()
@@ -121,9 +147,13 @@ def _read(path: Path, entry: FileEntry, pool: ThreadPoolExecutor) -> Vouch:
     return Vouch(entry.offset, entry.size, sha256, digest, after)
 
 
-def reread_blobs(root: Path, files: tuple[FileEntry, ...]) -> tuple[tuple[FileEntry, ...], Vouched]:
+def reread_blobs(root: Path, files: tuple[FileEntry, ...],
+                 framing: Framing | None) -> tuple[tuple[FileEntry, ...], Vouched]:
     """Re-read every file of ``files`` held in a layer blob under ``root`` (the build's staging),
     and move each blob to its name, ``image/blobs/sha256/<digest>``.
+
+    ``framing`` gives the bytes before and after a file in its layer (what the build asked the
+    writer to write around it); None where the build asked for no layer blob.
 
     Returns:
         ``files`` with each blob-held file's ``sha256`` from this read (any value the writer
@@ -132,22 +162,26 @@ def reread_blobs(root: Path, files: tuple[FileEntry, ...]) -> tuple[tuple[FileEn
 
     Raises:
         WeightsError: a blob place that is not ``image/unnamed/<file path>`` (no symlink on
-            the way) with the file inside it, a blob written during the read, or anything else
-            left in ``image/unnamed``.
+            the way), a blob that is not a file of its own (one link) holding the file in the
+            framing asked for, a blob written during the read, or anything else left in
+            ``image/unnamed``.
     """
     held = [(i, f, _checked_place(root, f)) for i, f in enumerate(files) if f.blob]
     if not held:
+        if os.path.lexists(root / UNNAMED_BLOBS):
+            _remove_unnamed(root)
         return files, {}
+    if framing is None:
+        raise WeightsError(f"the weights stage's reply names layer blobs in {root / UNNAMED_BLOBS}; none was asked for")
     if len({path for _i, _f, path in held}) != len(held):
         raise WeightsError(f"the weights stage's reply names a layer blob in {root / UNNAMED_BLOBS} twice")
     out = list(files)
     vouched: Vouched = {}
-    (root / BLOBS).mkdir(parents=True, exist_ok=True)
-    named = _unlinked(root, BLOBS, "the blobs folder")
+    named = _named_dir(root)
     at_once = min(len(held), os.cpu_count() or 1)  # blobs read at a time, each by two hashers
     with ThreadPoolExecutor(2 * at_once, thread_name_prefix="packer-reread") as hashers, \
             ThreadPoolExecutor(at_once, thread_name_prefix="packer-reread-blob") as blobs:
-        reads: list[Any] = [(i, f, path, blobs.submit(_read, path, f, hashers)) for i, f, path in held]
+        reads: list[Any] = [(i, f, path, blobs.submit(_read, path, f, framing, hashers)) for i, f, path in held]
         for i, f, path, read in reads:
             got = read.result()
             try:

@@ -198,9 +198,9 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
 
     ``layer_image``: also compute each weight file's image-layer digest while writing it
     (see :func:`packer.oci.plan.weight_layer_framing`, its entries' mtime ``layer_mtime``,
-    default ``SOURCE_DATE_EPOCH``); they come back in ``digests``. ``layer_blobs``: write each
-    weight file as its layer blob, unhashed (see :func:`packer.weights.convert.convert`). ``verify``: as
-    :func:`packer.weights.convert.convert`.
+    default ``SOURCE_DATE_EPOCH``); they come back in ``digests`` (not with ``layer_blobs``).
+    ``layer_blobs``: write each weight file as its layer blob, unhashed (see
+    :func:`packer.weights.convert.convert`). ``verify``: as :func:`packer.weights.convert.convert`.
 
     Raises:
         PackerError: the child's own error, or why the child was stopped.

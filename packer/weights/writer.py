@@ -13,7 +13,8 @@ tar prefix, the safetensors bytes at ``len(prefix)`` (a page boundary), the suff
 holds the weights once; the shard's sha256 and the layer's digest are computed from the same
 bytes in the same pass, or neither (``hashed=False``): ``packer build`` re-reads the blob,
 hashes both there and names the blob by its digest, while the read-back here still proves
-that what landed is what was meant.
+that each span landed as meant (the framing, which is not read back, that build compares with
+the framing it computes itself).
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ class StagedFiles:
         return Path(tmp)
 
     def retarget(self, tmp: Path, final: Path) -> None:
-        """Give the temporary file ``tmp`` another final path (a blob, named by its digest)."""
+        """Give the temporary file ``tmp`` another final path (a layer blob, left for its re-read)."""
         self.pending = [(t, final if t == tmp else f) for t, f in self.pending]
 
     def commit(self) -> None:
