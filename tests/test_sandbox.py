@@ -60,3 +60,48 @@ def test_limit_hit_in_child_is_one_line_and_leaves_nothing(demo_dir: Path, tmp_p
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.iterdir())
+
+
+_GOOD = {"files": [{"path": "model.safetensors", "size": 8, "sha256": "ab" * 32}], "section": {}, "bytes": 8,
+         "notes": [], "digests": {}}
+
+
+@pytest.mark.parametrize(("reply", "why"), [
+    ({**_GOOD, "files": [{"path": "m", "size": 8, "sha256": "", "offset": "0"}]},
+     r"files\[0\]\.offset: expected a size in bytes"),
+    ({**_GOOD, "files": [{"path": "m", "size": -1, "sha256": ""}]}, r"files\[0\]\.size: expected a size"),
+    ({**_GOOD, "files": [_GOOD["files"][0]] * 2}, "names a file twice"),
+    ({**_GOOD, "files": {"path": "m"}}, "files: expected an array"),
+    ({k: v for k, v in _GOOD.items() if k != "bytes"}, r"bytes: expected .*\(required\)"),
+    ({**_GOOD, "digests": {"layer:m": 1}}, "digests.*: expected a string"),
+    ({"error": ["not", "a", "string"], "type": "WeightsError"}, "error: expected a string"),
+])
+def test_a_malformed_reply_from_the_child_is_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reply: dict[str, object], why: str
+) -> None:
+    """The child read the input: its reply is checked field by field before anything is built from it."""
+    import json
+
+    import packer.weights.sandbox as sandbox
+    from packer.errors import CheckpointError
+    from packer.recipe import WeightsConfig
+
+    done = subprocess.CompletedProcess(["child"], 0, json.dumps(reply), "")
+    monkeypatch.setattr(sandbox, "_run_child", lambda request, progress: (done, 0))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=f"the reader's reply: .*{why}"):
+        sandbox.convert_sandboxed(tmp_path / "pytorch_model.bin", tmp_path / "out", WeightsConfig())
+
+
+def test_a_well_formed_reply_keeps_only_the_fields_of_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import packer.weights.sandbox as sandbox
+    from packer.recipe import WeightsConfig
+
+    extra = {**_GOOD, "files": [{**_GOOD["files"][0], "executable": True}]}  # a key no file entry has
+    done = subprocess.CompletedProcess(["child"], 0, json.dumps(extra), "")
+    monkeypatch.setattr(sandbox, "_run_child", lambda request, progress: (done, 0))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    out = sandbox.convert_sandboxed(tmp_path / "pytorch_model.bin", tmp_path / "out", WeightsConfig())
+    assert [(f.path, f.size, f.blob, f.offset) for f in out.files] == [("model.safetensors", 8, "", 0)]

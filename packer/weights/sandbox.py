@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from packer import errors
 from packer.fsutil import FileEntry
+from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, check_shape, leaf
 from packer.reading import REPORT, parse_json
 from packer.recipe import ImageConfig, Rename, WeightsConfig
 from packer.stage import Progress, StageOutput
@@ -119,6 +120,22 @@ def _child_main() -> int:
                "bytes": result.bytes_processed, "notes": list(result.notes),
                "digests": result.digests}, sys.stdout)
     return 0
+
+
+# the child's reply, whose every field is checked before use: it comes from the process that read the input
+_FILE = Obj(required={"path": STR, "size": SIZE, "sha256": STR}, optional={"blob": STR, "offset": SIZE})
+_FAILED = Obj(required={"error": STR, "type": STR})
+_DONE = Obj(required={"files": ListOf(_FILE), "section": leaf("an object", lambda v: isinstance(v, dict)),
+                      "bytes": SIZE, "notes": ListOf(STR)}, optional={"digests": MapOf(STR)})
+
+
+def _reply_files(reply: dict[str, Any]) -> tuple[FileEntry, ...]:
+    """The files of a checked reply (only the fields a file entry has), each path once."""
+    files = tuple(FileEntry(f["path"], f["size"], f["sha256"], f.get("blob", ""), f.get("offset", 0))
+                  for f in reply["files"])
+    if len({f.path for f in files}) != len(files):
+        raise errors.CheckpointError("the reader's reply: names a file twice")
+    return files
 
 
 def error_class(name: str) -> type[errors.PackerError]:
@@ -219,8 +236,10 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise errors.CheckpointError(f"converting {src}: reader process failed: {last}") from None
     if "error" in reply:
+        check_shape(reply, _FAILED, where="the reader's reply", error=errors.CheckpointError)
         raise error_class(reply["type"])(reply["error"])
-    files = tuple(FileEntry(**f) for f in reply["files"])
+    check_shape(reply, _DONE, where="the reader's reply", error=errors.CheckpointError)
+    files = _reply_files(reply)
     if progress is not None and (rest := sum(f.size for f in files) - reported) > 0:
         progress(rest)  # the headers and the index: the child reports tensor bytes as it writes them
     return StageOutput(files=files, section=reply["section"], bytes_processed=reply["bytes"],
