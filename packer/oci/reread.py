@@ -97,7 +97,8 @@ def _remove_unnamed(root: Path) -> None:
     try:
         for folder, dirs, files in os.walk(top, topdown=False):
             if files:
-                raise OSError(f"{Path(folder, files[0])} was not named by the weights stage")
+                # a name the child chose: control characters escaped (repr without its quotes)
+                raise OSError(f"{repr(str(Path(folder, files[0])))[1:-1]} was not named by the weights stage")
             for d in dirs:
                 os.rmdir(Path(folder, d))
         top.rmdir()

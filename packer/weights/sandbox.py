@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from packer import errors
 from packer.fsutil import FileEntry
-from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, check_shape, leaf
+from packer.jsonshape import ANY, SIZE, STR, ListOf, MapOf, Obj, check_shape
 from packer.reading import REPORT, parse_json
 from packer.recipe import ImageConfig, Rename, WeightsConfig
 from packer.stage import Progress, StageOutput
@@ -125,8 +125,8 @@ def _child_main() -> int:
 # the child's reply, whose every field is checked before use: it comes from the process that read the input
 _FILE = Obj(required={"path": STR, "size": SIZE, "sha256": STR}, optional={"blob": STR, "offset": SIZE})
 _FAILED = Obj(required={"error": STR, "type": STR})
-_DONE = Obj(required={"files": ListOf(_FILE), "section": leaf("an object", lambda v: isinstance(v, dict)),
-                      "bytes": SIZE, "notes": ListOf(STR)}, optional={"digests": MapOf(STR)})
+_DONE = Obj(required={"files": ListOf(_FILE), "section": MapOf(ANY), "bytes": SIZE, "notes": ListOf(STR)},
+            optional={"digests": MapOf(STR)})
 
 
 def _reply_files(reply: dict[str, Any]) -> tuple[FileEntry, ...]:

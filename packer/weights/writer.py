@@ -13,8 +13,8 @@ tar prefix, the safetensors bytes at ``len(prefix)`` (a page boundary), the suff
 holds the weights once; the shard's sha256 and the layer's digest are computed from the same
 bytes in the same pass, or neither (``hashed=False``): ``packer build`` re-reads the blob,
 hashes both there and names the blob by its digest, while the read-back here still proves
-that each span landed as meant (the framing, which is not read back, that build compares with
-the framing it computes itself).
+that each span landed as meant; the framing, which is not read back, the build compares with
+the framing it computes itself.
 """
 
 from __future__ import annotations
