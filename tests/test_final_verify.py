@@ -2,8 +2,9 @@
 
 The weights stage's sandboxed writer hashes nothing it writes as a layer blob: it reads each
 span back as it lands and compares it with its source, and leaves the blob unnamed. The build
-maps each blob once, compares its tar framing with the one it computes itself, hashes the blob
-(which names it) and the file inside it side by side (``packer.oci.reread``). The final
+compares each blob's tar framing with the one it computes itself, and hashes the blob (which
+names it) and the file inside it side by side, each thread reading its own bytes
+(``packer.oci.reread``, :func:`packer.fsutil.sha256_range`). The final
 ``verify`` takes both digests for a blob that stat shows unwritten since, and hashes anything
 else; ``packer verify`` on its own hashes the blob and the file inside it. A span that lands
 wrong is refused by the writer, framing that lands wrong by the re-read, a byte changed after
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import packer.build
 import packer.oci.verify
@@ -30,7 +33,7 @@ import packer.weights.writer
 from packer.build import build
 from packer.build_stages import STAGES
 from packer.errors import VerifyError, WeightsError
-from packer.fsutil import FileEntry
+from packer.fsutil import FileEntry, sha256_range
 from packer.oci.reread import reread_blobs
 from packer.recipe import demo_recipe
 from packer.stage import StageContext, StageOutput
@@ -55,6 +58,21 @@ def _flip(path: Path, at: int, *, keep_mtime: bool = False) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
     if keep_mtime:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@given(data=st.binary(max_size=3 * 2**20 + 7), cuts=st.tuples(st.integers(0, 2**22), st.integers(0, 2**22)))
+def test_sha256_range_is_hashlib_over_the_slice(tmp_path_factory: pytest.TempPathFactory, data: bytes,
+                                                cuts: tuple[int, int]) -> None:
+    path = tmp_path_factory.mktemp("range") / "blob"
+    path.write_bytes(data)
+    start, end = sorted(min(c, len(data)) for c in cuts)  # across the 1 MiB reads too
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert sha256_range(fd, start, end) == hashlib.sha256(data[start:end]).hexdigest()
+        with pytest.raises(EOFError, match=f"ends at byte {len(data)}, before byte {len(data) + 1}"):
+            sha256_range(fd, start, len(data) + 1)  # a file shorter than asked: never a short digest
+    finally:
+        os.close(fd)
 
 
 def _writer_then(monkeypatch: pytest.MonkeyPatch, after: Any) -> list[StageOutput]:

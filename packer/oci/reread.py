@@ -3,9 +3,10 @@
 The weights stage writes in a child process that parses untrusted checkpoints, so the build
 believes nothing the child says about the bytes it wrote. The child hashes nothing: it reads
 each span back as it lands and compares it with its source (what landed is what was meant),
-and leaves each blob at ``image/unnamed/<file path>``. This process maps each blob once and
+and leaves each blob at ``image/unnamed/<file path>``. This process reads each blob and
 hashes, side by side on two threads (hashlib releases the GIL), the whole blob and the
-safetensors file inside it:
+safetensors file inside it, each thread reading its own bytes with ``pread`` (cheaper here
+than sharing one mapping, whose page faults cost more than the copies):
 
 - the tar framing around the file (headers, padding, end blocks) must be the bytes this build
   writes for it (:func:`packer.oci.plan.weight_layer_framing`, computed here), so the blob is
@@ -21,7 +22,6 @@ digests for the same file, not written since, instead of hashing it again.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import stat
 from collections.abc import Callable
@@ -32,11 +32,10 @@ from typing import Any
 
 from packer.errors import WeightsError
 from packer.formats import UNNAMED_BLOBS
-from packer.fsutil import FileEntry, Identity, identity
+from packer.fsutil import FileEntry, Identity, identity, sha256_range
 from packer.idents import check_rel_name, shown
-from packer.reading import map_readonly
+from packer.reading import open_regular
 
-CHUNK = 16 * 2**20
 BLOBS = "image/blobs/sha256"
 
 
@@ -62,13 +61,6 @@ class Vouch:
 
 Vouched = dict[str, Vouch]  # "sha256:<blob hex>" -> what was read of it
 Framing = Callable[[str, int], tuple[bytes, bytes]]  # (file path in OUT, size) -> (bytes before, after)
-
-
-def _sha256(view: memoryview, start: int, end: int) -> str:
-    h = hashlib.sha256()
-    for at in range(start, end, CHUNK):
-        h.update(view[at:min(end, at + CHUNK)])
-    return h.hexdigest()
 
 
 def _unlinked(root: Path, rel: str, error_where: str) -> Path:
@@ -121,28 +113,25 @@ def _named_dir(root: Path) -> Path:
 
 def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor) -> Vouch:
     prefix, suffix = framing(entry.path, entry.size)
-    fd, mm, size = map_readonly(path, WeightsError)
-    try:
+    with open_regular(path, WeightsError) as f:
+        fd = f.fileno()
         st = os.fstat(fd)
-        before = identity(st)
+        before, size = identity(st), st.st_size
         if st.st_nlink != 1:  # a hard link would make a file outside staging part of OUT
             raise WeightsError(f"{path}: {st.st_nlink} hard links; a layer blob must be a file of its own")
         if entry.offset != len(prefix) or size != len(prefix) + entry.size + len(suffix):
             raise WeightsError(f"{path}: {size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
                                f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
-        with memoryview(mm if mm is not None else b"") as view:
-            if view[:len(prefix)] != prefix or view[size - len(suffix):] != suffix:
-                raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this build "
-                                   "writes: the weights stage wrote it wrong")
-            blob = pool.submit(_sha256, view, 0, size)
-            inside = pool.submit(_sha256, view, entry.offset, entry.offset + entry.size)
+        if os.pread(fd, len(prefix), 0) != prefix or os.pread(fd, len(suffix), size - len(suffix)) != suffix:
+            raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this build "
+                               "writes: the weights stage wrote it wrong")
+        blob = pool.submit(sha256_range, fd, 0, size)
+        inside = pool.submit(sha256_range, fd, entry.offset, entry.offset + entry.size)
+        try:
             digest, sha256 = blob.result(), inside.result()
+        except EOFError as e:
+            raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
         after = identity(os.fstat(fd))
-    finally:
-        if mm is not None:
-            with contextlib.suppress(BufferError):  # a view held by a traceback: freed with it
-                mm.close()
-        os.close(fd)
     if before != after:
         raise WeightsError(f"{path}: written while the build re-read it")
     return Vouch(entry.offset, entry.size, sha256, digest, after)

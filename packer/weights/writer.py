@@ -38,7 +38,11 @@ from packer.reading import map_readonly
 from packer.stage import Progress
 from packer.weights.plan import PlannedTensor, ShardPlan
 
-CHUNK = 8 * 2**20  # small enough that read-back and hashing find the bytes still in cache
+CHUNK = 8 * 2**20  # a gathered or cast tensor's block: few numpy/torch calls per tensor
+# one kernel copy and its read-back: small enough that the read-back finds the bytes it just
+# copied still in the core's own cache (2 MB L2 here; 1 GB copied and read back in 0.55 s with
+# 256 KiB spans against 0.70 s with 8 MiB ones: benchmarks/RESULTS.md, issue 30)
+SPAN = 2**18
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
 _TORCH_DTYPES = {code: name for name, code in CAST_DTYPES.items()}  # safetensors code -> torch name
 
@@ -142,7 +146,7 @@ class _Output:
         self.label = label
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
         self.ro = os.open(path, os.O_RDONLY) if verify else -1
-        self.buf = bytearray(CHUNK if verify else 0)
+        self.buf = bytearray(SPAN if verify else 0)
         self.file = HashThread() if hashed else None
         # the framed hash (e.g. the file's image layer) runs on its own thread too
         self.framed = HashThread(framing[0]) if framing is not None and hashed else None
@@ -155,10 +159,10 @@ class _Output:
         """``expected`` now lies at ``pos``: compare it with the file (verify), then hash it."""
         if self.ro >= 0:
             view = memoryview(self.buf)
-            for i in range(0, len(expected), CHUNK):
-                want = expected[i:i + CHUNK]
+            for i in range(0, len(expected), SPAN):
+                want = expected[i:i + SPAN]
                 n = os.preadv(self.ro, [view[:len(want)]], self.base + pos + i)
-                got = self.buf if n == CHUNK else self.buf[:n]  # bytearray == buffer: memcmp
+                got = self.buf if n == SPAN else self.buf[:n]  # bytearray == buffer: memcmp
                 if n != len(want) or got != want:
                     raise WeightsError(f"{self.label}: tensor {name!r}: bytes read back at "
                                        f"offset {pos + i} differ from what was written")
@@ -208,7 +212,7 @@ def _copy_span(t: PlannedTensor, fd: int, data: memoryview, out: _Output, pos: i
                progress: Progress | None) -> None:
     src, end = t.source_offset, t.source_offset + (t.end - t.begin)
     while src < end:
-        n = min(CHUNK, end - src)
+        n = min(SPAN, end - src)
         done = _kernel_copy(fd, out.fd, src, out.base + pos, n)
         if done <= 0:
             raise WeightsError(f"{t.record.storage.path}: tensor {t.record.name!r}: input "
