@@ -79,10 +79,13 @@ def sha256_range(fd: int, start: int, end: int) -> str:
     buffer of this call's own, so that threads hash ranges of one descriptor side by side.
 
     Raises:
-        EOFError: the file ends before ``end``; OSError: unreadable.
+        ValueError: not ``0 <= start <= end``; EOFError: the file ends before ``end``;
+        OSError: unreadable.
     """
+    if not 0 <= start <= end:
+        raise ValueError(f"sha256_range: not a range of bytes: {start}:{end}")
     h = hashlib.sha256()
-    view = memoryview(bytearray(min(HASH_READ, max(0, end - start))))
+    view = memoryview(bytearray(min(HASH_READ, end - start)))
     at = start
     while at < end:
         n = os.preadv(fd, [view[:min(len(view), end - at)]], at)

@@ -7,17 +7,20 @@ names it) and the file inside it side by side, each thread reading its own bytes
 (``packer.oci.reread``, :func:`packer.fsutil.sha256_range`). The final
 ``verify`` takes both digests for a blob that stat shows unwritten since, and hashes anything
 else; ``packer verify`` on its own hashes the blob and the file inside it. A span that lands
-wrong is refused by the writer, framing that lands wrong by the re-read, a byte changed after
-the re-read by the final verification, and every digest published is what the bytes hash to,
+wrong is refused by the writer, framing that lands wrong by the re-read, a blob cut short or
+rewritten during the re-read (its mtime put back) by the re-read, a byte changed after the
+re-read by the final verification, and every digest published is what the bytes hash to,
 whatever the writer says.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import packer.build
+import packer.oci.reread
 import packer.oci.verify
 import packer.weights.stage
 import packer.weights.writer
@@ -71,8 +75,80 @@ def test_sha256_range_is_hashlib_over_the_slice(tmp_path_factory: pytest.TempPat
         assert sha256_range(fd, start, end) == hashlib.sha256(data[start:end]).hexdigest()
         with pytest.raises(EOFError, match=f"ends at byte {len(data)}, before byte {len(data) + 1}"):
             sha256_range(fd, start, len(data) + 1)  # a file shorter than asked: never a short digest
+        if start < end:
+            with pytest.raises(ValueError, match="not a range of bytes"):
+                sha256_range(fd, end, start)
     finally:
         os.close(fd)
+
+
+def _during_the_re_read(monkeypatch: pytest.MonkeyPatch, act: Any) -> list[int | None]:
+    """Run ``act(fd)`` as the re-read starts hashing the blob (what a process the child left
+    behind could do); the hash of the file inside it starts late. Returns the inode that hasher
+    still sees through its descriptor when it ends (None: the descriptor was gone)."""
+    real = packer.oci.reread.sha256_range
+    seen: list[int | None] = []
+
+    def hash_range(fd: int, start: int, end: int) -> str:
+        if start == 0:
+            act(fd)
+            return real(fd, start, end)
+        time.sleep(0.2)  # still reading when the blob's hash has failed
+        try:
+            return real(fd, start, end)
+        finally:
+            try:
+                seen.append(os.fstat(fd).st_ino)
+            except OSError:
+                seen.append(None)
+
+    monkeypatch.setattr(packer.oci.reread, "sha256_range", hash_range)
+    return seen
+
+
+def _blob_of(fd: int) -> tuple[str, int]:
+    return os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_ino
+
+
+def test_a_blob_cut_short_during_the_re_read_is_refused_and_nothing_is_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blob: list[int] = []
+
+    def truncate(fd: int) -> None:
+        path, inode = _blob_of(fd)
+        blob.append(inode)
+        os.truncate(path, os.fstat(fd).st_size // 2)
+
+    seen = _during_the_re_read(monkeypatch, truncate)
+    with pytest.raises(WeightsError, match=r"image/unnamed/weights/model\.safetensors: shrank while the build "
+                                           r"re-read it \(the file ends at byte \d+, before byte \d+\)"):
+        build(demo_recipe(), tmp_path / "out", sandbox=False)
+    assert seen == blob  # the other hasher ended before its descriptor closed: it read the blob
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_blob_rewritten_with_its_mtime_put_back_during_the_re_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def rewrite(fd: int) -> None:
+        path, _ = _blob_of(fd)
+        _flip(Path(path), os.fstat(fd).st_size // 2, keep_mtime=True)  # size and mtime as they were
+
+    _during_the_re_read(monkeypatch, rewrite)
+    with pytest.raises(WeightsError, match=r"model\.safetensors: written while the build re-read it"):
+        build(demo_recipe(), tmp_path / "out", sandbox=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_blob_that_cannot_be_read_is_named_in_the_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))  # what a failing disk returns
+
+    _during_the_re_read(monkeypatch, fail)
+    with pytest.raises(WeightsError, match=r"model\.safetensors: cannot re-read the layer blob: Input/output error"):
+        build(demo_recipe(), tmp_path / "out", sandbox=False)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _writer_then(monkeypatch: pytest.MonkeyPatch, after: Any) -> list[StageOutput]:

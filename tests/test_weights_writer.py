@@ -82,12 +82,12 @@ VIEWS = [  # name, shape, stride, storage offset (elements)
 ]
 
 
-@pytest.mark.parametrize("chunk", [writer.CHUNK, 8])
+@pytest.mark.parametrize(("chunk", "span"), [(writer.CHUNK, writer.SPAN), (8, 8), (64, 24), (8, 64)])
 @pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
-def test_views_of_every_dtype(tmp_path: Path, dtype: str, chunk: int,
+def test_views_of_every_dtype(tmp_path: Path, dtype: str, chunk: int, span: int,
                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(writer, "CHUNK", chunk)  # gathered blocks
-    monkeypatch.setattr(writer, "SPAN", min(chunk, writer.SPAN))  # kernel copies and their read-back
+    monkeypatch.setattr(writer, "SPAN", span)  # kernel copies and their read-back: across a block, or within
     src = raw_file(tmp_path / "raw.bin", 64 * DTYPE_SIZES[dtype])
     records = [rec(src, n, dtype, sh, st, off) for n, sh, st, off in VIEWS]
     plan = plan_weights([CheckpointContents(src, "torch-zip", tuple(records))], WeightsConfig())

@@ -25,7 +25,7 @@ import contextlib
 import os
 import stat
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,11 @@ def _named_dir(root: Path) -> Path:
     return path
 
 
+def _framing_matches(fd: int, size: int, prefix: bytes, suffix: bytes) -> bool:
+    """The blob's first and last bytes are ``prefix`` and ``suffix`` (a short read is a mismatch)."""
+    return os.pread(fd, len(prefix), 0) == prefix and os.pread(fd, len(suffix), size - len(suffix)) == suffix
+
+
 def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor) -> Vouch:
     prefix, suffix = framing(entry.path, entry.size)
     with open_regular(path, WeightsError) as f:
@@ -122,19 +127,28 @@ def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecut
         if entry.offset != len(prefix) or size != len(prefix) + entry.size + len(suffix):
             raise WeightsError(f"{path}: {size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
                                f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
-        if os.pread(fd, len(prefix), 0) != prefix or os.pread(fd, len(suffix), size - len(suffix)) != suffix:
-            raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this build "
-                               "writes: the weights stage wrote it wrong")
-        blob = pool.submit(sha256_range, fd, 0, size)
-        inside = pool.submit(sha256_range, fd, entry.offset, entry.offset + entry.size)
         try:
-            digest, sha256 = blob.result(), inside.result()
+            if not _framing_matches(fd, size, prefix, suffix):
+                raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this "
+                                   "build writes: the weights stage wrote it wrong (or it shrank)")
+            hashes = [pool.submit(sha256_range, fd, 0, size),  # the blob: its name
+                      pool.submit(sha256_range, fd, entry.offset, entry.offset + entry.size)]  # the file
+            try:
+                digest, sha256 = (h.result() for h in hashes)
+            finally:
+                for h in hashes:  # neither hasher may outlive the descriptor it reads
+                    h.cancel()
+                wait(hashes)
         except EOFError as e:
             raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
-        after = identity(os.fstat(fd))
-    if before != after:
+        except OSError as e:
+            raise WeightsError(f"{path}: cannot re-read the layer blob: {e.strerror or e}") from e
+        end = os.fstat(fd)
+    # ctime as well: a write whose mtime was put back (utime) still moves it; the blob's later
+    # rename moves it too, so the vouch's identity leaves it out
+    if before != identity(end) or st.st_ctime_ns != end.st_ctime_ns:
         raise WeightsError(f"{path}: written while the build re-read it")
-    return Vouch(entry.offset, entry.size, sha256, digest, after)
+    return Vouch(entry.offset, entry.size, sha256, digest, before)
 
 
 def reread_blobs(root: Path, files: tuple[FileEntry, ...],
@@ -153,8 +167,8 @@ def reread_blobs(root: Path, files: tuple[FileEntry, ...],
     Raises:
         WeightsError: a blob place that is not ``image/unnamed/<file path>`` (no symlink on
             the way), a blob that is not a file of its own (one link) holding the file in the
-            framing asked for, a blob written during the read, or anything else left in
-            ``image/unnamed``.
+            framing asked for, a blob written (its size, mtime or ctime moved), cut short or
+            unreadable during the read, or anything else left in ``image/unnamed``.
     """
     held = [(i, f, _checked_place(root, f)) for i, f in enumerate(files) if f.blob]
     if not held:

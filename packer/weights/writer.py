@@ -38,7 +38,7 @@ from packer.reading import map_readonly
 from packer.stage import Progress
 from packer.weights.plan import PlannedTensor, ShardPlan
 
-CHUNK = 8 * 2**20  # a gathered or cast tensor's block: few numpy/torch calls per tensor
+CHUNK = 8 * 2**20  # a gathered or cast tensor's block (few numpy/torch calls), and verify_written's compare
 # one kernel copy and its read-back: small enough that the read-back finds the bytes it just
 # copied still in the core's own cache (2 MB L2 here; 1 GB copied and read back in 0.55 s with
 # 256 KiB spans against 0.70 s with 8 MiB ones: benchmarks/RESULTS.md, issue 30)
