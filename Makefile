@@ -7,16 +7,20 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.packer-demo-installed
 STAMP := $(VENV)/.packer-installed
 INSTALL_LOG := $(VENV)/install.log
+# extra pip options for the torch install alone: plain PyPI serves Linux x86_64 the CUDA build
+# of torch==2.13.0; TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# gets the CPU one (what Dockerfile.runtime does). This project's machines serve the CPU build.
+TORCH_PIP_ARGS ?=
 
 .PHONY: demo test lint package-check clean
 
 # pip's output goes to a log that is shown only if the install fails: a quick start prints
 # the stage table, not pip's notes about this machine's package indexes.
 $(DEMO_STAMP): pyproject.toml requirements/torch-cpu.txt
-	@echo "setting up $(VENV) (torch CPU build and packer; log: $(INSTALL_LOG))"
+	@echo "setting up $(VENV) (torch and packer; log: $(INSTALL_LOG))"
 	@python3 -m venv $(VENV)
 	@( $(PY) -m pip install --upgrade pip \
-	   && $(PY) -m pip install -r requirements/torch-cpu.txt \
+	   && $(PY) -m pip install $(TORCH_PIP_ARGS) -r requirements/torch-cpu.txt \
 	   && $(PY) -m pip install -e . ) > $(INSTALL_LOG) 2>&1 \
 	   || { tail -n 40 $(INSTALL_LOG); exit 1; }
 	@touch $(DEMO_STAMP)

@@ -172,6 +172,7 @@ def test_a_flipped_byte_of_the_one_copy_is_refused_by_each_reader(
     r = subprocess.run([sys.executable, "-m", "packer", "verify", str(bad)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 1 and "image/blobs/sha256/" in r.stderr and "does not match" in r.stderr, r.stderr
+    assert "the weight file it holds at offset 4096 is the manifest's weights/model.safetensors: sha256" in r.stderr
     with pytest.raises(ArtifactMismatchError, match=r"sha256 .*the manifest says"):
         open_build(bad).load_weights("cpu", verify=True)
     open_build(out).load_weights("cpu", verify=True)  # the untouched build loads

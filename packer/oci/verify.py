@@ -397,8 +397,10 @@ def _name_the_file(out_dir: Path, e: BlobDigestError, artifact_manifest: bytes, 
     for rel, entry in sorted(files.items()):
         got = e.found.get(f"{root}{image_rel(rel)}")
         if isinstance(entry, dict) and entry.get("blob") and got and got[1] != entry.get("sha256"):
-            return VerifyError(f"{e}; the weight file it holds at offset {entry.get('offset')}, {out_dir / rel}: "
-                               f"sha256 {got[1][:16]}… differs from the manifest's {str(entry['sha256'])[:16]}…")
+            name = repr(str(rel))[1:-1]  # control characters escaped, no quotes
+            return VerifyError(f"{e}; the weight file it holds at offset {entry.get('offset')} is the manifest's "
+                               f"{name}: sha256 {got[1][:16]}… differs from the manifest's "
+                               f"{str(entry['sha256'])[:16]}…")
     return e
 
 
