@@ -36,9 +36,9 @@ def model_signing_verify(model: Path, public_key: Path, *, signature: Path | Non
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-def image_model_dir(out: Path, dest: Path) -> Path:
+def image_model_dir(out: Path, dest: Path, ref: str | None = None) -> Path:
     """The image's model directory (``/models``) as a node mounts it: ``umoci unpack`` of the
-    build's image layout, the directory moved to ``dest``."""
+    build's image layout (its first tag, or ``ref``), the directory moved to ``dest``."""
     import json
 
     from tests.oci_validate import require_tool, run
@@ -46,7 +46,7 @@ def image_model_dir(out: Path, dest: Path) -> Path:
     umoci = require_tool("umoci")
     manifest = json.loads((out / "manifest.json").read_bytes())
     index = json.loads((out / "image" / "index.json").read_bytes())
-    ref = index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"]
+    ref = ref or index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"]
     bundle = dest.parent / f".{dest.name}.bundle"
     run([umoci, "unpack", *([] if os.geteuid() == 0 else ["--rootless"]), "--image", f"{out / 'image'}:{ref}",
          str(bundle)])

@@ -7,6 +7,7 @@ files, beside a real build with its image; the image is read by the real skopeo 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -20,10 +21,10 @@ from packer.oci.warm_layer import WARM_ANNOTATION, add_warm_image, warm_tag
 from packer.sign.keys import load_signing_key, signed_bundle
 from packer.verify import verify
 from packer.warm.pins import collect, read_state, write_state
-from packer.warm.trust import check_signature
+from packer.warm.trust import build_digest, check_signature
 from tests.built import build_dir
 from tests.hf_fixtures import llama
-from tests.oci_validate import REF, require_tool, run, validate_layout
+from tests.oci_validate import REF, all_files, require_tool, run, validate_layout
 from tests.sign_fixtures import make_keypair
 from tests.test_warm_state import KEY, _engine_caches
 
@@ -129,12 +130,15 @@ def test_a_signed_state_is_covered_by_the_builds_key(tmp_path: Path) -> None:
     index = json.loads((out / "image" / "index.json").read_bytes())
     assert index["manifests"][-1]["artifactType"] == "application/vnd.dev.sigstore.bundle.v0.3+json"  # stays last
     assert verify(out, public_key=pub)["warm_states"] == [NAME]
+    # the build a state is signed for is the same in OUT and in the image's model directory
+    shipped = all_files(validate_layout(out / "image", TAG))["models/manifest.json"]
+    assert build_digest(out) == hashlib.sha256(shipped).hexdigest() != _sha(out / "manifest.json")
     state = out / "warm" / NAME
     doc, digest = read_state(state)
-    check_signature(state, digest, public_key=str(pub), build_sha256=_sha(out / "manifest.json"))
+    check_signature(state, digest, public_key=str(pub), build_sha256=build_digest(out))
     _, other = make_keypair(tmp_path / "other")
     with pytest.raises(WarmStateError, match="state.sig: signed by another key"):
-        check_signature(state, digest, public_key=str(other), build_sha256=_sha(out / "manifest.json"))
+        check_signature(state, digest, public_key=str(other), build_sha256=build_digest(out))
     with pytest.raises(WarmStateError, match="state.sig: signed for another build"):
         check_signature(state, digest, public_key=str(pub), build_sha256="0" * 64)
     # the manifest changed after signing (a file re-pinned by hand): the signature no longer covers it

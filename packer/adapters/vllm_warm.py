@@ -5,14 +5,22 @@
 server, ``vllm serve``) turns engine arguments into a configuration, before any model is
 inspected or compiled:
 
-1. before the configuration is built, the key parts that need no configuration (versions,
-   device, model path, the environment vLLM hashes) are compared with the state's recorded key
-   (:mod:`packer.warm.key`); if they match, the state's files are copied, each checked against
-   its pin on the way (:func:`packer.warm.pins.verified_copy`), into a private directory, and
-   ``VLLM_CACHE_ROOT`` (and Inductor's and Triton's cache directories, where the state has
-   them) point there: vLLM's ``modelinfos`` and compile cache are read from checked bytes;
+1. before the configuration is built, and only where the operator serves a packer build as one
+   (``--load-format packer``, or ``PACKER_WARM=DIR`` naming a state), the key parts that need no
+   configuration (versions, device, model path, the environment vLLM hashes) are compared with
+   the state's recorded key (:mod:`packer.warm.key`); if they match, the state passes the trust
+   gate (:mod:`packer.adapters.gate`: a build whose stub its ``manifest.json`` pins, the state's
+   signature where one is required, each file copied against its pin into a private directory),
+   and only then do ``VLLM_CACHE_ROOT`` (and Inductor's and Triton's cache directories, where
+   the state has them) point there: vLLM's ``modelinfos`` and compile cache are read from checked
+   bytes;
 2. after it, vLLM's own hash of the configuration is compared, and one line goes to stderr:
    ``packer: warm state: hit (...)`` or ``packer: warm state: miss (<the part that differs>)``.
+   On a miss every variable step 1 changed is put back (and the copy removed) before the engine
+   looks for its cache.
+
+A plain ``vllm serve DIR`` (another load format, no ``PACKER_WARM``) reads ``DIR`` as data: its
+``warm/`` is never looked at, whatever files lie beside it, and no line is printed.
 
 A miss or a refused file is never fatal: vLLM compiles as usual. The decision is made once,
 in the process that builds the configuration first; the processes it starts inherit the
@@ -32,34 +40,30 @@ lookups fall through to that function, so every warm start logs ``'function' obj
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from packer.adapters.gate import LOAD_FORMAT, CacheRedirect, anchored_build, open_state
 from packer.adapters.import_hook import when_imported
-from packer.adapters.stub_code import required_key
 from packer.errors import EngineAdapterError, WarmStateError
 from packer.fsutil import atomic_write_bytes, canonical_json
 from packer.reading import Kind, read_bytes
+from packer.runtime.env import ArtifactMismatchError
 from packer.show import show
 from packer.warm.key import BEFORE_CONFIG, STATE_ENV, difference, explain_config, plain, state_name
-from packer.warm.pins import WARM_DIR, read_state, verified_copy
-from packer.warm.trust import build_digest, check_signature
+from packer.warm.pins import WARM_DIR
 
 LINE = "packer: warm state: "
 DECIDED = "PACKER_WARM_STATE"  # set by the deciding process; inherited by the engine's processes
 CAPTURE = "PACKER_WARM_CAPTURE"  # packer warm's run: write the key here instead of looking up a state
 SWITCH = "PACKER_WARM"  # "off", or a state directory
-CACHE_ENV = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
 _CPUINFO = Kind("CPU description", 16 << 20, 0)
 _IGNORED_ARGS = {"model"}  # recorded as model_path
 
@@ -102,8 +106,12 @@ def _install_decision(find_loader: Callable[..., Path]) -> None:
     @functools.wraps(orig)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         plan = _never_fatal(before_config, self, find_loader)
-        config = orig(self, *args, **kwargs)
-        _never_fatal(after_config, self, config, plan)
+        try:
+            config = orig(self, *args, **kwargs)
+            _never_fatal(after_config, self, config, plan)
+        finally:
+            if plan is not None and plan.redirect is not None and os.environ.get(DECIDED) != "hit":
+                plan.redirect.restore()  # a miss: the engine finds its own caches, as without packer
         return config
 
     create_engine_config._packer_warm = True  # type: ignore[attr-defined]
@@ -159,7 +167,7 @@ class Plan:
     capture: Path | None = None
     state: Path | None = None
     recorded: dict[str, Any] | None = None
-    nbytes: int = 0
+    redirect: CacheRedirect | None = None
     seconds: float = 0.0
 
 
@@ -170,49 +178,49 @@ def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | 
     if os.environ.get(CAPTURE):
         return Plan(capture=Path(os.environ[CAPTURE]), before=current_key(engine_args))
     switch = os.environ.get(SWITCH, "")
-    if switch == "off":
-        return None
+    if switch == "off" or not (switch or str(getattr(engine_args, "load_format", "")) == LOAD_FORMAT):
+        return None  # not served as a packer build: the model directory is data, its warm/ is not looked at
     now = current_key(engine_args)
-    found = _find_state(engine_args, state_name(now), switch, find_loader)
-    if found is None:
-        return None
-    state, build = found
     start = time.perf_counter()
     try:
-        recorded, digest = read_state(state)
-        key = required_key()
-        if key:  # served = signed: the state's own signature, by the build's key, for this build
-            check_signature(state, digest, public_key=key, build_sha256=build_digest(build))
+        found = _find_state(engine_args, state_name(now), switch, find_loader)
+        if found is None:
+            return None
+        state, build = found
+        recorded = open_state(state, build)
         why = difference(recorded["key"], now, BEFORE_CONFIG)
         if why:
             _decide(f"miss ({why})")
             return None
-        copy = _private_dir()
-        doc, nbytes = verified_copy(state, copy / "state", recorded)
-    except WarmStateError as e:
+        redirect = CacheRedirect(state, recorded)
+    except (WarmStateError, EngineAdapterError, ArtifactMismatchError) as e:
         _decide(f"miss (refused: {e})")
         return None
-    for root in doc["roots"]:
-        os.environ[CACHE_ENV[root]] = str(copy / "state" / root)
-    os.environ.update(STATE_ENV)  # as packer warm ran the engine: it enters Inductor's part of the key
+    redirect.point()
     os.environ[DECIDED] = "pending"
-    return Plan(before=now, state=state, recorded=doc["key"], nbytes=nbytes, seconds=time.perf_counter() - start)
+    return Plan(before=now, state=state, recorded=redirect.doc["key"], redirect=redirect,
+                seconds=time.perf_counter() - start)
 
 
 def _find_state(engine_args: Any, name: str, switch: str,
                 find_loader: Callable[..., Path]) -> tuple[Path, Path] | None:
-    """``(state directory, build directory)`` to decide on; None (and the line, if it is ours) if none."""
+    """``(state directory, build directory)`` to decide on; None (and the line, if it is ours) if none.
+
+    Raises:
+        EngineAdapterError: the build's stub is not the one its ``manifest.json`` pins.
+    """
     try:
         extra = dict(getattr(engine_args, "model_loader_extra_config", None) or {})
-        build = find_loader(engine_args.model, extra.get("artifacts")).parent
-    except (EngineAdapterError, OSError, TypeError, ValueError):
+        stub = find_loader(engine_args.model, extra.get("artifacts"))
+    except (EngineAdapterError, ArtifactMismatchError, OSError, TypeError, ValueError):
         if not switch:
-            return None  # not a packer build: not ours to talk about
-        build = Path(switch).parent.parent
+            return None  # the load format itself says why there is no build, in its own words
+        return Path(switch), Path(switch).parent.parent
     if switch:
-        return Path(switch), build
+        return Path(switch), stub.parent
+    build = anchored_build(stub)
     state = build / WARM_DIR / name
-    if not state.is_dir():
+    if not state.is_dir() or state.is_symlink():
         _decide(f"miss (no warm state {name} in {build / WARM_DIR}; `packer warm` makes one)")
         return None
     return state, build
@@ -227,31 +235,18 @@ def after_config(engine_args: Any, config: Any, plan: Plan | None) -> None:
     if plan.capture is not None:
         atomic_write_bytes(plan.capture, canonical_json(now))
         return
-    assert plan.recorded is not None and plan.state is not None
+    assert plan.recorded is not None and plan.state is not None and plan.redirect is not None
     why = explain_config(plan.recorded, now)
     if why:
-        _decide(f"miss ({why})")
+        _decide(f"miss ({why})")  # the caller puts the engine's variables back
         return
-    _decide(f"hit ({now['engine']} {now['engine_version']}, {state_name(now)}, {plan.nbytes / 1e6:.1f} MB "
+    _decide(f"hit ({now['engine']} {now['engine_version']}, {state_name(now)}, {plan.redirect.nbytes / 1e6:.1f} MB "
             f"checked against the pins of {plan.state} in {plan.seconds:.2f} s)")
 
 
 def _decide(text: str) -> None:
     os.environ[DECIDED] = text.split(" ", 1)[0]
     print(show(LINE + text), file=sys.stderr, flush=True)
-
-
-def _private_dir() -> Path:
-    """A fresh directory only this user can read, removed when this process exits."""
-    base = os.environ.get("PACKER_WARM_DIR") or None
-    path = Path(tempfile.mkdtemp(prefix="packer-warm-", dir=base))
-    atexit.register(_remove_if_owner, path, os.getpid())
-    return path
-
-
-def _remove_if_owner(path: Path, owner: int) -> None:
-    if os.getpid() == owner:  # a forked child inherits atexit handlers: only the creator removes it
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def current_key(engine_args: Any) -> dict[str, Any]:

@@ -5,7 +5,8 @@ A warm state is made after the build (on the device kind it is for), so the buil
 ``[warm]`` table and ``--sign-key``) signs the state's manifest instead: ``state.sig`` is a
 key-signed Sigstore bundle, the same kind as ``model.sig`` and the provenance, of an in-toto
 v1 statement whose one subject is the state's ``manifest.json`` (its sha256), and whose
-predicate names the build it was made for (the sha256 of the build's ``manifest.json``). The
+predicate names the build it was made for (the sha256 of the build's artifact manifest, the bytes
+the image ships as its ``manifest.json``: the same in OUT and in the image). The state's
 manifest pins every file of the state, so the signature covers every byte of it.
 
 Where the build must be signed (``PACKER_REQUIRE_SIGNATURE=PUB``), the plugin uses a state
@@ -23,7 +24,8 @@ from typing import Any
 
 from packer.errors import WarmStateError
 from packer.formats import MANIFEST_NAME
-from packer.reading import MANIFEST, SIGNATURE, read_bytes
+from packer.manifest import split_artifact
+from packer.reading import MANIFEST, SIGNATURE, parse_json, read_bytes
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.signature import INTOTO_STATEMENT, open_signed, read_bundle, read_public_key, statement_of
 
@@ -37,7 +39,7 @@ def statement(name: str, manifest_sha256: str, build_sha256: str) -> dict[str, A
     Args:
         name: the state's name (``vllm-cpu-x86_64``).
         manifest_sha256: sha256 (hex) of the state's ``manifest.json`` bytes.
-        build_sha256: sha256 (hex) of the build's ``manifest.json`` bytes.
+        build_sha256: sha256 (hex) of the build's artifact manifest (:func:`build_digest`).
     """
     return {"_type": INTOTO_STATEMENT,
             "subject": [{"name": f"warm/{name}/{MANIFEST_NAME}", "digest": {"sha256": manifest_sha256}}],
@@ -46,13 +48,22 @@ def statement(name: str, manifest_sha256: str, build_sha256: str) -> dict[str, A
 
 
 def build_digest(out: Path) -> str:
-    """sha256 (hex) of ``out/manifest.json``, the build a state is signed for.
+    """sha256 (hex) of the build's artifact manifest, the build a state is signed for.
+
+    The artifact manifest is ``out/manifest.json`` without the image's own digests
+    (:func:`packer.manifest.split_artifact`), in canonical JSON: the very bytes the image ships
+    as ``<prefix>/manifest.json``. So the same state, signed once, is for the same build in
+    ``OUT`` and in the image's model directory.
 
     Raises:
-        WarmStateError: no readable manifest.
+        WarmStateError: no readable manifest, or not a JSON object.
     """
-    raw = read_bytes(out / MANIFEST_NAME, MANIFEST, error=WarmStateError, what="the build's manifest")
-    return hashlib.sha256(raw).hexdigest()
+    where = out / MANIFEST_NAME
+    raw = read_bytes(where, MANIFEST, error=WarmStateError, what="the build's manifest")
+    doc = parse_json(raw, MANIFEST, where=str(where), error=WarmStateError)
+    if not isinstance(doc, dict):
+        raise WarmStateError(f"{where}: not a packer manifest (a JSON object)")
+    return hashlib.sha256(split_artifact(doc)).hexdigest()
 
 
 def check_signature(state: Path, manifest_sha256: str, *, public_key: str | None, build_sha256: str) -> None:

@@ -1,5 +1,5 @@
 """Only verified code runs: the stub and its runtime from checked bytes, never a bytecode file or
-a module beside them (packer/adapters/stub_code.py, packer/stub/template.py).
+a module beside them (packer/adapters/gate.py, packer/stub/template.py).
 
 Each attack is real first (Python's own import runs the planted file, a canary proves it), then
 refused or ignored by the path under test; canaries write a file, which must not appear.
@@ -144,7 +144,7 @@ def test_signed_the_adapter_runs_no_code_of_the_build(signed: tuple[Path, Path, 
 
 
 def test_signed_the_served_model_dir_is_the_signed_one(signed: tuple[Path, Path, Path], tmp_path: Path) -> None:
-    from packer.adapters.stub_code import check_served
+    from packer.adapters.gate import check_served
 
     out, pub, d = signed
     stub = out / LOADER_NAME
