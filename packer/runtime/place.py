@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, TypeGuard
 
 from .env import ArtifactMismatchError
+from .reading import check_rel
 
 BLOBS = "image/blobs/sha256"  # an OCI layout's blobs, relative to OUT: each named by its sha256
 PAGE = 4096  # a held file starts at a page of its blob, so it can be mapped in place
 MAX_END = 2**53  # offset + size: JSON's exact integers, far above any file
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_BAD_NAME = re.compile(r"[\x00-\x1f\x7f\\]")
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,9 @@ def _count(value: object) -> TypeGuard[int]:
 
 def _reason(rel: object, entry: object) -> str | None:
     """Why ``entry`` is no files entry of ``rel``, or None."""
-    if not isinstance(rel, str) or not rel or _BAD_NAME.search(rel) or PurePosixPath(rel).as_posix() != rel \
-            or rel.startswith("/") or any(p in ("..", ".") for p in rel.split("/")):
+    try:
+        check_rel(rel, "files")  # the runtime's one rule for a name from a document
+    except ArtifactMismatchError:
         return "not a plain relative path"
     if not isinstance(entry, dict):
         return f"{_shown(entry)} is not a record of size and sha256"
