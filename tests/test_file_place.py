@@ -130,6 +130,7 @@ def test_a_place_says_where_the_bytes_are(tmp_path: Path) -> None:
 
 def test_the_build_writes_no_entry_its_readers_refuse() -> None:
     assert FileEntry(WEIGHTS, 100, HEX, BLOB, 4096).as_json() == HELD
+    assert FileEntry(WEIGHTS, 100, HEX, BLOB, 4096).place() == build_side.parse_place(WEIGHTS, HELD)
     assert FileEntry("config.json", 100, HEX).as_json() == GOOD
     for blob, offset in [(f"image/unnamed/{WEIGHTS}", 4096), (BLOB, 100), (BLOB, -4096)]:
         with pytest.raises(build_side.PlaceError, match=r"^files\['weights/model.safetensors'\]: "):
