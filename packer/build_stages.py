@@ -52,7 +52,7 @@ def weights_stage(ctx: StageContext) -> StageOutput:
         return out
     framing = None if layer_image is None else partial(weight_layer_framing, layer_image, mtime=mtime)
     files, vouched = reread_blobs(ctx.staging, out.files, framing)
-    layers = {f"layer:{f.path}": "sha256:" + f.blob.rsplit("/", 1)[-1] for f in files if f.blob}
+    layers = {f"layer:{f.path}": digest for f in files if f.blob and (digest := f.place().blob_digest)}
     return replace(out, files=files, vouched=vouched, digests=layers)  # none of the child's
 
 

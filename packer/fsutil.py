@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from packer.place import FilePlace, parse_place
 from packer.reading import check_regular as check_regular  # moved to packer.reading; kept for callers
 from packer.reading import file_kind as file_kind
 from packer.reading import not_regular as not_regular
@@ -44,9 +45,20 @@ class FileEntry:
     blob: str = ""
     offset: int = 0
 
-    def as_json(self) -> dict[str, Any]:
+    def place(self) -> FilePlace:
+        """Where the file's bytes are, made by the rule its readers read the manifest with
+        (:func:`packer.place.parse_place`).
+
+        Raises:
+            PlaceError: (a ValueError) a place no reader would take: a bug in the build.
+        """
         where = {"blob": self.blob, "offset": self.offset} if self.blob else {}
-        return {"size": self.size, "sha256": self.sha256, **where}
+        return parse_place(self.path, {"size": self.size, "sha256": self.sha256, **where})
+
+    def as_json(self) -> dict[str, Any]:
+        """The manifest's files entry; one held in a layer blob through :meth:`place`, so the
+        build never writes a place its readers refuse."""
+        return self.place().as_json() if self.blob else {"size": self.size, "sha256": self.sha256}
 
 
 def canonical_json(data: Any) -> bytes:

@@ -20,6 +20,7 @@ import packer
 from packer.errors import VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry, canonical_json
+from packer.place import place_of
 from packer.reading import MANIFEST, member, parse_json, read_bytes
 
 SCHEMA_VERSION = 2  # 2: a files entry may be held in a layer blob (blob, offset)
@@ -121,7 +122,8 @@ def held_in_blob(path: Path, *, levels: int = 4) -> tuple[Path, int, int] | None
         ``path`` in a blob.
 
     Raises:
-        VerifyError: the manifest names a blob outside OUT, or a bad offset or size.
+        VerifyError: the manifest's entry for ``path`` is malformed
+            (:func:`packer.place.place_of`), or its blob leads outside OUT.
     """
     path = Path(path).absolute()
     for out in list(path.parents)[:levels]:
@@ -131,14 +133,13 @@ def held_in_blob(path: Path, *, levels: int = 4) -> tuple[Path, int, int] | None
             _, manifest = read_manifest(out)
         except VerifyError:  # another tool's manifest.json, or none we can read: not a build output
             return None
-        entry = manifest["files"].get(path.relative_to(out).as_posix())
-        if not isinstance(entry, dict) or not entry.get("blob"):
+        rel = path.relative_to(out).as_posix()
+        if rel not in manifest["files"]:
             return None
         where = out / MANIFEST_NAME
-        blob = member(out, entry["blob"], where=where, error=VerifyError)
-        offset, size = entry.get("offset"), entry.get("size")
-        if not all(type(v) is int and v >= 0 for v in (offset, size)):
-            raise VerifyError(f"{where}: files entry for {path.relative_to(out).as_posix()}: offset and size must be "
-                              "non-negative integers")
-        return blob, int(offset), int(size)  # type: ignore[arg-type]
+        place = place_of(rel, manifest["files"][rel], where=where)
+        if not place.in_blob:
+            return None
+        member(out, place.blob, where=where, error=VerifyError)  # no link in OUT leads it outside
+        return place.path(out)
     return None

@@ -20,13 +20,13 @@ from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
 from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none
-from packer.idents import digest_parts, shown
+from packer.idents import shown
 from packer.manifest import TIMINGS, read_manifest, split_artifact
-from packer.oci.plan import WEIGHT_ALIGN
 from packer.oci.referrer import referrer_blobs
 from packer.oci.reread import Vouched
 from packer.oci.verify import verify_image
 from packer.oci.warm_layer import check_warm_images
+from packer.place import BLOBS, FilePlace, blob_hex, blob_rel, places_of
 from packer.reading import member
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
@@ -52,7 +52,7 @@ def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
             continue
         if stat.S_ISREG(st.st_mode):
             found[rel] = st
-    blobs = {(st.st_dev, st.st_ino) for rel, st in found.items() if rel.startswith("image/blobs/sha256/")}
+    blobs = {(st.st_dev, st.st_ino) for rel, st in found.items() if blob_hex(rel) is not None}
     ahead: dict[Inode, Future[tuple[int, str] | None]] = {}
     for rel, st in sorted(found.items(), key=lambda kv: (-kv[1].st_size, kv[0])):
         inode = (st.st_dev, st.st_ino)
@@ -61,29 +61,29 @@ def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
     return ahead
 
 
-def _in_blob(out: Path, rel: str, want: dict[str, Any], checked_blobs: set[str]) -> None:
+def _in_blob(out: Path, place: FilePlace, checked_blobs: set[str]) -> None:
     """A file held in its layer blob: the image walk read that blob once, checking its digest and
     the file inside it (size, sha256, offset) side by side; nothing is read again here (and its
     bytes are counted once, as the blob's)."""
-    blob = str(want["blob"])
-    if "sha256:" + blob.rsplit("/", 1)[-1] not in checked_blobs:
-        raise VerifyError(f"{out / rel}: the manifest places it in {out / blob}, which the image does not hold")
+    if place.blob_digest not in checked_blobs:
+        raise VerifyError(f"{out / place.rel}: the manifest places it in {place.path(out)[0]}, "
+                          "which the image does not hold")
 
 
 def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
-                 ahead: dict[Inode, Future[tuple[int, str] | None]]) -> int:
+                 ahead: dict[Inode, Future[tuple[int, str] | None]], places: dict[str, FilePlace]) -> int:
     total = 0
     hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
     counted: set[Inode] = set()
     for rel, want in sorted(listed.items()):
-        if want.get("blob"):
-            _in_blob(out, rel, want, checked_blobs)
+        if rel in places and places[rel].in_blob:
+            _in_blob(out, places[rel], checked_blobs)
             continue
         path = out / rel
         if not path.is_file() or path.is_symlink():
             raise VerifyError(f"{path}: listed in the manifest but missing")
         st = path.stat()
-        walked = rel.startswith("image/blobs/sha256/") and "sha256:" + rel.rsplit("/", 1)[1] in checked_blobs
+        walked = (hexd := blob_hex(rel)) is not None and "sha256:" + hexd in checked_blobs
         if st.st_size != want["size"] and walked:  # the blob matches its digest: the manifest is wrong
             raise VerifyError(f"{out / MANIFEST_NAME}: records size {want['size']} for the blob {rel}, which "
                               f"matches its digest at {st.st_size} bytes (edited after the build?)")
@@ -91,7 +91,7 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
             raise VerifyError(f"{path}: size {st.st_size} differs from the manifest's {want['size']}")
         size = st.st_size
         inode = (st.st_dev, st.st_ino)
-        if rel.startswith("image/blobs/sha256/") and "sha256:" + want["sha256"] in checked_blobs:
+        if blob_hex(rel) == want["sha256"] and "sha256:" + want["sha256"] in checked_blobs:
             hashed[inode] = want["sha256"]  # the image walk hashed this blob against its name
         if inode not in hashed:
             early = ahead[inode].result() if inode in ahead else None  # None: hash it here
@@ -114,16 +114,17 @@ def _check_no_extras(out: Path, listed: set[str], unlisted: tuple[str, ...]) -> 
             raise VerifyError(f"{path}: not listed in the manifest")
 
 
-def _check_names(out: Path, listed: dict[str, Any], manifest: dict[str, Any]) -> None:
+def _check_names(out: Path, listed: dict[str, Any], manifest: dict[str, Any]) -> dict[str, FilePlace]:
     """Every path the manifest names is a plain relative name inside OUT, and every file a
     stage's section names is one the manifest lists (and so hashes): no name from the
-    manifest reaches outside OUT, before anything is opened."""
+    manifest reaches outside OUT, before anything is opened. Returns the files' places."""
     where = out / MANIFEST_NAME
     for rel in listed:
         member(out, rel, where=where, error=VerifyError)
-    for rel, entry in manifest["files"].items():
-        if isinstance(entry, dict) and "blob" in entry:
-            _check_placed(where, rel, entry, manifest.get("image_files") or {})
+    places = places_of(manifest["files"], where=where)
+    for place in places.values():
+        if place.in_blob:
+            _check_placed(where, place, manifest.get("image_files") or {})
     try:
         named = artifact_files(manifest["weights"]) if manifest.get("weights") else []
         if manifest.get("bundle"):
@@ -133,18 +134,19 @@ def _check_names(out: Path, listed: dict[str, Any], manifest: dict[str, Any]) ->
     for rel in named:
         if not isinstance(rel, str) or rel not in listed:
             raise VerifyError(f"{where}: a section names {shown(rel)}, which the manifest's files do not list")
+    return places
 
 
-def _check_placed(where: Path, rel: str, entry: dict[str, Any], image_files: dict[str, Any]) -> None:
-    """A files entry held in a layer blob names a blob the image lists, at a page offset inside it."""
-    blob, offset = entry.get("blob"), entry.get("offset")
-    hexd = blob.rsplit("/", 1)[-1] if isinstance(blob, str) else ""
-    if (not isinstance(blob, str) or blob != f"image/blobs/sha256/{hexd}" or digest_parts("sha256:" + hexd) is None
-            or blob not in image_files):
-        raise VerifyError(f"{where}: files[{shown(rel)}] is placed in {shown(blob)}, not a layer blob the image lists")
-    if (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % WEIGHT_ALIGN
-            or offset + int(entry.get("size", 0)) > int(image_files[blob]["size"])):
-        raise VerifyError(f"{where}: files[{shown(rel)}]: offset {shown(offset)} is not a page offset inside {blob}")
+def _check_placed(where: Path, place: FilePlace, image_files: dict[str, Any]) -> None:
+    """A file held in a layer blob (its place read, :func:`packer.place.place_of`) names a blob
+    the image lists, and lies inside it."""
+    blob = image_files.get(place.blob or "")
+    if blob is None:
+        raise VerifyError(f"{where}: files[{shown(place.rel)}] is placed in {place.blob}, not a layer blob "
+                          "the image lists")
+    if place.offset + place.size > int(blob["size"]):
+        raise VerifyError(f"{where}: files[{shown(place.rel)}]: offset {place.offset} + size {place.size} is past "
+                          f"the end of {place.blob} ({blob['size']} bytes)")
 
 
 def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
@@ -154,7 +156,7 @@ def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
         raise VerifyError(f"{path}: not in canonical form (edited after the build?)")
     image_files = manifest.get("image_files", {})
     for rel, entry in image_files.items():  # blobs are named by their digest
-        if rel.startswith("image/blobs/sha256/") and entry["sha256"] != rel.rsplit("/", 1)[1]:
+        if rel.startswith(f"{BLOBS}/") and rel != blob_rel(entry["sha256"]):
             raise VerifyError(f"{path}: records sha256 {entry['sha256'][:16]}… for the blob {rel}")
     section = manifest.get("image") or {}
     index = image_files.get("image/index.json")
@@ -162,7 +164,7 @@ def _check_self(out: Path, raw: bytes, manifest: dict[str, Any]) -> None:
         raise VerifyError(f"{path}: image.index_digest disagrees with image_files")
     for digest in [section.get("manifest_digest"), section.get("config_digest"),
                    *(layer.get("digest") for layer in section.get("layers", []))]:
-        if digest and f"image/blobs/sha256/{digest.removeprefix('sha256:')}" not in image_files:
+        if digest and blob_rel(digest.removeprefix("sha256:")) not in image_files:
             raise VerifyError(f"{path}: image section names {digest}, which is not in image_files")
 
 
@@ -223,7 +225,7 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
     raw, manifest = read_manifest(out)
     _check_self(out, raw, manifest)
     listed = {**manifest["files"], **manifest.get("image_files", {})}
-    _check_names(out, listed, manifest)
+    places = _check_names(out, listed, manifest)
     signed = bool(manifest.get("signature"))
     image = manifest.get("image") or {}
     referrer = referrer_blobs(out, index_digest=image["index_digest"]) if signed and image else []
@@ -245,13 +247,13 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
                 checked = verify_image(out, artifact_manifest=split_artifact(manifest), vouched=vouched)
             except ImageArtifactMismatchError as e:
                 raise VerifyError(f"{out / MANIFEST_NAME}: differs from the copy built into the image ({e})") from e
-        nbytes = _check_files(out, listed, checked, ahead)
+        nbytes = _check_files(out, listed, checked, ahead, places)
     finally:
         stop.set()  # a failure above need not wait for every file to be hashed
         pool.shutdown(wait=True, cancel_futures=True)
     if manifest.get("weights"):
         for section in components_of(manifest["weights"]):  # each component on its own
-            verify_weights(out, section, manifest["files"])
+            verify_weights(out, section, places)
     if manifest.get("bundle"):
         verify_bundle(out, manifest["bundle"])
     if public_key is not None:

@@ -28,7 +28,8 @@ from packer.oci.modelpack import write_modelpack
 from packer.oci.plan import ImagePlan, PlannedLayer, model_files, plan_layers
 from packer.oci.runconfig import base_name, created_epoch, image_annotations, run_config
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
-from packer.reading import MANIFEST, blob_path, parse_json
+from packer.place import BLOBS, blob_hex, blob_rel
+from packer.reading import MANIFEST, parse_json
 from packer.recipe import ImageConfig
 from packer.stage import Progress, StageOutput
 
@@ -84,9 +85,8 @@ def _written_blob(out_dir: Path, planned: PlannedLayer, known: Mapping[str, str]
     if len(planned.files) != 1 or not planned.files[0].blob:
         return None
     rel = planned.files[0].blob
-    hexd = rel.rsplit("/", 1)[-1]
-    path = blob_path(out_dir / "image", "sha256:" + hexd, where=out_dir, error=ImageError)
-    if planned.compression != "none" or rel != f"image/blobs/sha256/{hexd}" or not path.is_file():
+    hexd, path = blob_hex(rel), out_dir / rel
+    if planned.compression != "none" or hexd is None or not path.is_file():
         raise ImageError(f"{out_dir / rel}: the weight layer blob of {planned.files[0].rel_path} is missing")
     digest = _known_digest(planned, known) or "sha256:" + hexd
     return Layer(digest, digest, path.stat().st_size, MEDIA_TYPES["none"], path)
@@ -96,7 +96,7 @@ def _write_layers(
     out_dir: Path, plan: ImagePlan, manifest: bytes, mtime: int, progress: Progress | None,
     known: Mapping[str, str], member_bytes: Mapping[str, bytes],
 ) -> tuple[list[Layer], list[Standalone]]:
-    blobs = out_dir / "image" / "blobs" / "sha256"
+    blobs = out_dir / BLOBS
     jobs, rels, written = [], [], {}
     for i, planned in enumerate(plan.layers):
         rels.append(f"{LAYERS_DIR}/{tarball_name(i, planned)}")
@@ -146,7 +146,7 @@ def _entries(out_dir: Path, layers: Sequence[Layer], tarballs: Sequence[Standalo
     blob_descs = [la.descriptor() for la in layers] + list(base.layers if base else ())
     for d in blob_descs:
         hexd = d["digest"].removeprefix("sha256:")
-        rel = f"image/blobs/sha256/{hexd}"
+        rel = blob_rel(hexd)
         entries[rel] = FileEntry(rel, d["size"], hexd)
     for t in tarballs:
         if t.rel_path.endswith(".gz") or t.layer.media_type == MEDIA_TYPES["none"]:

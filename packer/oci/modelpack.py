@@ -27,6 +27,7 @@ from packer.oci.layer import Layer, LayerJob, write_layers
 from packer.oci.layout import write_json_blob
 from packer.oci.plan import ImagePlan, PlannedFile, PlannedLayer
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
+from packer.place import BLOBS
 from packer.tarfmt import FILE_MODE
 
 ARTIFACT_TYPE = "application/vnd.cncf.model.manifest.v1+json"
@@ -90,7 +91,7 @@ def _write_small(out_dir: Path, plan: ImagePlan, files: Sequence[PlannedFile],
         members = tar_members([src], owner=plan.owner, prefix=plan.prefix)
         jobs.append(LayerJob(tar_pieces(members, mtime=mtime), plan.compression))
     try:
-        return write_layers(jobs, out_dir / "image" / "blobs" / "sha256")
+        return write_layers(jobs, out_dir / BLOBS)
     except OSError as e:
         raise ImageError(f"writing the ModelPack layers: {e}") from e
 
@@ -127,7 +128,7 @@ def write_modelpack(
     Raises:
         ImageError: a layer cannot be written.
     """
-    blobs = out_dir / "image" / "blobs" / "sha256"
+    blobs = out_dir / BLOBS
     descs: list[dict[str, Any]] = []
     diff_ids: list[str] = []
     for planned, layer in zip(plan.layers, layers, strict=True):

@@ -34,9 +34,8 @@ from packer.errors import WeightsError
 from packer.formats import UNNAMED_BLOBS
 from packer.fsutil import FileEntry, Identity, identity, sha256_range
 from packer.idents import check_rel_name, shown
+from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular
-
-BLOBS = "image/blobs/sha256"
 
 
 @dataclass(frozen=True)
@@ -193,6 +192,6 @@ def reread_blobs(root: Path, files: tuple[FileEntry, ...],
             except OSError as e:
                 raise WeightsError(f"{path}: cannot move the layer blob to its name: {e.strerror or e}") from e
             vouched["sha256:" + got.digest] = got
-            out[i] = replace(f, sha256=got.sha256, blob=f"{BLOBS}/{got.digest}")
+            out[i] = replace(f, sha256=got.sha256, blob=blob_rel(got.digest))
     _remove_unnamed(root)
     return tuple(out), vouched

@@ -41,6 +41,7 @@ from packer.oci.reread import Vouch, Vouched
 from packer.oci.tar_reader import TarReader
 from packer.oci.tar_writer import ALLOWED_PAX, Owner
 from packer.oci.warm_layer import is_warm
+from packer.place import places_of
 from packer.reading import MANIFEST as MANIFEST_DOC
 from packer.reading import OCI_DOC, blob_path, map_readonly, open_regular, parse_json, read_bytes, read_json
 from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
@@ -378,13 +379,12 @@ def _check_places(offsets: Offsets, artifact_manifest: bytes, ann: dict[str, Any
     prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
     root = f"/{prefix}/" if prefix else "/"
     files = parse_json(artifact_manifest, MANIFEST_DOC, where=where, error=VerifyError).get("files") or {}
-    for rel, entry in sorted(files.items()):
-        if isinstance(entry, dict) and entry.get("blob"):
-            want = ("sha256:" + str(entry["blob"]).rsplit("/", 1)[-1], entry.get("offset"))
+    for rel, place in sorted(places_of(files, where=f"{where}: {MANIFEST_NAME}").items()):
+        if place.in_blob:
             got = offsets.get(f"{root}{image_rel(rel)}")
-            if got != want:
-                raise _fail(where, f"{rel}: the manifest places it in {entry['blob']} at offset "
-                                   f"{entry.get('offset')}, the image layers hold it at {got}")
+            if got != (place.blob_digest, place.offset):
+                raise _fail(where, f"{rel}: the manifest places it in {place.blob} at offset "
+                                   f"{place.offset}, the image layers hold it at {got}")
 
 
 def _name_the_file(out_dir: Path, e: BlobDigestError, artifact_manifest: bytes, ann: dict[str, Any]) -> VerifyError:
@@ -394,13 +394,12 @@ def _name_the_file(out_dir: Path, e: BlobDigestError, artifact_manifest: bytes, 
     prefix = str(ann.get(ANNOTATION_PREFIX, "/models")).strip("/")
     root = f"/{prefix}/" if prefix else "/"
     files = parse_json(artifact_manifest, MANIFEST_DOC, where=str(out_dir), error=VerifyError).get("files") or {}
-    for rel, entry in sorted(files.items()):
+    for rel, place in sorted(places_of(files, where=f"{out_dir}: {MANIFEST_NAME}").items()):
         got = e.found.get(f"{root}{image_rel(rel)}")
-        if isinstance(entry, dict) and entry.get("blob") and got and got[1] != entry.get("sha256"):
+        if place.in_blob and got and got[1] != place.sha256:
             name = repr(str(rel))[1:-1]  # control characters escaped, no quotes
-            return VerifyError(f"{e}; the weight file it holds at offset {entry.get('offset')} is the manifest's "
-                               f"{name}: sha256 {got[1][:16]}… differs from the manifest's "
-                               f"{str(entry['sha256'])[:16]}…")
+            return VerifyError(f"{e}; the weight file it holds at offset {place.offset} is the manifest's "
+                               f"{name}: sha256 {got[1][:16]}… differs from the manifest's {place.sha256[:16]}…")
     return e
 
 

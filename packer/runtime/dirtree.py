@@ -39,10 +39,11 @@ LOADER_FILE = "packer_loader.py"
 
 if TYPE_CHECKING:
     from .loading import Loader
+    from .place import FilePlace
 
 
 def _plan(bundle: Path, pairs: list[tuple[str, str]], loader: Loader,
-          copies: dict[str, str], copy_dir: Path) -> dict[str, str]:
+          copies: dict[str, FilePlace], copy_dir: Path) -> dict[str, str]:
     """``{path in the directory: link target}``: the bundle's files, then the weights over the
     tree (a materialized one, ``copies``, to its copy in ``copy_dir``)."""
     taken = {dst for dst, _ in pairs}
@@ -59,9 +60,10 @@ def _plan(bundle: Path, pairs: list[tuple[str, str]], loader: Loader,
     return links
 
 
-def _copies(loader: Loader, pairs: list[tuple[str, str]]) -> dict[str, str]:
-    """``{path in the directory: artifact}`` of the weight files held inside a layer blob."""
-    return {dst: rel for dst, rel in pairs if loader.locate(rel)[1]}
+def _copies(loader: Loader, pairs: list[tuple[str, str]]) -> dict[str, FilePlace]:
+    """``{path in the directory: its place}`` of the weight files held inside a layer blob."""
+    held = {dst: loader.held(rel) for dst, rel in pairs}
+    return {dst: place for dst, place in held.items() if place is not None}
 
 
 def materialize(src: Path, offset: int, size: int, dest: Path) -> None:
@@ -108,16 +110,15 @@ def _copy_range(src: int, dst: int, at: int, to: int, n: int, where: Path) -> No
         at, to, n = at + got, to + got, n - got
 
 
-def _fill_copies(loader: Loader, copies: dict[str, str], copy_dir: Path) -> None:
+def _fill_copies(loader: Loader, copies: dict[str, FilePlace], copy_dir: Path) -> None:
     """Make ``copy_dir`` once: the materialized weight files and the link to the build's loader."""
     if copy_dir.is_dir():
         return
 
     def fill(tmp: Path) -> None:
-        for dst, rel in copies.items():
-            path, offset = loader.locate(rel)
+        for dst, place in copies.items():
             (tmp / dst).parent.mkdir(parents=True, exist_ok=True)
-            materialize(path, offset, loader.manifest["files"][rel]["size"], tmp / dst)
+            materialize(*place.path(loader.root), tmp / dst)
         os.symlink(os.path.abspath(loader.root / LOADER_FILE), tmp / LOADER_FILE)
 
     _made_once(copy_dir, fill)
@@ -175,7 +176,7 @@ def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
     if copies:
         base.mkdir(parents=True, exist_ok=True)
         _fill_copies(loader, copies, copy_dir)
-        files = {dst: loader.manifest["files"][rel] for dst, rel in copies.items()}
+        files = {dst: place.as_json() for dst, place in copies.items()}
         check_copies(copy_dir, files, {LOADER_FILE: os.path.abspath(loader.root / LOADER_FILE)},
                      hashes=bool(loader.settings.require_signature))
     if out.is_dir():  # made before, maybe by another process: reused only as it was made

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_
 from .bundle_cache import cache_root, cached
 from .cpu import map_shards, prefetch_files, read_shards
 from .env import ArtifactMismatchError
+from .place import FilePlace, place_of
 from .reading import check_rel, open_regular
 from .served import check_extracted
 from .settings import RuntimeSettings
@@ -76,6 +76,7 @@ class Loader:
         self.make_engine: Callable[[torch.device], CopyEngine] = _make_engine  # tests slow the engine down
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
         self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
+        self._places: dict[str, FilePlace] = {}  # files entries read so far (:meth:`held`)
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine.
@@ -94,25 +95,43 @@ class Loader:
 
         A plain file where one exists (under ``weights_dir``, as in OUT, or at the top of an
         image's model directory), offset 0; else, for a weight file the build holds in its
-        image layer blob (the manifest's ``blob`` and ``offset``), that blob under the root
-        and the page offset of the file's bytes in it.
+        image layer blob (:meth:`held`), that blob under the root and the page offset of the
+        file's bytes in it.
 
         Raises:
-            ArtifactMismatchError: ``rel`` (or its blob) is not a plain relative path, or the
-                offset is not a page offset.
+            ArtifactMismatchError: ``rel`` is not a plain relative path, or its files entry is
+                malformed (:func:`~.place.parse_place`).
+        """
+        place = self.held(rel)
+        if place is not None:
+            return place.path(self.root)[:2]
+        return self._plain(rel) or self.root / rel, 0
+
+    def held(self, rel: str) -> FilePlace | None:
+        """The place of the artifact ``rel`` when its bytes are read inside a layer blob: no plain
+        file of it is where :meth:`locate` looks first, and the manifest holds it in one.
+
+        Raises:
+            ArtifactMismatchError: as :meth:`locate`.
         """
         check_rel(rel, "the manifest's files")
+        if self._plain(rel) is not None or rel not in self.manifest["files"]:
+            return None
+        if rel not in self._places:  # each entry read once, by the one rule
+            self._places[rel] = place_of(rel, self.manifest["files"][rel], "the manifest")
+        place = self._places[rel]
+        return place if place.in_blob else None
+
+    def _plain(self, rel: str) -> Path | None:
+        """Where a plain file of ``rel`` is, or None: a weight file found in none of its places."""
         if not rel.startswith("weights/"):
-            return self.root / rel, 0
+            return self.root / rel
         if self.weights_dir is not None:
-            return self.weights_dir / rel[len("weights/"):], 0
+            return self.weights_dir / rel[len("weights/"):]
         nested, flat = self.root / rel, self.root / rel[len("weights/"):]
         if nested.exists():
-            return nested, 0
-        if flat.exists():
-            return flat, 0
-        placed = _placed(self.manifest, rel)
-        return (self.root / placed[0], placed[1]) if placed else (nested, 0)
+            return nested
+        return flat if flat.exists() else None
 
     def open_shards(self, verify: bool = False, *, random_access: bool = False) -> list[Shard]:
         """Open and check every weight file (size, header; the index file's sha256 when ``verify``);
@@ -416,25 +435,6 @@ class Loader:
         if trace is not None:
             self.timeline.chrome_trace(trace)
         return [dict(s) for s in self.timeline.stages]
-
-
-def _placed(manifest: dict[str, Any], rel: str) -> tuple[str, int] | None:
-    """The layer blob and offset the manifest holds the weight file ``rel`` in, checked; or None."""
-    entry = manifest["files"].get(rel) or {}
-    if "blob" not in entry:
-        return None
-    blob, offset = entry["blob"], entry.get("offset")
-    check_rel(blob, "the manifest's files")
-    if (not blob.startswith(BLOBS) or not HEX64.fullmatch(blob[len(BLOBS):])
-            or not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % PAGE):
-        raise ArtifactMismatchError(f"the manifest places {rel} in {blob!r} at offset {offset!r}: "
-                                    "not a layer blob at a page offset")
-    return blob, offset
-
-
-BLOBS = "image/blobs/sha256/"
-PAGE = 4096
-HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _make_engine(dev: torch.device) -> CopyEngine:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError, missing_dependency
+from packer.place import FilePlace
 from packer.reading import JSON_DOC, check_regular, map_readonly, open_regular, parse_json, read_json
 from packer.safetensors_header import MAX_HEADER_BYTES, read_header_file
 from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
@@ -158,18 +159,18 @@ def verify_written(
         _compare_bytes(path, shard, sources, skip, label, base)
 
 
-def located(out_dir: Path, rel: str, files: Mapping[str, Any]) -> tuple[Path, int, int | None]:
+def located(out_dir: Path, rel: str, places: Mapping[str, FilePlace]) -> tuple[Path, int, int | None]:
     """Where the weight file ``rel``'s bytes are: ``(path, offset, size)``; a file of its own is
     ``(out_dir/rel, 0, None)``, one held in its layer blob the blob, the offset and its size.
 
-    The manifest's names were checked by the caller (``packer.verify``)."""
-    entry = files.get(rel) or {}
-    if entry.get("blob"):
-        return out_dir / entry["blob"], int(entry["offset"]), int(entry["size"])
+    ``places`` are the manifest's files entries as the caller read them (``packer.verify``)."""
+    place = places.get(rel)
+    if place is not None and place.in_blob:
+        return place.path(out_dir)
     return out_dir / rel, 0, None
 
 
-def verify_weights(out_dir: Path, section: dict[str, Any], files: Mapping[str, Any] | None = None) -> None:
+def verify_weights(out_dir: Path, section: dict[str, Any], places: Mapping[str, FilePlace] | None = None) -> None:
     """Check shards and index under ``out_dir`` against a manifest ``weights`` section.
 
     Reads the headers only (the caller hashes the bytes).
@@ -177,7 +178,8 @@ def verify_weights(out_dir: Path, section: dict[str, Any], files: Mapping[str, A
     Args:
         out_dir: the directory the section's relative paths start from (OUT).
         section: the manifest's weights section, as :func:`packer.weights.convert` wrote it.
-        files: the manifest's ``files`` map: a weight file held in a layer blob is read there.
+        places: the manifest's files entries, read (:func:`packer.place.places_of`): a weight
+            file held in a layer blob is read there.
 
     Raises:
         VerifyError: a header the library rejects, or a table or index that differs.
@@ -186,7 +188,7 @@ def verify_weights(out_dir: Path, section: dict[str, Any], files: Mapping[str, A
     aliases = section.get("aliases", {})
     seen: set[str] = set()
     for rel in section.get("files", []):
-        where, offset, size = located(out_dir, rel, files or {})
+        where, offset, size = located(out_dir, rel, places or {})
         path = out_dir / rel if size is None else Path(f"{out_dir / rel} (in {where}, at offset {offset})")
         table, meta = library_table(where, offset=offset, size=size) if size is not None else library_table(where)
         header, start = read_header_file(where, error=VerifyError, offset=offset, size=size)
