@@ -66,6 +66,16 @@ def canonical_json(data: Any) -> bytes:
     return (json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
+# a final manifest's parts that only the image has (its own digests): the rest is the artifact manifest
+IMAGE_KEYS = ("image", "image_files")
+
+
+def split_artifact(manifest: dict[str, Any]) -> bytes:
+    """The canonical artifact-manifest bytes contained in a final manifest: what the image ships
+    as ``<prefix>/manifest.json`` (the same bytes for the image's own artifact manifest)."""
+    return canonical_json({k: v for k, v in manifest.items() if k not in IMAGE_KEYS})
+
+
 def sha256_file(path: str | Path, stop: threading.Event | None = None) -> tuple[int, str]:
     """Return ``(size, sha256 hex)`` of a file, read in large chunks.
 

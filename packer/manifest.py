@@ -19,13 +19,14 @@ from typing import Any
 import packer
 from packer.errors import VerifyError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import FileEntry, canonical_json
+from packer.fsutil import FileEntry
+from packer.fsutil import split_artifact as split_artifact  # moved to packer.fsutil; kept for callers
 from packer.place import place_of
 from packer.reading import MANIFEST, member, parse_json, read_bytes
 
 SCHEMA_VERSION = 2  # 2: a files entry may be held in a layer blob (blob, offset)
 TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical
-_IMAGE_KEYS = ("image", "image_files")
+
 
 
 def tool_versions() -> dict[str, str | None]:
@@ -63,11 +64,6 @@ def artifact_manifest(*, recipe: dict[str, Any], source: dict[str, Any], inputs:
         "tools": tool_versions(),
         **sections,
     }
-
-
-def split_artifact(manifest: dict[str, Any]) -> bytes:
-    """The canonical artifact-manifest bytes contained in a final manifest."""
-    return canonical_json({k: v for k, v in manifest.items() if k not in _IMAGE_KEYS})
 
 
 def load_manifest(out: Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from packer.errors import WarmStateError
 from packer.formats import MANIFEST_NAME
-from packer.manifest import split_artifact
+from packer.fsutil import split_artifact
 from packer.reading import MANIFEST, SIGNATURE, parse_json, read_bytes
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.signature import INTOTO_STATEMENT, open_signed, read_bundle, read_public_key, statement_of
@@ -51,7 +51,7 @@ def build_digest(out: Path) -> str:
     """sha256 (hex) of the build's artifact manifest, the build a state is signed for.
 
     The artifact manifest is ``out/manifest.json`` without the image's own digests
-    (:func:`packer.manifest.split_artifact`), in canonical JSON: the very bytes the image ships
+    (:func:`packer.fsutil.split_artifact`), in canonical JSON: the very bytes the image ships
     as ``<prefix>/manifest.json``. So the same state, signed once, is for the same build in
     ``OUT`` and in the image's model directory.
 
