@@ -20,7 +20,6 @@ import packer
 from packer.errors import VerifyError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import FileEntry
-from packer.fsutil import split_artifact as split_artifact  # moved to packer.fsutil; kept for callers
 from packer.place import place_of
 from packer.reading import MANIFEST, member, parse_json, read_bytes
 

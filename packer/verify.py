@@ -19,9 +19,9 @@ from packer.bundle import verify_bundle
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
-from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none
+from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none, split_artifact
 from packer.idents import shown
-from packer.manifest import TIMINGS, read_manifest, split_artifact
+from packer.manifest import TIMINGS, read_manifest
 from packer.oci.referrer import referrer_blobs
 from packer.oci.reread import Vouched
 from packer.oci.verify import verify_image

@@ -20,7 +20,7 @@ from packer.build import build
 from packer.bundle import unbundle
 from packer.demo import write_demo
 from packer.errors import PackerError, VerifyError
-from packer.manifest import split_artifact
+from packer.fsutil import split_artifact
 from packer.oci.plan import image_rel
 from packer.recipe import demo_recipe, recipe_from_dict
 from packer.verify import verify
