@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -29,7 +30,8 @@ from packer.formats import MANIFEST_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
 from packer.idents import check_rel_name
 from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
-from packer.reading import Kind, open_regular, parse_json, read_bytes
+from packer.reading import Kind, file_kind, open_regular, parse_json, read_bytes
+from packer.show import show
 from packer.warm.trust import SIGNATURE_NAME, build_digest, check_signature, statement
 
 WARM_DIR = "warm"
@@ -102,20 +104,29 @@ def collect(roots: dict[str, Path]) -> dict[str, Path]:
 
 
 def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, Path],
-                signer: Callable[[dict[str, Any]], bytes] | None = None) -> dict[str, Any]:
+                signer: Callable[[dict[str, Any]], bytes] | None = None, build: Path | None = None) -> dict[str, Any]:
     """Copy ``files`` into a new state directory ``dest`` with its manifest; replaces an old one whole.
 
     The state is assembled beside ``dest`` and renamed into place, so a reader sees the old
-    state or the new one, never a mix.
+    state or the new one, never a mix. Nothing is written through a link: ``dest``'s parent
+    and ``dest`` itself, where they exist, must be plain directories.
 
     Args:
         signer: makes ``state.sig`` from the statement (:func:`packer.warm.trust.statement`)
-            over the manifest written, for the build in ``dest``'s grandparent; None: unsigned.
+            over the manifest written; None: unsigned.
+        build: the build output the state is signed for (default: ``dest``'s grandparent,
+            ``OUT`` of ``OUT/warm/<name>``; ``packer warm`` stages the state elsewhere in OUT).
 
     Returns:
         the manifest written.
+
+    Raises:
+        WarmStateError: ``dest`` or its parent is a link or not a directory, or a file cannot be copied.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
+    plain_dir(dest.parent)
+    if os.path.lexists(dest):
+        plain_dir(dest)
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         pins = {}
@@ -127,7 +138,7 @@ def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, 
         raw = canonical_json(doc)
         atomic_write_bytes(stage / MANIFEST, raw)
         if signer is not None:
-            st = statement(name, hashlib.sha256(raw).hexdigest(), build_digest(dest.parent.parent))
+            st = statement(name, hashlib.sha256(raw).hexdigest(), build_digest(build or dest.parent.parent))
             atomic_write_bytes(stage / SIGNATURE_NAME, signer(st))
         old = None
         if dest.exists():
@@ -142,6 +153,35 @@ def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, 
         raise
 
 
+def plain_dir(path: Path) -> None:
+    """Refuse ``path`` unless it is a directory itself (``lstat``: a link to one is refused).
+
+    Raises:
+        WarmStateError: a link, a file or anything else, or missing; the message names ``path``.
+    """
+    _plain(path, stat.S_ISDIR, "a directory")
+
+
+def plain_file(path: Path) -> None:
+    """Refuse ``path`` unless it is a regular file itself (``lstat``: a link to one is refused).
+
+    Raises:
+        WarmStateError: a link, a directory, a FIFO, device or socket, or missing.
+    """
+    _plain(path, stat.S_ISREG, "a regular file")
+
+
+def _plain(path: Path, test: Callable[[int], bool], what: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as e:
+        raise WarmStateError(f"{show(str(path))}: unreadable ({e.strerror or e})") from None
+    if not test(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else file_kind(mode)
+        raise WarmStateError(f"{show(str(path))}: is {kind}, not {what}; a warm state holds plain files and "
+                             "directories only, never a link")
+
+
 def load_state(state: Path) -> dict[str, Any]:
     """The checked manifest of a state directory (shape, schema, every path a plain relative one).
 
@@ -154,6 +194,8 @@ def load_state(state: Path) -> dict[str, Any]:
 def read_state(state: Path) -> tuple[dict[str, Any], str]:
     """:func:`load_state`, and the sha256 (hex) of the very bytes it parsed (what ``state.sig`` signs)."""
     where = state / MANIFEST
+    plain_dir(state)
+    plain_file(where)
     raw = read_bytes(where, STATE_MANIFEST, error=WarmStateError, what="the warm state's manifest")
     doc = parse_json(raw, STATE_MANIFEST, where=str(where), error=WarmStateError, shape=_SHAPE)
     for rel in doc["files"]:
@@ -214,20 +256,27 @@ def verified_copy(state: Path, dest: Path, doc: dict[str, Any] | None = None) ->
 
 def _no_unpinned(state: Path, doc: dict[str, Any]) -> None:
     top = state / FILES
+    if os.path.lexists(top):
+        plain_dir(top)
     for path in sorted(top.rglob("*")) if top.is_dir() else []:
         if path.is_dir() and not path.is_symlink():
             continue
         if path.relative_to(top).as_posix() not in doc["files"]:
             raise WarmStateError(f"{path}: not pinned by {state / MANIFEST}")
+        plain_file(path)  # pinned, but a link (to the pinned bytes elsewhere) proves nothing
     for path in sorted(state.iterdir()):
         if path.name not in (MANIFEST, FILES, SIGNATURE_NAME):
             raise WarmStateError(f"{path}: not part of a warm state (only {MANIFEST}, {SIGNATURE_NAME} and {FILES}/)")
+    if os.path.lexists(state / SIGNATURE_NAME):
+        plain_file(state / SIGNATURE_NAME)
 
 
 def _check_one(path: Path, pin: dict[str, Any], sink: Any) -> int:
     h = hashlib.sha256()
     size = 0
     try:
+        if os.path.lexists(path):
+            plain_file(path)
         with open_regular(path, WarmStateError) as f:
             while chunk := f.read(CHUNK):
                 size += len(chunk)
