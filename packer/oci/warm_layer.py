@@ -19,12 +19,13 @@ index the build pinned.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError, VerifyError, WarmStateError
 from packer.fsutil import atomic_write_bytes, canonical_json, sha256_file
-from packer.idents import ErrorClass
+from packer.idents import ErrorClass, digest_parts
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.base_docs import CONFIG, INDEX, MANIFEST
 from packer.oci.layer import MEDIA_TYPES, write_layer
@@ -55,8 +56,64 @@ def without_warm(index: dict[str, Any]) -> dict[str, Any]:
     return {**index, "manifests": [d for d in index.get("manifests") or [] if not is_warm(d)]}
 
 
+@dataclass(frozen=True)
+class WarmImage:
+    """What adding a state's warm image changes in ``OUT/image`` (:func:`plan_warm_image`).
+
+    ``index``: the new ``index.json`` bytes; ``blobs``: the blobs written (hex digests), in the
+    directory the plan was given; ``stale``: the blobs of ``OUT/image`` that only the warm image
+    replaced referenced, to be removed; ``summary``: what :func:`add_warm_image` returns.
+    """
+
+    index: bytes
+    blobs: tuple[str, ...]
+    stale: tuple[str, ...]
+    summary: dict[str, Any]
+
+
+def plan_warm_image(out: Path, state: Path, *, tag: str, blobs_dir: Path) -> WarmImage:
+    """Write the warm image of ``state`` into ``blobs_dir``; say how ``out/image`` changes (nothing there is written).
+
+    Args:
+        out: the build output; its ``image/index.json`` is read, never written.
+        state: a state directory named ``<name>`` (``out/warm/<name>``, or a staged copy of it
+            that will be renamed there), checked against its pins first.
+        tag: the build's image tag (the manifest's ``image.tag``).
+        blobs_dir: where the warm image's layer, config and manifest blobs go.
+
+    Returns:
+        the plan: the new index, the blobs written, the stale blobs of the warm image it replaces.
+
+    Raises:
+        ImageError: no image tagged ``tag``, or an unreadable layout.
+        WarmStateError: the state does not match its pins.
+    """
+    image = out / "image"
+    check_state(state)
+    index = _index(image, ImageError)
+    base = _base(image, index, tag, ImageError)
+    layer = write_layer(tar_pieces(_members(state, base), mtime=base["epoch"]), blobs_dir, compression="none")
+    config, manifest = _documents(base, state.name, layer.digest, layer.size)
+    cdesc = write_json_blob(blobs_dir, config, OCI_CONFIG)
+    desc = write_json_blob(blobs_dir, manifest, OCI_MANIFEST)
+    entry = _entry(desc, base, state.name, tag)
+    keep = [d for d in index["manifests"] if (d.get("annotations") or {}).get(WARM_ANNOTATION) != state.name]
+    replaced = [d for d in index["manifests"] if d not in keep]
+    at = len(keep) - 1 if keep and keep[-1].get("artifactType") == SIGSTORE_BUNDLE_V03 else len(keep)
+    index["manifests"] = [*keep[:at], entry, *keep[at:]]  # a provenance referrer stays last
+    new = {_hex(d) for d in (layer.digest, cdesc["digest"], desc["digest"])}
+    used = new | _blobs_of(image, [base["entry"], *(d for d in keep if is_warm(d))])
+    stale = _blobs_of(image, replaced) - used
+    summary = {"tag": entry["annotations"][REF_NAME], "manifest_digest": desc["digest"],
+               "layer_digest": layer.digest, "layer_size": layer.size}
+    return WarmImage(canonical_json(index), tuple(sorted(new)), tuple(sorted(stale)), summary)
+
+
 def add_warm_image(out: Path, state: Path, *, tag: str) -> dict[str, Any]:
-    """Add (or replace) the warm image of ``state`` in ``out/image``, on the image tagged ``tag``.
+    """Add (or replace) the warm image of ``state`` in ``out/image``, on the image tagged ``tag``, in place.
+
+    The blobs of a replaced warm image that nothing else uses are removed. ``packer warm``
+    stages the same changes (:func:`plan_warm_image`) and renames them in instead.
 
     Args:
         out: the build output; ``state``: ``out/warm/<name>``, checked against its pins first.
@@ -69,22 +126,32 @@ def add_warm_image(out: Path, state: Path, *, tag: str) -> dict[str, Any]:
         ImageError: no image tagged ``tag``, or an unreadable layout.
         WarmStateError: the state does not match its pins.
     """
-    image = out / "image"
-    check_state(state)
-    index = _index(image, ImageError)
-    base = _base(image, index, tag, ImageError)
-    layer = write_layer(tar_pieces(_members(state, base), mtime=base["epoch"]), image / "blobs" / "sha256",
-                        compression="none")
-    config, manifest = _documents(base, state.name, layer.digest, layer.size)
-    write_json_blob(image / "blobs" / "sha256", config, OCI_CONFIG)
-    desc = write_json_blob(image / "blobs" / "sha256", manifest, OCI_MANIFEST)
-    entry = _entry(desc, base, state.name, tag)
-    keep = [d for d in index["manifests"] if (d.get("annotations") or {}).get(WARM_ANNOTATION) != state.name]
-    at = len(keep) - 1 if keep and keep[-1].get("artifactType") == SIGSTORE_BUNDLE_V03 else len(keep)
-    index["manifests"] = [*keep[:at], entry, *keep[at:]]  # a provenance referrer stays last
-    atomic_write_bytes(image / "index.json", canonical_json(index), 0o644)
-    return {"tag": entry["annotations"][REF_NAME], "manifest_digest": desc["digest"], "layer_digest": layer.digest,
-            "layer_size": layer.size}
+    blobs = out / "image" / "blobs" / "sha256"
+    plan = plan_warm_image(out, state, tag=tag, blobs_dir=blobs)
+    atomic_write_bytes(out / "image" / "index.json", plan.index, 0o644)
+    for hexd in plan.stale:
+        (blobs / hexd).unlink(missing_ok=True)
+    return plan.summary
+
+
+def _blobs_of(image: Path, descs: list[dict[str, Any]]) -> set[str]:
+    """The blobs (hex) of image manifests: each manifest, its config and its layers (what can be read)."""
+    found: set[str] = set()
+    for desc in descs:
+        found.add(_hex(desc.get("digest")))
+        try:
+            path = blob_path(image, desc.get("digest"), where=image / "index.json", error=ImageError)
+            manifest = read_json(path, OCI_DOC, error=ImageError, shape=MANIFEST, where=f"{path}: an image manifest")
+        except (ImageError, OSError):
+            continue  # nothing more to find from it: its manifest blob alone
+        found |= {_hex(d.get("digest")) for d in [manifest["config"], *manifest["layers"]]}
+    return found - {""}
+
+
+def _hex(digest: object) -> str:
+    """The hex of a ``sha256:`` digest, or "" for anything else (never a path of its own)."""
+    parts = digest_parts(digest)
+    return parts[1] if parts is not None and parts[0] == "sha256" else ""
 
 
 def check_warm_images(out: Path, *, tag: str, index_digest: str, signed: bool) -> tuple[list[str], bool]:
