@@ -455,8 +455,8 @@ def profile(ctx: Ctx, out: Path, device: str | None, verify_: bool) -> None:
 @click.option("--engine", type=click.Choice(["vllm"]), default="vllm", show_default=True)
 @click.option("--python", metavar="PY", help="The engine's interpreter (default: this one).")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
-              help="The model directory the server will be given (it enters the engine's key); "
-                   "laid out there when missing. Default: the one `packer_loader.py --model-dir` prints.")
+              help="The existing model directory the server will be given (its path enters the engine's key). "
+                   "Default: the one `packer_loader.py --model-dir` prints.")
 @click.option("--timeout", type=float, default=1800.0, show_default=True, help="Seconds for the engine's run.")
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), metavar="KEY",
               help="PEM EC private key (the build's): sign the state (state.sig), which PACKER_REQUIRE_SIGNATURE "
@@ -486,7 +486,8 @@ def warm_line(summary: dict[str, Any]) -> str:
     image = f"; image {summary['image']['tag']}" if summary.get("image") else ""
     signed = ", signed" if summary.get("signed") else ""
     return (f"warm state {summary['name']}: {summary['files']} files, {summary['bytes']} bytes pinned in "
-            f"{summary['state']}{signed} (model path {summary['model_path']}) in {summary['seconds']:.1f} s{image}")
+            f"{summary['state']}{signed}, keyed for the model path {show(str(summary['model_path']))} (serve exactly "
+            f"that path) in {summary['seconds']:.1f} s{image}")
 
 
 @main.command()

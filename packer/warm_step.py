@@ -1,8 +1,8 @@
 """The warm step after a build: capture the engine's start-up state, sign it, add its image.
 
-``packer warm`` and ``packer build`` with a ``[warm]`` table both come here:
-:func:`packer.warm.capture.warm` runs the engine and pins what it wrote into
-``OUT/warm/<name>/``, signed with the build's key when one is given
+``packer warm`` and ``packer build`` with a ``[warm]`` table both come here: OUT is verified
+first (as ``packer push`` does); :func:`packer.warm.capture.warm` runs the engine and pins what
+it wrote into a staging directory renamed to ``OUT/warm/<name>/``, signed with the build's key when one is given
 (:mod:`packer.warm.trust`); then the state becomes its own image in ``OUT/image``
 (:mod:`packer.oci.warm_layer`), tagged ``<tag>-warm-<name>``. :func:`warm_after_build` is the
 recipe's version: it first asks the engine's interpreter whether the engine is installed and on
@@ -12,18 +12,25 @@ which device kind, and says why in a note when it does not warm.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from packer.errors import WarmStateError
+from packer.fsutil import atomic_write_bytes, quiet_cleanup
 from packer.manifest import read_manifest
-from packer.oci.warm_layer import add_warm_image, check_warm_images
+from packer.oci.warm_layer import WarmImage, check_warm_images, plan_warm_image
 from packer.recipe import Recipe
 from packer.show import show
-from packer.warm.capture import warm
-from packer.warm.pins import WARM_DIR
+from packer.verify import verify
+from packer.warm.capture import check_request, warm
+from packer.warm.pins import WARM_DIR, plain_dir, plain_file
+from packer.warm.swap import Renames
 
 _PROBE = "from vllm.platforms import current_platform as p; print(p.device_type)"
 
@@ -31,35 +38,104 @@ _PROBE = "from vllm.platforms import current_platform as p; print(p.device_type)
 def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str | None = None,
                 model_dir: Path | None = None, timeout: float = 1800.0,
                 sign_key: Path | None = None) -> dict[str, Any]:
-    """Capture, sign (with ``sign_key``) and image the warm state of the build ``out``.
+    """Verify, capture, sign (with ``sign_key``) and image the warm state of the build ``out``.
+
+    ``out`` is verified as ``packer push`` verifies it before anything of it runs or is
+    signed. The new state and its image's blobs are made in a staging directory inside
+    ``out``, then renamed in (:class:`packer.warm.swap.Renames`), replacing a state of the
+    same name and its warm image's blobs; a failure anywhere leaves ``out`` as it was.
 
     Returns:
         :func:`packer.warm.capture.warm`'s summary, with ``signed``, ``image`` (the warm
         image's tag and digests, or None for a build without an image) and ``notes``.
 
     Raises:
-        WarmStateError: the engine's run failed, or the state does not check.
+        UsageError: engine flags that name a model, or a ``model_dir`` that does not exist.
+        VerifyError: ``out`` does not match its manifest; nothing ran.
+        WarmStateError: the engine's run failed, the state does not check, or a path in
+            ``out`` the state goes to is a link.
         SignError, DependencyError: ``sign_key`` cannot be used.
         ImageError: the build's image cannot take the state's layer.
     """
+    check_request(out, engine=engine, engine_args=engine_args, model_dir=model_dir)
     signer = None
     if sign_key is not None:
         from packer.sign.keys import load_signing_key, signed_bundle
 
         signer = functools.partial(signed_bundle, load_signing_key(sign_key))  # a bad key fails before the run
-    summary = warm(out, engine=engine, engine_args=engine_args, python=python, model_dir=model_dir,
-                   timeout=timeout, signer=signer)
+    verify(out)
     _, manifest = read_manifest(out)
+    image = manifest.get("image") or {}
+    _check_places(out, bool(image))
+    stage = Path(tempfile.mkdtemp(prefix=".packer-warm-", dir=out))
+    try:
+        summary = warm(out, engine=engine, engine_args=engine_args, stage=stage, python=python,
+                       model_dir=model_dir, timeout=timeout, signer=signer)
+        staged = Path(summary.pop("staged"))
+        plan = None
+        if image:
+            (stage / "blobs").mkdir()
+            plan = plan_warm_image(out, staged, tag=image["tag"], blobs_dir=stage / "blobs")
+        _publish(out, stage, staged, plan, lambda: _check_image(out, image, manifest))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # what the publish moved out, or a failed run's files
     notes = []
     if manifest.get("signature") and signer is None:
         notes.append(f"{summary['state']} is unsigned: under PACKER_REQUIRE_SIGNATURE the plugin refuses it "
                      "(pass --sign-key, the key that signed the build)")
-    image = manifest.get("image") or {}
-    summary["image"] = add_warm_image(out, out / WARM_DIR / summary["name"], tag=image["tag"]) if image else None
-    if image:  # what verify will prove: made again from the state, and the index the build pinned
+    return {**summary, "image": plan.summary if plan else None, "signed": signer is not None, "notes": notes}
+
+
+def _check_places(out: Path, image: bool) -> None:
+    """Refuse a link (or anything but a directory) where the state or the image's changes go."""
+    if os.path.lexists(out / WARM_DIR):
+        for path in (out / WARM_DIR, *(out / WARM_DIR / d for d in _names(out / WARM_DIR))):
+            plain_dir(path)
+    if image:
+        for path in (out / "image", out / "image" / "blobs", out / "image" / "blobs" / "sha256"):
+            plain_dir(path)
+        plain_file(out / "image" / "index.json")
+
+
+def _names(warm_dir: Path) -> list[str]:
+    return sorted(os.listdir(warm_dir)) if os.path.lexists(warm_dir) and warm_dir.is_dir() else []
+
+
+def _publish(out: Path, stage: Path, staged: Path, plan: WarmImage | None, check: Callable[[], None]) -> None:
+    """Rename the staged state (and the image's new blobs and index) into ``out``; all undone on failure."""
+    warm_dir, old = out / WARM_DIR, stage / "old"
+    blobs = out / "image" / "blobs" / "sha256"
+    old.mkdir()
+    journal = Renames()
+    try:
+        if not os.path.lexists(warm_dir):
+            journal.mkdir(warm_dir)
+        _check_places(out, plan is not None)
+        for hexd in plan.blobs if plan else ():
+            if not os.path.lexists(blobs / hexd):  # else: the same bytes, named by their digest
+                journal.move(stage / "blobs" / hexd, blobs / hexd)
+        dest = warm_dir / staged.name
+        if os.path.lexists(dest):
+            journal.move(dest, old / "state")
+        journal.move(staged, dest)
+        if plan is not None:
+            atomic_write_bytes(stage / "index.json", plan.index, 0o644)
+            journal.replace(stage / "index.json", out / "image" / "index.json", old / "index.json")
+            (old / "blobs").mkdir()
+            for hexd in plan.stale:
+                if os.path.lexists(blobs / hexd):
+                    journal.move(blobs / hexd, old / "blobs" / hexd)
+        check()
+    except BaseException as e:
+        quiet_cleanup(e, journal.undo)
+        raise
+
+
+def _check_image(out: Path, image: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """What verify will prove of the warm images: made again from the states, the pinned index."""
+    if image:
         check_warm_images(out, tag=image["tag"], index_digest=image["index_digest"],
                           signed=bool(manifest.get("signature")))
-    return {**summary, "signed": signer is not None, "notes": notes}
 
 
 def warm_after_build(out: Path, recipe: Recipe, *, timeout: float = 1800.0) -> tuple[dict[str, Any] | None, list[str]]:

@@ -227,3 +227,216 @@ def test_packer_verify_checks_a_warm_state_beside_the_build(tmp_path: Path) -> N
     (out / "warm" / "stray.bin").write_bytes(b"")
     with pytest.raises(VerifyError, match="stray.bin: not listed in the manifest"):
         verify(out)
+
+
+# --- packer warm with a stand-in engine: proof first, only inside OUT, all or nothing -------------
+
+ENGINE = """
+import json, os, sys
+from pathlib import Path
+
+if os.environ.get("STAND_IN_FAIL"):
+    sys.exit("RuntimeError: the stand-in engine failed")
+root = Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos"
+root.mkdir(parents=True, exist_ok=True)
+(root / "llama.json").write_text(os.environ.get("STAND_IN_CACHE", "1"))
+Path(os.environ["PACKER_WARM_CAPTURE"]).write_text(json.dumps({**KEY, "model_path": sys.argv[1]}))
+print(json.dumps({"ids": [1, 2]}))
+"""
+
+
+def stand_in_engine(tmp: Path) -> tuple[Path, Path]:
+    """An engine interpreter that plays vLLM's warm run (cache files, the key for the path it was
+    given, token ids) and logs every command it runs: ``(python, log)``; anything else runs as this python."""
+    engine, log = tmp / "stand_in_engine.py", tmp / "engine.log"
+    engine.write_text(f"KEY = {KEY!r}\n" + ENGINE)
+    python = tmp / "python-stand-in"
+    python.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
+                      f'if [ "$1" = "-m" ] && [ "$2" = "packer.adapters.vllm_warm_run" ]; '
+                      f'then shift 2; exec {sys.executable} {engine} "$@"; fi\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return python, log
+
+
+@pytest.fixture(scope="module")
+def a_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    tmp = tmp_path_factory.mktemp("warm-build")
+    llama(tmp / "hf", **VLLM_LLAMA)
+    build_dir(tmp / "hf", tmp / "out")
+    return tmp / "out"
+
+
+def fresh(a_build: Path, tmp: Path) -> Path:
+    """A copy of the module's build (hard links kept, as the build made them)."""
+    subprocess.run(["cp", "-a", str(a_build), str(tmp / "out")], check=True)
+    return tmp / "out"
+
+
+def packer_warm(tmp: Path, out: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    python, _ = stand_in_engine(tmp)
+    return subprocess.run([sys.executable, "-m", "packer", "warm", str(out), "--python", str(python), *args],
+                          capture_output=True, text=True, timeout=300, check=False, cwd=tmp,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PACKER_BUNDLE_CACHE": str(tmp / "bundle"),
+                               **env})
+
+
+def snapshot(out: Path) -> dict[str, Any]:
+    """Every path under ``out`` with what it is: a file's bytes, a link's target, a directory."""
+    seen: dict[str, Any] = {}
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if path.is_symlink():
+            seen[rel] = ("link", os.readlink(path))
+        else:
+            seen[rel] = ("dir", None) if path.is_dir() else ("file", path.read_bytes())
+    return seen
+
+
+def one_line(r: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code and len(lines) == 1, (r.returncode, r.stderr)
+    return lines[0]
+
+
+def test_packer_warm_keys_the_state_for_the_path_the_server_is_given(a_build: Path, tmp_path: Path) -> None:
+    out = fresh(a_build, tmp_path)
+    model = tmp_path / "served"
+    model.mkdir()
+    r = packer_warm(tmp_path, out, "--model-dir", str(model), "--json", "--", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["model_path"] == str(model) == load_state(out / "warm" / "vllm-cpu-x86_64")["key"]["model_path"]
+    assert f"keyed for the model path {model} (serve exactly that path)" in r.stderr
+    assert verify(out)["warm_states"] == ["vllm-cpu-x86_64"]
+
+
+def test_packer_warm_refuses_a_model_dir_that_does_not_exist(a_build: Path, tmp_path: Path) -> None:
+    """A server given DIR would miss a state keyed for ``DIR/model-<hash>``: refused, nothing run."""
+    out = fresh(a_build, tmp_path)
+    before = snapshot(out)
+    r = packer_warm(tmp_path, out, "--model-dir", str(tmp_path / "nope"), "--", "--dtype", "float32")
+    line = one_line(r, 2)
+    assert line.startswith(f"error: --model-dir {tmp_path / 'nope'}: no such directory;") and "pass an existing" in line
+    assert not (tmp_path / "engine.log").exists() and not (tmp_path / "nope").exists()
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("flags", [["--model", "/other"], ["--model=/other"], ["/other", "--dtype", "float32"],
+                                   ["--dtype", "float32", "--config", "other.yaml"]])
+def test_packer_warm_refuses_engine_flags_that_name_another_model(a_build: Path, tmp_path: Path,
+                                                                  flags: list[str]) -> None:
+    out = fresh(a_build, tmp_path)
+    before = snapshot(out)
+    line = one_line(packer_warm(tmp_path, out, "--", *flags), 2)
+    assert line.startswith("error: packer warm -- ") and ("may not name the model" in line or "positional" in line)
+    assert not (tmp_path / "engine.log").exists() and snapshot(out) == before
+
+
+def _planted_pyc(out: Path, marker: Path) -> None:
+    """A bytecode file Python's import system would take for the stub (its source's mtime and size)."""
+    import importlib.util
+    from importlib._bootstrap_external import _code_to_timestamp_pyc  # type: ignore[attr-defined]
+
+    stub = out / "packer_loader.py"
+    st = stub.stat()
+    code = compile(f"open({str(marker)!r}, 'w').close()\n", str(stub), "exec")
+    pyc = Path(importlib.util.cache_from_source(str(stub)))
+    pyc.parent.mkdir(exist_ok=True)
+    pyc.write_bytes(bytes(_code_to_timestamp_pyc(code, int(st.st_mtime), st.st_size)))
+
+
+@pytest.mark.parametrize("tamper", ["stub", "pyc"])
+def test_packer_warm_refuses_a_build_that_does_not_verify(a_build: Path, tmp_path: Path, tamper: str) -> None:
+    """Nothing of OUT runs and nothing is signed before OUT is proven: a changed stub, a planted pyc."""
+    out = fresh(a_build, tmp_path)
+    marker = tmp_path / "ran"
+    if tamper == "stub":
+        with (out / "packer_loader.py").open("a") as f:
+            f.write(f"\nopen({str(marker)!r}, 'w').close()\n")
+        said = "packer_loader.py: "
+    else:
+        _planted_pyc(out, marker)
+        said = "__pycache__/packer_loader."
+    before = snapshot(out)
+    line = one_line(packer_warm(tmp_path, out, "--", "--dtype", "float32"))
+    assert said in line, line
+    assert not marker.exists() and not (tmp_path / "engine.log").exists()
+    assert snapshot(out) == before and not (out / "warm").exists()
+
+
+@pytest.mark.parametrize("link", ["warm", "warm/vllm-cpu-x86_64"])
+def test_packer_warm_never_writes_through_a_link(a_build: Path, tmp_path: Path, link: str) -> None:
+    out = fresh(a_build, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / link).parent.mkdir(exist_ok=True)
+    (out / link).symlink_to(elsewhere)
+    line = one_line(packer_warm(tmp_path, out, "--", "--dtype", "float32"))
+    assert line.startswith(f"error: {out / link}: "), line
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "engine.log").exists()
+
+
+def test_write_state_refuses_a_link_on_its_way(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "warm").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(WarmStateError, match=r"out/warm: is a symbolic link, not a directory"):
+        write_state(tmp_path / "out" / "warm" / "s", name="s", key=KEY, files=collect(_engine_caches(tmp_path)))
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_warming_again_replaces_the_state_and_its_image(a_build: Path, tmp_path: Path) -> None:
+    out = fresh(a_build, tmp_path)
+    first = packer_warm(tmp_path, out, "--json", "--", "--dtype", "float32", STAND_IN_CACHE="1")
+    assert first.returncode == 0, first.stderr
+    again = packer_warm(tmp_path, out, "--json", "--", "--dtype", "float32", STAND_IN_CACHE="2")
+    assert again.returncode == 0, again.stderr
+    old, new = json.loads(first.stdout)["image"], json.loads(again.stdout)["image"]
+    assert old["layer_digest"] != new["layer_digest"]
+    blobs = out / "image" / "blobs" / "sha256"
+    assert not (blobs / old["layer_digest"].removeprefix("sha256:")).exists()
+    assert not (blobs / old["manifest_digest"].removeprefix("sha256:")).exists()
+    assert verify(out)["warm_states"] == ["vllm-cpu-x86_64"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging left
+
+
+@pytest.mark.parametrize("when", ["engine", "publish"])
+def test_a_failed_warm_leaves_out_exactly_as_it_was(a_build: Path, tmp_path: Path, when: str) -> None:
+    out = fresh(a_build, tmp_path)
+    served = tmp_path / "served"  # one model path: the probe below makes the very same layer
+    served.mkdir()
+    flags = ["--model-dir", str(served), "--json", "--", "--dtype", "float32"]
+    assert packer_warm(tmp_path, out, *flags, STAND_IN_CACHE="1").returncode == 0
+    env = {"STAND_IN_CACHE": "2"}
+    if when == "engine":
+        env["STAND_IN_FAIL"] = "1"
+    else:  # the new layer's blob name taken by a directory (verify skips empty ones): the image cannot take it
+        (tmp_path / "probe").mkdir()
+        r = packer_warm(tmp_path / "probe", fresh(a_build, tmp_path / "probe"), *flags, STAND_IN_CACHE="2")
+        layer = json.loads(r.stdout)["image"]["layer_digest"].removeprefix("sha256:")
+        (out / "image" / "blobs" / "sha256" / layer).mkdir()
+    verify(out)
+    before = snapshot(out)
+    r = packer_warm(tmp_path, out, *flags, **env)
+    one_line(r)
+    assert snapshot(out) == before
+    verify(out)
+
+
+@pytest.mark.parametrize("what", ["file", "manifest", "signature", "files-dir"])
+def test_verify_refuses_a_link_in_a_warm_state(a_build: Path, tmp_path: Path, what: str) -> None:
+    """A link to the very bytes pinned, outside OUT, proves nothing: refused like the build's own files."""
+    out = fresh(a_build, tmp_path)
+    state = out / "warm" / "vllm-cpu-x86_64"
+    write_state(state, name=state.name, key=KEY, files=collect(_engine_caches(tmp_path)),
+                signer=(lambda st: b"{}") if what == "signature" else None)
+    target = {"file": state / "files" / "vllm" / "modelinfos" / "llama.json", "manifest": state / "manifest.json",
+              "signature": state / "state.sig", "files-dir": state / "files"}[what]
+    outside = tmp_path / "outside"
+    shutil.move(target, outside)
+    target.symlink_to(outside)
+    with pytest.raises(VerifyError, match=f"{target}: is a symbolic link, not a"):
+        verify(out)
+    with pytest.raises(WarmStateError, match="is a symbolic link"):
+        check_state(state)

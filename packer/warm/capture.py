@@ -7,7 +7,8 @@ engine arguments say otherwise, one request. Its cache directories (``VLLM_CACHE
 after the run is this model's start-up state; the plugin records the key of exactly that run
 (:mod:`packer.adapters.vllm_warm`). The files are pinned into ``OUT/warm/<name>/``
 (:mod:`packer.warm.pins`), beside the build and outside its manifest: the build stays byte for
-byte what it was, and ``packer verify OUT`` checks the state's pins too.
+byte what it was, and ``packer verify OUT`` checks the state's pins too. The state is written
+to a staging directory first; :mod:`packer.warm_step` verifies OUT before and renames it in after.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packer.errors import WarmStateError
+from packer.errors import UsageError, WarmStateError
 from packer.formats import LOADER_NAME
 from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
@@ -31,76 +32,113 @@ from packer.warm.pins import ROOTS, WARM_DIR, collect, write_state
 
 ENGINES = ("vllm",)
 RUNNER = "packer.adapters.vllm_warm_run"
+# the engine flags that name what is served, or a file of flags that could: OUT's model is the one warmed
+_MODEL_FLAGS = ("--model", "--config")
+# run by the engine's interpreter: the stub from its checked bytes, never through the import system
+# (which would take a ``__pycache__`` file beside it); the gate's loader moved to stub_code
+_LAY_OUT = """import sys
+from pathlib import Path
+try:
+    from packer.adapters.stub_code import load_stub
+except ImportError:
+    from packer.adapters.gate import load_stub
+print(load_stub(Path(sys.argv[1])).model_dir())
+"""
 _ENV_OF_ROOT = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
 
 
-def warm(out: Path, *, engine: str, engine_args: list[str], python: str | None = None,
-         model_dir: Path | None = None, timeout: float = 1800.0,
-         signer: Callable[[dict[str, Any]], bytes] | None = None) -> dict[str, Any]:
-    """Capture the engine's start-up state for the build ``out`` into ``out/warm/<name>/``.
-
-    Args:
-        out: a build output (``packer_loader.py`` at its top).
-        engine: ``"vllm"``.
-        engine_args: the engine's own flags (``--dtype float32 --max-model-len 4096``), as the
-            server will be given them: the state is keyed on them.
-        python: the engine's interpreter (default: this one).
-        model_dir: the model directory the server will be given (vLLM hashes the path): laid
-            out there (links into ``out``) when it does not exist; default: the one
-            ``packer_loader.py --model-dir`` prints on this machine.
-        timeout: seconds for the engine's run.
-        signer: signs the state (``state.sig``, :mod:`packer.warm.trust`); None: unsigned.
-
-    Returns:
-        a summary: the state's directory, name, file count, bytes, seconds, the run's token ids.
+def check_request(out: Path, *, engine: str, engine_args: list[str], model_dir: Path | None) -> None:
+    """Refuse, before anything runs, a request that would warm something else than ``out``'s model.
 
     Raises:
-        WarmStateError: not a build, an unknown engine, or the engine's run failed (its log's end
-            in the message).
+        WarmStateError: an unknown engine, or ``out`` has no stub.
+        UsageError: the engine flags name a model or a config file (``--model X``, ``--model=X``,
+            ``--config F``, a positional first argument), or ``model_dir`` is not an existing directory.
     """
     if engine not in ENGINES:
         raise WarmStateError(f"--engine {engine!r}: packer warms {', '.join(ENGINES)}")
     if not (out / LOADER_NAME).is_file():
         raise WarmStateError(f"{out}: no {LOADER_NAME}; `packer warm` takes a build output (packer build -o OUT)")
+    for arg in engine_args:
+        flag = arg.split("=", 1)[0]
+        if flag.replace("_", "-") in _MODEL_FLAGS:
+            raise UsageError(f"packer warm -- {show(arg)}: the engine flags may not name the model (packer warm "
+                             f"runs {out}'s own); leave {flag} out (--model-dir names the path the server uses)")
+    if engine_args and not engine_args[0].startswith("-"):
+        raise UsageError(f"packer warm -- {show(engine_args[0])}: a positional argument names another model; "
+                         f"packer warm runs {out}'s own (engine flags start with --)")
+    if model_dir is not None and not model_dir.is_dir():
+        raise UsageError(f"--model-dir {show(str(model_dir))}: no such directory; the state is keyed on the exact "
+                         "path the server is given: pass an existing model directory (the one `python "
+                         f"{out / LOADER_NAME} --model-dir` prints), or leave --model-dir out for that one")
+
+
+def warm(out: Path, *, engine: str, engine_args: list[str], stage: Path, python: str | None = None,
+         model_dir: Path | None = None, timeout: float = 1800.0,
+         signer: Callable[[dict[str, Any]], bytes] | None = None) -> dict[str, Any]:
+    """Capture the engine's start-up state for the verified build ``out`` into ``stage/<name>/``.
+
+    The caller has verified ``out`` (:func:`packer.verify.verify`) and renames the staged state
+    to ``out/warm/<name>/`` (:mod:`packer.warm_step`); nothing in ``out`` is written here. The
+    stub is never imported: the model directory is laid out by the engine side's trust gate,
+    which loads ``packer_loader.py`` from its checked bytes (no bytecode file is read).
+
+    Args:
+        out: a build output (``packer_loader.py`` at its top), verified.
+        engine: ``"vllm"``.
+        engine_args: the engine's own flags (``--dtype float32 --max-model-len 4096``), as the
+            server will be given them: the state is keyed on them (:func:`check_request` first).
+        stage: an empty directory inside ``out`` (the same file system) for the new state.
+        python: the engine's interpreter (default: this one).
+        model_dir: the existing model directory the server will be given (vLLM hashes the path,
+            so the state is keyed for exactly it); default: the one ``packer_loader.py
+            --model-dir`` prints on this machine.
+        timeout: seconds for the engine's run.
+        signer: signs the state (``state.sig``, :mod:`packer.warm.trust`) for ``out``; None: unsigned.
+
+    Returns:
+        a summary: the state's final directory (``out/warm/<name>``), the staged one, name, file
+        count, bytes, the model path it is keyed for, seconds, the run's token ids.
+
+    Raises:
+        WarmStateError: the engine's run failed (its log's end in the message), or recorded no key.
+    """
     python = python or sys.executable
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="packer-warm-run-"))
     try:
-        model = _model_dir(out, python, model_dir, work, timeout)
+        model = model_dir.absolute() if model_dir is not None else _model_dir(out, python, work, timeout)
         roots = {root: work / root for root in ROOTS}
         for d in roots.values():
             d.mkdir()
         env = {**os.environ, **{_ENV_OF_ROOT[r]: str(d) for r, d in roots.items()},
                **STATE_ENV, "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off"}
         env.pop("PACKER_WARM_STATE", None)
-        ids = _run(python, [str(model), *engine_args], env, timeout)
+        ids = _run(python, [str(model), *engine_args], env, timeout, work)
         key = _read_key(work / "key.json")
         name = state_name(key)
-        doc = write_state(out / WARM_DIR / name, name=name, key=key, files=collect(roots), signer=signer)
+        doc = write_state(stage / name, name=name, key=key, files=collect(roots), signer=signer, build=out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"state": str(out / WARM_DIR / name), "name": name, "files": len(doc["files"]),
-            "bytes": sum(p["size"] for p in doc["files"].values()), "model_path": key["model_path"],
-            "seconds": round(time.monotonic() - start, 2), "token_ids": ids}
+    return {"state": str(out / WARM_DIR / name), "staged": str(stage / name), "name": name,
+            "files": len(doc["files"]), "bytes": sum(p["size"] for p in doc["files"].values()),
+            "model_path": key["model_path"], "seconds": round(time.monotonic() - start, 2), "token_ids": ids}
 
 
-def _model_dir(out: Path, python: str, model_dir: Path | None, work: Path, timeout: float) -> Path:
+def _model_dir(out: Path, python: str, work: Path, timeout: float) -> Path:
+    """The default model directory, laid out by the stub loaded from its checked bytes (in ``python``)."""
     loader = out.resolve() / LOADER_NAME
-    if model_dir is not None and model_dir.exists():
-        return model_dir.absolute()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import packer_loader as p; "
-            "print(p.model_dir(out=sys.argv[2]) if len(sys.argv) > 2 else p.model_dir())")
-    args = [python, "-c", code, str(loader.parent), *([str(model_dir.absolute())] if model_dir else [])]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False, cwd=work)
+    r = subprocess.run([python, "-c", _LAY_OUT, str(loader)], capture_output=True, text=True, timeout=timeout,
+                       check=False, cwd=work)
     if r.returncode != 0:
         raise WarmStateError(f"{loader}: laying out the model directory failed: {show(r.stderr.strip()[-600:])}")
     return Path(r.stdout.strip().splitlines()[-1])
 
 
-def _run(python: str, argv: list[str], env: dict[str, str], timeout: float) -> list[int]:
-    try:
+def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd: Path) -> list[int]:
+    try:  # in a fresh directory: ``-m`` puts the working directory first on sys.path
         r = subprocess.run([python, "-m", RUNNER, *argv], capture_output=True, text=True, env=env,
-                           timeout=timeout, check=False)
+                           timeout=timeout, check=False, cwd=cwd)
     except subprocess.TimeoutExpired:
         raise WarmStateError(f"{python} -m {RUNNER}: the engine's warm run took over {timeout:.0f} s") from None
     lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]
