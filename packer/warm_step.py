@@ -29,7 +29,7 @@ from packer.recipe import Recipe
 from packer.show import show
 from packer.verify import verify
 from packer.warm.capture import check_request, warm
-from packer.warm.pins import WARM_DIR, plain_dir, plain_file
+from packer.warm.pins import WARM_DIR, plain_dir, plain_file, write_state
 from packer.warm.swap import Renames
 
 _PROBE = "from vllm.platforms import current_platform as p; print(p.device_type)"
@@ -67,23 +67,40 @@ def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str |
     _, manifest = read_manifest(out)
     image = manifest.get("image") or {}
     _check_places(out, bool(image))
-    stage = Path(tempfile.mkdtemp(prefix=".packer-warm-", dir=out))
-    try:
-        summary = warm(out, engine=engine, engine_args=engine_args, stage=stage, python=python,
-                       model_dir=model_dir, timeout=timeout, signer=signer)
-        staged = Path(summary.pop("staged"))
-        plan = None
-        if image:
-            (stage / "blobs").mkdir()
-            plan = plan_warm_image(out, staged, tag=image["tag"], blobs_dir=stage / "blobs")
-        _publish(out, stage, staged, plan, lambda: _check_image(out, image, manifest))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)  # what the publish moved out, or a failed run's files
+    images: list[WarmImage] = []
+
+    def keep(name: str, key: dict[str, Any], files: dict[str, Path]) -> dict[str, Any]:
+        doc, plan = _keep(out, name, key, files, signer=signer, manifest=manifest)
+        images.extend([plan] if plan else [])
+        return doc
+
+    summary = warm(out, engine=engine, engine_args=engine_args, keep=keep, python=python, model_dir=model_dir,
+                   timeout=timeout)
     notes = []
     if manifest.get("signature") and signer is None:
         notes.append(f"{summary['state']} is unsigned: under PACKER_REQUIRE_SIGNATURE the plugin refuses it "
                      "(pass --sign-key, the key that signed the build)")
-    return {**summary, "image": plan.summary if plan else None, "signed": signer is not None, "notes": notes}
+    return {**summary, "image": images[0].summary if images else None, "signed": signer is not None, "notes": notes}
+
+
+def _keep(out: Path, name: str, key: dict[str, Any], files: dict[str, Path], *,
+          signer: Callable[[dict[str, Any]], bytes] | None,
+          manifest: dict[str, Any]) -> tuple[dict[str, Any], WarmImage | None]:
+    """Pin ``files`` as the state ``name`` and its warm image in a staging directory in ``out``; rename them in."""
+    image = manifest.get("image") or {}
+    stage = Path(tempfile.mkdtemp(prefix=".packer-warm-", dir=out))  # made only now: the engine's run is long
+    try:
+        doc = write_state(stage / name, name=name, key=key, files=files, signer=signer, build=out)
+        plan = None
+        if image:
+            (stage / "blobs").mkdir()
+            plan = plan_warm_image(out, stage / name, tag=image["tag"], blobs_dir=stage / "blobs")
+        _publish(out, stage, stage / name, plan, lambda: _check_image(out, image, manifest))
+    except BaseException as e:
+        quiet_cleanup(e, lambda: shutil.rmtree(stage))
+        raise
+    shutil.rmtree(stage)  # what the publish moved out of OUT
+    return doc, plan
 
 
 def _check_places(out: Path, image: bool) -> None:

@@ -93,6 +93,20 @@ def test_the_same_state_gives_the_same_bytes_and_warming_again_replaces_it(tmp_p
     assert first["manifest_digest"] in {d["digest"] for d in index["manifests"]}
 
 
+def test_adding_a_changed_state_again_removes_the_old_warm_images_blobs(tmp_path: Path) -> None:
+    out = built(tmp_path)
+    old = add_warm_image(out, out / "warm" / NAME, tag=TAG)
+    write_state(out / "warm" / NAME, name=NAME, key={**KEY, "model_path": "/srv/model"},
+                files=collect(_engine_caches(tmp_path / "again")))
+    new = add_warm_image(out, out / "warm" / NAME, tag=TAG)
+    blobs = out / "image" / "blobs" / "sha256"
+    assert old["manifest_digest"] != new["manifest_digest"]
+    assert not (blobs / old["manifest_digest"].removeprefix("sha256:")).exists()
+    assert not (blobs / old["layer_digest"].removeprefix("sha256:")).exists()
+    assert verify(out)["warm_states"] == [NAME]
+    validate_layout(out / "image", TAG)  # the build's own image untouched
+
+
 @pytest.mark.parametrize("tamper", ["layer", "tag", "state", "gone"])
 def test_verify_refuses_a_warm_image_its_state_does_not_make(tmp_path: Path, tamper: str) -> None:
     out = built(tmp_path)

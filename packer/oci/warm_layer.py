@@ -190,7 +190,7 @@ def _check_one(out: Path, base: dict[str, Any], desc: dict[str, Any], tag: str) 
     name = str(desc["annotations"][WARM_ANNOTATION])
     state = out / WARM_DIR / name
     where = f"{image / 'index.json'}: the warm image {desc.get('digest')}"
-    if "/" in name or name in ("", ".", "..") or not state.is_dir():
+    if "/" in name or name in ("", ".", "..") or not state.is_dir() or state.is_symlink():
         raise VerifyError(f"{where} names the state {name!r}, which {out / WARM_DIR} does not hold")
     try:
         digest, size = _tar_digest(_members(state, base), base["epoch"])

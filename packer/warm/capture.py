@@ -28,7 +28,7 @@ from packer.formats import LOADER_NAME
 from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
 from packer.warm.key import STATE_ENV, state_name
-from packer.warm.pins import ROOTS, WARM_DIR, collect, write_state
+from packer.warm.pins import ROOTS, WARM_DIR, collect
 
 ENGINES = ("vllm",)
 RUNNER = "packer.adapters.vllm_warm_run"
@@ -73,32 +73,35 @@ def check_request(out: Path, *, engine: str, engine_args: list[str], model_dir: 
                          f"{out / LOADER_NAME} --model-dir` prints), or leave --model-dir out for that one")
 
 
-def warm(out: Path, *, engine: str, engine_args: list[str], stage: Path, python: str | None = None,
-         model_dir: Path | None = None, timeout: float = 1800.0,
-         signer: Callable[[dict[str, Any]], bytes] | None = None) -> dict[str, Any]:
-    """Capture the engine's start-up state for the verified build ``out`` into ``stage/<name>/``.
+Keep = Callable[[str, dict[str, Any], dict[str, Path]], dict[str, Any]]
 
-    The caller has verified ``out`` (:func:`packer.verify.verify`) and renames the staged state
-    to ``out/warm/<name>/`` (:mod:`packer.warm_step`); nothing in ``out`` is written here. The
-    stub is never imported: the model directory is laid out by the engine side's trust gate,
-    which loads ``packer_loader.py`` from its checked bytes (no bytecode file is read).
+
+def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: str | None = None,
+         model_dir: Path | None = None, timeout: float = 1800.0) -> dict[str, Any]:
+    """Capture the engine's start-up state for the verified build ``out``; ``keep`` pins and publishes it.
+
+    The caller has verified ``out`` (:func:`packer.verify.verify`); nothing in ``out`` is
+    written here. The stub is never imported: the model directory is laid out by the engine
+    side's trust gate, which loads ``packer_loader.py`` from its checked bytes (no bytecode
+    file is read).
 
     Args:
         out: a build output (``packer_loader.py`` at its top), verified.
         engine: ``"vllm"``.
         engine_args: the engine's own flags (``--dtype float32 --max-model-len 4096``), as the
             server will be given them: the state is keyed on them (:func:`check_request` first).
-        stage: an empty directory inside ``out`` (the same file system) for the new state.
+        keep: called as ``keep(name, key, files)`` while the engine's cache files (``{rel: path}``,
+            :func:`packer.warm.pins.collect`) still exist; writes the state (``packer.warm_step``:
+            staged inside ``out``, then renamed in) and returns its manifest.
         python: the engine's interpreter (default: this one).
         model_dir: the existing model directory the server will be given (vLLM hashes the path,
             so the state is keyed for exactly it); default: the one ``packer_loader.py
             --model-dir`` prints on this machine.
         timeout: seconds for the engine's run.
-        signer: signs the state (``state.sig``, :mod:`packer.warm.trust`) for ``out``; None: unsigned.
 
     Returns:
-        a summary: the state's final directory (``out/warm/<name>``), the staged one, name, file
-        count, bytes, the model path it is keyed for, seconds, the run's token ids.
+        a summary: the state's directory (``out/warm/<name>``), name, file count, bytes, the
+        model path it is keyed for, seconds, the run's token ids.
 
     Raises:
         WarmStateError: the engine's run failed (its log's end in the message), or recorded no key.
@@ -117,10 +120,10 @@ def warm(out: Path, *, engine: str, engine_args: list[str], stage: Path, python:
         ids = _run(python, [str(model), *engine_args], env, timeout, work)
         key = _read_key(work / "key.json")
         name = state_name(key)
-        doc = write_state(stage / name, name=name, key=key, files=collect(roots), signer=signer, build=out)
+        doc = keep(name, key, collect(roots))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"state": str(out / WARM_DIR / name), "staged": str(stage / name), "name": name,
+    return {"state": str(out / WARM_DIR / name), "name": name,
             "files": len(doc["files"]), "bytes": sum(p["size"] for p in doc["files"].values()),
             "model_path": key["model_path"], "seconds": round(time.monotonic() - start, 2), "token_ids": ids}
 
