@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packer.errors import WarmStateError
+from packer.errors import RecipeError, UsageError, VerifyError, WarmStateError
 from packer.fsutil import atomic_write_bytes, quiet_cleanup
 from packer.manifest import read_manifest
 from packer.oci.warm_layer import WarmImage, check_warm_images, plan_warm_image
@@ -63,7 +63,10 @@ def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str |
         from packer.sign.keys import load_signing_key, signed_bundle
 
         signer = functools.partial(signed_bundle, load_signing_key(sign_key))  # a bad key fails before the run
-    verify(out)
+    try:
+        verify(out)
+    except VerifyError as e:
+        raise e.with_context(f"packer warm {out}: not warmed, the build does not match its manifest") from e
     _, manifest = read_manifest(out)
     image = manifest.get("image") or {}
     _check_places(out, bool(image))
@@ -163,7 +166,8 @@ def warm_after_build(out: Path, recipe: Recipe, *, timeout: float = 1800.0) -> t
         its interpreter or runs on another device kind than ``warm.device``.
 
     Raises:
-        as :func:`warm_output`.
+        RecipeError: ``warm.args`` name a model, or ``warm.model_dir`` does not exist.
+        others: as :func:`warm_output`.
     """
     cfg = recipe.warm
     if cfg.engine is None:
@@ -175,9 +179,13 @@ def warm_after_build(out: Path, recipe: Recipe, *, timeout: float = 1800.0) -> t
     if cfg.device and kind != cfg.device:
         return None, [f"[warm] skipped: warm.device is {cfg.device!r} and {python}'s {cfg.engine} runs on {kind!r}; "
                       f"run packer warm {out} on a {cfg.device} runner"]
-    summary = warm_output(out, engine=cfg.engine, engine_args=list(cfg.args), python=python,
-                          model_dir=Path(cfg.model_dir) if cfg.model_dir else None, timeout=timeout,
-                          sign_key=recipe.sign_key())
+    model_dir = Path(cfg.model_dir) if cfg.model_dir else None
+    try:
+        check_request(out, engine=cfg.engine, engine_args=list(cfg.args), model_dir=model_dir)
+    except UsageError as e:  # the recipe's, not a flag given on the command line
+        raise RecipeError(f"the recipe's [warm] table (warm.args, warm.model_dir): {e}") from e
+    summary = warm_output(out, engine=cfg.engine, engine_args=list(cfg.args), python=python, model_dir=model_dir,
+                          timeout=timeout, sign_key=recipe.sign_key())
     return summary, list(summary["notes"])
 
 

@@ -373,7 +373,8 @@ def test_packer_warm_never_writes_through_a_link(a_build: Path, tmp_path: Path, 
     (out / link).parent.mkdir(exist_ok=True)
     (out / link).symlink_to(elsewhere)
     line = one_line(packer_warm(tmp_path, out, "--", "--dtype", "float32"))
-    assert line.startswith(f"error: {out / link}: "), line
+    assert line.startswith(f"error: packer warm {out}: not warmed, the build does not match its manifest: "
+                           f"{out / link}: "), line
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "engine.log").exists()
 
 
