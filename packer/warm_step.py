@@ -66,7 +66,7 @@ def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str |
     try:
         verify(out)
     except VerifyError as e:
-        raise e.with_context(f"packer warm {out}: not warmed, the build does not match its manifest") from e
+        raise e.with_context(f"packer warm {show(str(out))}: not warmed, the build does not match its manifest") from e
     _, manifest = read_manifest(out)
     image = manifest.get("image") or {}
     _check_places(out, bool(image))

@@ -58,19 +58,21 @@ def check_request(out: Path, *, engine: str, engine_args: list[str], model_dir: 
     if engine not in ENGINES:
         raise WarmStateError(f"--engine {engine!r}: packer warms {', '.join(ENGINES)}")
     if not (out / LOADER_NAME).is_file():
-        raise WarmStateError(f"{out}: no {LOADER_NAME}; `packer warm` takes a build output (packer build -o OUT)")
+        raise WarmStateError(f"{show(str(out))}: no {LOADER_NAME}; `packer warm` takes a build output "
+                             "(packer build -o OUT)")
     for arg in engine_args:
         flag = arg.split("=", 1)[0]
         if flag.replace("_", "-") in _MODEL_FLAGS:
             raise UsageError(f"packer warm -- {show(arg)}: the engine flags may not name the model (packer warm "
-                             f"runs {out}'s own); leave {flag} out (--model-dir names the path the server uses)")
+                             f"runs {show(str(out))}'s own); leave {show(flag)} out (--model-dir names the path "
+                             "the server uses)")
     if engine_args and not engine_args[0].startswith("-"):
         raise UsageError(f"packer warm -- {show(engine_args[0])}: a positional argument names another model; "
-                         f"packer warm runs {out}'s own (engine flags start with --)")
+                         f"packer warm runs {show(str(out))}'s own (engine flags start with --)")
     if model_dir is not None and not model_dir.is_dir():
         raise UsageError(f"--model-dir {show(str(model_dir))}: no such directory; the state is keyed on the exact "
                          "path the server is given: pass an existing model directory (the one `python "
-                         f"{out / LOADER_NAME} --model-dir` prints), or leave --model-dir out for that one")
+                         f"{show(str(out / LOADER_NAME))} --model-dir` prints), or leave --model-dir out for that one")
 
 
 Keep = Callable[[str, dict[str, Any], dict[str, Path]], dict[str, Any]]
