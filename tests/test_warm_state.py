@@ -441,3 +441,22 @@ def test_verify_refuses_a_link_in_a_warm_state(a_build: Path, tmp_path: Path, wh
         verify(out)
     with pytest.raises(WarmStateError, match="is a symbolic link"):
         check_state(state)
+
+
+def test_renames_are_undone_in_reverse_and_never_replace_a_path(tmp_path: Path) -> None:
+    from packer.warm.swap import Renames
+
+    (tmp_path / "a").write_text("new")
+    (tmp_path / "index").write_text("old index")
+    (tmp_path / "next").write_text("new index")
+    (tmp_path / "taken").write_text("someone's")
+    journal = Renames()
+    journal.mkdir(tmp_path / "d")
+    journal.move(tmp_path / "a", tmp_path / "d" / "a")
+    journal.replace(tmp_path / "next", tmp_path / "index", tmp_path / "kept")
+    assert (tmp_path / "index").read_text() == "new index" and (tmp_path / "kept").read_text() == "old index"
+    with pytest.raises(WarmStateError, match="taken: appeared while packer warm was publishing"):
+        journal.move(tmp_path / "d" / "a", tmp_path / "taken")
+    journal.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "index", "taken"]
+    assert (tmp_path / "a").read_text() == "new" and (tmp_path / "index").read_text() == "old index"
