@@ -237,6 +237,11 @@ from pathlib import Path
 
 if os.environ.get("STAND_IN_FAIL"):
     sys.exit("RuntimeError: the stand-in engine failed")
+if os.environ.get("STAND_IN_SLEEP"):
+    import time
+
+    Path(os.environ["STAND_IN_SLEEP"]).write_text("started")
+    time.sleep(120)
 root = Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos"
 root.mkdir(parents=True, exist_ok=True)
 (root / "llama.json").write_text(os.environ.get("STAND_IN_CACHE", "1"))
@@ -441,6 +446,29 @@ def test_verify_refuses_a_link_in_a_warm_state(a_build: Path, tmp_path: Path, wh
         verify(out)
     with pytest.raises(WarmStateError, match="is a symbolic link"):
         check_state(state)
+
+
+def test_an_interrupted_warm_leaves_out_exactly_as_it_was(a_build: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    out = fresh(a_build, tmp_path)
+    assert packer_warm(tmp_path, out, "--", "--dtype", "float32", STAND_IN_CACHE="1").returncode == 0
+    before = snapshot(out)
+    python, _ = stand_in_engine(tmp_path)
+    started = tmp_path / "started"
+    p = subprocess.Popen([sys.executable, "-m", "packer", "warm", str(out), "--python", str(python), "--",
+                          "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "PACKER_BUNDLE_CACHE": str(tmp_path / "bundle"),
+                              "STAND_IN_CACHE": "2", "STAND_IN_SLEEP": str(started)})
+    deadline = time.monotonic() + 120
+    while not started.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)  # a cancelled job: unwinds like Ctrl-C
+    p.communicate(timeout=60)
+    assert p.returncode != 0 and snapshot(out) == before
+    verify(out)
 
 
 def test_renames_are_undone_in_reverse_and_never_replace_a_path(tmp_path: Path) -> None:
