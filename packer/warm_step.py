@@ -25,6 +25,7 @@ from packer.errors import RecipeError, UsageError, VerifyError, WarmStateError
 from packer.fsutil import atomic_write_bytes, quiet_cleanup
 from packer.manifest import read_manifest
 from packer.oci.warm_layer import WarmImage, check_warm_images, plan_warm_image
+from packer.place import BLOBS
 from packer.recipe import Recipe
 from packer.show import show
 from packer.verify import verify
@@ -112,7 +113,7 @@ def _check_places(out: Path, image: bool) -> None:
         for path in (out / WARM_DIR, *(out / WARM_DIR / d for d in _names(out / WARM_DIR))):
             plain_dir(path)
     if image:
-        for path in (out / "image", out / "image" / "blobs", out / "image" / "blobs" / "sha256"):
+        for path in (out / "image", (out / BLOBS).parent, out / BLOBS):
             plain_dir(path)
         plain_file(out / "image" / "index.json")
 
@@ -124,7 +125,7 @@ def _names(warm_dir: Path) -> list[str]:
 def _publish(out: Path, stage: Path, staged: Path, plan: WarmImage | None, check: Callable[[], None]) -> None:
     """Rename the staged state (and the image's new blobs and index) into ``out``; all undone on failure."""
     warm_dir, old = out / WARM_DIR, stage / "old"
-    blobs = out / "image" / "blobs" / "sha256"
+    blobs = out / BLOBS
     old.mkdir()
     journal = Renames()
     try:

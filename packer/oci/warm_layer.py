@@ -31,6 +31,7 @@ from packer.oci.base_docs import CONFIG, INDEX, MANIFEST
 from packer.oci.layer import MEDIA_TYPES, write_layer
 from packer.oci.layout import ANNOTATION_OWNER, ANNOTATION_PREFIX, PACKER_PREFIX, write_json_blob
 from packer.oci.tar_writer import FileRange, Owner, SourceFile, tar_members, tar_pieces
+from packer.place import BLOBS
 from packer.reading import OCI_DOC, blob_path, check_regular, open_regular, read_bytes, read_json
 from packer.runtime.signature import SIGSTORE_BUNDLE_V03
 from packer.warm.pins import FILES, WARM_DIR, check_state, load_state
@@ -126,7 +127,7 @@ def add_warm_image(out: Path, state: Path, *, tag: str) -> dict[str, Any]:
         ImageError: no image tagged ``tag``, or an unreadable layout.
         WarmStateError: the state does not match its pins.
     """
-    blobs = out / "image" / "blobs" / "sha256"
+    blobs = out / BLOBS
     plan = plan_warm_image(out, state, tag=tag, blobs_dir=blobs)
     atomic_write_bytes(out / "image" / "index.json", plan.index, 0o644)
     for hexd in plan.stale:

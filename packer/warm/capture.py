@@ -35,13 +35,10 @@ RUNNER = "packer.adapters.vllm_warm_run"
 # the engine flags that name what is served, or a file of flags that could: OUT's model is the one warmed
 _MODEL_FLAGS = ("--model", "--config")
 # run by the engine's interpreter: the stub from its checked bytes, never through the import system
-# (which would take a ``__pycache__`` file beside it); the gate's loader moved to stub_code
+# (which would take a ``__pycache__`` file beside it): the engine side's trust gate loads it
 _LAY_OUT = """import sys
 from pathlib import Path
-try:
-    from packer.adapters.stub_code import load_stub
-except ImportError:
-    from packer.adapters.gate import load_stub
+from packer.adapters.gate import load_stub
 print(load_stub(Path(sys.argv[1])).model_dir())
 """
 _ENV_OF_ROOT = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
