@@ -3,7 +3,9 @@
 The loader prints its stage table as one JSON line (``PACKER_STARTUP_LOG=json``) and
 ``python -X importtime`` adds one line per import; both arrive on stderr and are parsed here.
 OUT is an input: a FIFO or device anywhere in it is refused before the child starts, which
-would block on it, and each report line is parsed with the bounds of :mod:`packer.reading`.
+would block on it; the stub runs only when it is the one the build's ``manifest.json`` pins
+(the trust gate's :func:`~packer.adapters.gate.check_stub`); each report line is parsed with the
+bounds of :mod:`packer.reading`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from packer.errors import LoaderError
+from packer.adapters.gate import check_stub
+from packer.errors import EngineAdapterError, LoaderError
 from packer.formats import LOADER_NAME
 from packer.reading import REPORT, irregular_entries, not_regular, parse_json
+from packer.runtime.env import ArtifactMismatchError
 
 TOP_IMPORTS = 10
 _STAGE_KEYS = ("stage", "seconds", "bytes", "gbps")
@@ -85,6 +89,10 @@ def profile(out_dir: Path, *, device: str | None = None, verify: bool = False,
         raise LoaderError(f"{loader}: missing; build first with `packer build -o {out_dir}`")
     if odd := irregular_entries(loader.parent):  # the self-test would block on the first one it opens
         raise not_regular(odd[0], os.stat(odd[0]).st_mode, LoaderError)
+    try:  # the self-test runs the stub: only the one this build's manifest pins
+        check_stub(loader)
+    except (EngineAdapterError, ArtifactMismatchError) as e:
+        raise LoaderError(f"packer profile: not run: {e}") from None
     cmd = [sys.executable, "-X", "importtime", str(loader), "--selftest", *(["--device", device] if device else [])]
     if verify:
         cmd.append("--verify")

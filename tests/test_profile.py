@@ -46,6 +46,22 @@ def test_profile_reports_stages_and_slowest_imports(tmp_path: Path, monkeypatch:
         profile(out, device="cpu")
 
 
+def test_profile_runs_only_the_stub_the_build_pinned(tmp_path: Path) -> None:
+    from tests.built import build_dir
+    from tests.hf_fixtures import llama
+
+    llama(tmp_path / "hf")
+    out = tmp_path / "out"
+    build_dir(tmp_path / "hf", out)
+    canary = tmp_path / "canary"
+    stub = out / "packer_loader.py"
+    stub.write_text(f"open({str(canary)!r}, 'w').write('ran')\n" + stub.read_text())
+    with pytest.raises(LoaderError, match=f"^packer profile: not run: {re.escape(str(stub))}: sha256 .* the loader "
+                                          "is not the one this build wrote$"):
+        profile(out, device="cpu")
+    assert not canary.exists()
+
+
 def test_profile_without_a_loader(tmp_path: Path) -> None:
     with pytest.raises(LoaderError, match="packer_loader.py: missing; build first"):
         profile(tmp_path)

@@ -103,6 +103,18 @@ def check_anchor(path: Path, source: bytes) -> None:
                                  "the loader is not the one this build wrote")
 
 
+def check_stub(path: Path) -> None:
+    """Refuse a stub at ``path`` that its build's ``manifest.json`` beside it does not pin
+    (:func:`check_anchor`), before anything runs it in a process of its own (``packer profile``).
+
+    Raises:
+        EngineAdapterError: the manifest pins another sha256, or no ``packer_loader.py``.
+        ArtifactMismatchError: the stub or its manifest is no regular file, too large, not JSON.
+    """
+    path = resolve(path)
+    check_anchor(path, read_bytes(path, "stub"))
+
+
 def load_stub(path: Path) -> types.ModuleType:
     """The emitted loader at ``path`` as module ``packer_loader``, from its checked bytes.
 
