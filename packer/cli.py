@@ -272,7 +272,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
       packer convert ckpt/ -o out --key state_dict --strip-prefix module. --dtype bfloat16
       packer convert last.ckpt -o out --key state_dict --allow-global 'mypkg.config.*'
     """
-    from packer.recipe import recipe_from_dict, with_allowed_globals
+    from packer.recipe import weights_from_dict
     from packer.weights.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
@@ -288,8 +288,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
             raise click.BadParameter(f"{r!r}: expected REGEX=REPLACEMENT", param_hint="--rename")
         rename_rows.append({"pattern": pattern, "replace": repl})
     raw["renames"] = rename_rows
-    rec = recipe_from_dict({"name": "convert", "version": "0", "source": str(src), "weights": raw})
-    cfg = with_allowed_globals(rec, allow_globals).weights
+    cfg = weights_from_dict(raw, allow_globals=allow_globals)  # SRC is a file name, not a recipe string
     with ctx.progress("convert") as bar:
         result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     summary = {"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),

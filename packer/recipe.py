@@ -473,6 +473,27 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
     return Recipe(**top, base_dir=base_dir)
 
 
+def weights_from_dict(raw: Mapping[str, Any], *, allow_globals: Sequence[str] = ()) -> WeightsConfig:
+    """Validate a raw ``[weights]`` table alone (``packer convert``'s options), as a recipe's.
+
+    The source is no part of it: a path named on the command line comes from the file system,
+    not from a recipe, and may hold any character a file name holds (a no-break space, an
+    ideographic space); it is shown escaped where it is printed, never refused here.
+
+    Args:
+        raw: the table's keys and values, as a recipe's ``[weights]`` holds them.
+        allow_globals: ``--allow-global`` patterns added to ``allow_globals``.
+
+    Raises:
+        RecipeError: ``weights.<key>: ...`` as :func:`recipe_from_dict` says it, or a pattern
+            of ``allow_globals`` that is not ``module.Name``.
+    """
+    refuse_controls("weights", raw)
+    cfg = WeightsConfig(**_fields("weights", _table("weights", raw), _WEIGHTS))
+    extra = _global_patterns("--allow-global", list(allow_globals))
+    return replace(cfg, allow_globals=cfg.allow_globals + extra)
+
+
 def with_allowed_globals(recipe: Recipe, patterns: Sequence[str]) -> Recipe:
     """``recipe`` with ``patterns`` added to ``weights.allow_globals`` (``--allow-global``).
 

@@ -223,3 +223,30 @@ def test_inspect_shows_the_alias_map_a_conversion_recorded(tmp_path: Path) -> No
     assert lines[0].endswith(": safetensors, 1 tensor")
     assert "  embed.weight  F32  [3, 4]  48 B" in lines
     assert '  metadata packer.aliases = {"lm_head.weight":"embed.weight"}' in lines
+
+
+@pytest.mark.parametrize("space", ["\u00a0", "\u2003", "\u3000"], ids=["nbsp", "em-space", "ideographic"])
+def test_convert_takes_a_directory_named_with_a_non_ascii_space(tmp_path: Path, space: str) -> None:
+    """A path on the command line is a file name, not a recipe string: any space a name holds is
+    taken (and shown escaped), while a recipe's own strings still refuse such characters."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.weights_validate import validate_output
+
+    want = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    src = tmp_path / f"my{space}model{space}dir"
+    src.mkdir()
+    torch.save(want, src / "pytorch_model.bin")
+    out = tmp_path / f"out{space}x"
+    proc = packer("convert", str(src), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    validate_output(out)
+    assert torch.equal(load_file(out / "model.safetensors")["w"], want["w"])
+    escaped = f"\\u{ord(space):04x}" if ord(space) > 0xFF else f"\\x{ord(space):02x}"
+    assert f"{escaped}x/model.safetensors" in proc.stdout and space not in proc.stdout  # shown escaped
+    # the same character in a recipe string is still refused
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "a{space}b"\nversion = "1"\nsource = "demo"\n')
+    bad = packer("build", str(recipe), "-o", str(tmp_path / "o"))
+    assert bad.returncode == 1 and f"name: character '{escaped}' (U+{ord(space):04X}) is not allowed" in bad.stderr
