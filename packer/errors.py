@@ -13,6 +13,8 @@ member name) and, where there is one, what to do about it. The CLI turns any
 
 from __future__ import annotations
 
+from packer.show import shell_word
+
 
 class PackerError(Exception):
     """Base class: a failed build, bad input or a mismatch (exit code 1)."""
@@ -52,7 +54,7 @@ def missing_dependency(e: ImportError) -> DependencyError:
     """
     top = (e.name or "").split(".")[0] or "a package"
     dist = _DISTRIBUTIONS.get(top, top)
-    return DependencyError(f"packer needs {dist}: {e} (pip install {dist})")
+    return DependencyError(f"packer needs {dist}: {e} (pip install {shell_word(dist)})")
 
 
 class RecipeError(PackerError):

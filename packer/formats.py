@@ -8,8 +8,9 @@ the output shard names (``model.safetensors`` and its index) are the weights pla
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
+
+from packer.show import shell_word
 
 LOADER_NAME = "packer_loader.py"  # the emitted loader, at the top of OUT and of the image's tree
 MANIFEST_NAME = "manifest.json"  # the artifact manifest, beside it
@@ -44,12 +45,12 @@ _NOT_OURS = "which packer does not convert (it reads PyTorch pickles and safeten
 # jaxlib 0.4.13; transformers asks TensorFlow for the legacy Keras, which tf-keras provides).
 TF_PACKAGES = ("transformers<4.51", "torch", "tensorflow-cpu<2.16", "tf-keras<2.16")
 FLAX_PACKAGES = ("transformers<4.51", "torch", "flax<=0.7.0", "jax[cpu]<=0.4.13", "numpy<2")
-DIR = "{dir}"  # where foreign_advice() puts the source directory, shell-quoted
+DIR = "{dir}"  # where foreign_advice() puts the source directory, as the shell reads it (show.shell_word)
 
 
 def _to_pytorch(what: str, framework: str, flag: str, packages: tuple[str, ...]) -> str:
     """The advice for a transformers checkpoint of ``framework``: the PyTorch weights, written beside it."""
-    pip = " ".join(shlex.quote(p) for p in packages)
+    pip = " ".join(shell_word(p) for p in packages)
     return (f"{what}, {_NOT_OURS}: build the PyTorch weights that the same hub repo often publishes "
             f"(model.safetensors, pytorch_model.bin), or write them beside it with transformers 4.50, the last "
             f"release that converts {framework} weights: `pip install {pip}`, then `python -c \"import sys, "
@@ -85,6 +86,7 @@ def foreign_weights(name: str) -> str | None:
 
 def foreign_advice(path: Path) -> str | None:
     """What the weight file ``path`` of another framework is and what to do, with the commands that
-    convert it naming its directory (shell-quoted), or None (not one)."""
+    convert it naming its directory (:func:`packer.show.shell_word`: a newline or tab in it survives the
+    paste), or None (not one)."""
     what = foreign_weights(path.name)
-    return None if what is None else what.replace(DIR, shlex.quote(str(path.parent)))
+    return None if what is None else what.replace(DIR, shell_word(str(path.parent)))

@@ -22,6 +22,7 @@ from packer.errors import EngineAdapterError, LoaderError
 from packer.formats import LOADER_NAME
 from packer.reading import REPORT, irregular_entries, not_regular, parse_json
 from packer.runtime.env import ArtifactMismatchError
+from packer.show import shell_word
 
 TOP_IMPORTS = 10
 _STAGE_KEYS = ("stage", "seconds", "bytes", "gbps")
@@ -86,7 +87,7 @@ def profile(out_dir: Path, *, device: str | None = None, verify: bool = False,
     """
     loader = Path(out_dir).absolute() / LOADER_NAME  # the child runs in OUT: a relative path would name OUT twice
     if not loader.is_file():
-        raise LoaderError(f"{loader}: missing; build first with `packer build -o {out_dir}`")
+        raise LoaderError(f"{loader}: missing; build first with `packer build -o {shell_word(str(out_dir))}`")
     if odd := irregular_entries(loader.parent):  # the self-test would block on the first one it opens
         raise not_regular(odd[0], os.stat(odd[0]).st_mode, LoaderError)
     try:  # the self-test runs the stub: only the one this build's manifest pins

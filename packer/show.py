@@ -12,10 +12,16 @@ reads the same as an escaped ESC, which is harmless: nothing is ever interpreted
 
 The CLI applies it to every line it prints and every string of its ``--json`` output
 (:func:`show_json`), so a message built anywhere in the library is covered.
+
+A command printed for the user to paste is the one place where an escape must also be read
+back: :func:`shell_word` writes each of its arguments as the shell reads it, in characters
+:func:`show` leaves alone, so the pasted command names exactly the path it was made for.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 from typing import Any
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -67,3 +73,35 @@ def show_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [show_json(v) for v in value]
     return value
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word that bash (ksh, zsh, POSIX.1-2024 sh) reads back exactly.
+
+    Every argument of a command packer prints for the user to paste goes through here. Printed
+    through :func:`show`, a newline that :func:`shlex.quote` kept inside single quotes would
+    reach the terminal as the two characters ``\\n`` and the pasted command would name another
+    path (a sibling named with a real backslash, say). So text holding anything :func:`show`
+    escapes is written in ANSI-C quoting instead, with those characters as the ``\\xHH``
+    escapes of their bytes; the result is printable and :func:`show` leaves it as it is.
+
+    Args:
+        text: any string; a file name's undecodable bytes (lone surrogates, as
+            :func:`os.fsdecode` makes them) come back as those bytes.
+
+    Returns:
+        ``shlex.quote(text)`` when every character is printable, else ``$'...'`` where ``\\``
+        and ``'`` are escaped with a backslash and every non-printable character is written
+        as ``\\xHH`` per byte of its file-system encoding.
+    """
+    if text.isprintable():
+        return shlex.quote(text)
+    parts = []
+    for ch in text:
+        if ch in "\\'":
+            parts.append("\\" + ch)
+        elif ch.isprintable():
+            parts.append(ch)
+        else:
+            parts.extend(f"\\x{b:02x}" for b in os.fsencode(ch))
+    return "$'" + "".join(parts) + "'"

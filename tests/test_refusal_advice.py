@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shlex
 import struct
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,3 +260,44 @@ def test_transformers_tf_and_flax_advice_names_the_commands_for_this_directory(
     argv = shlex.split(python)
     assert argv[:2] == ["python", "-c"] and argv[3:] == [str(src)] and f"{flag}=True" in argv[2]
     assert "save_pretrained(d)" in argv[2]  # beside the source: its tokenizer and other files stay with it
+
+
+def bash_argv(command: str, cwd: Path) -> list[bytes]:
+    """The arguments real bash makes of ``command`` as printed (its first word replaced)."""
+    rest = command.split(" ", 1)[1]
+    r = subprocess.run(["bash", "-c", f"printf '%s\\0' {rest}"], cwd=cwd, capture_output=True, check=True)
+    return r.stdout.split(b"\0")[:-1]
+
+
+HOSTILE_DIR = "m\nx\ty 'q' $HOME \\z"
+
+
+@pytest.mark.parametrize("name", ["tf_model.h5", "flax_model.msgpack"])
+def test_advice_names_a_hostile_directory_exactly_as_bash_reads_it(tmp_path: Path, name: str) -> None:
+    """A newline, a tab, a quote, ``$`` and a backslash in the directory: the printed command,
+    pasted into bash, names that directory and not the decoy beside it, whose name is what the
+    escaped text would read as inside single quotes."""
+    from packer.show import show
+
+    src = tmp_path / HOSTILE_DIR
+    decoy = tmp_path / show(HOSTILE_DIR)  # "m\\nx\\ty ...": a real backslash-n
+    for d in (src, decoy):
+        d.mkdir()
+        (d / name).write_bytes(bytes(64))
+    code, output = convert(src, tmp_path / "out")
+    line = one_line(output)
+    assert code == 1
+    pip, python = re.findall(r"`([^`]+)`", line)
+    argv = bash_argv(python, tmp_path)
+    assert argv[0] == b"-c" and argv[2:] == [os.fsencode(src)], argv
+    assert os.fsencode(decoy) not in argv
+
+
+def test_profile_names_a_hostile_directory_exactly_as_bash_reads_it(tmp_path: Path) -> None:
+    out = tmp_path / HOSTILE_DIR
+    out.mkdir()
+    result = CliRunner().invoke(main, ["profile", str(out)])
+    line = one_line(result.output)
+    assert result.exit_code == 1
+    (command,) = re.findall(r"`([^`]+)`", line)
+    assert bash_argv(command, tmp_path) == [b"build", b"-o", os.fsencode(out)]

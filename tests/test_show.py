@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from packer.show import show, show_json
+from packer.show import shell_word, show, show_json
 from tests.ckpt_factory import FakeStorage, Member, simple_tensor_dict, tensor_pickle, torch_zip
 
 KINDS = {"esc": "\x1b[8m", "osc": "\x1b]0;pwned\x07", "cr": "\r", "lf": "\nnote: file is safe",
@@ -39,6 +41,22 @@ ENCODABLE = HOSTILE.replace(KINDS["surrogate"], "")  # what a zip name or safete
 def test_show_escapes_every_non_printable_and_nothing_else(text: str, shown: str) -> None:
     assert show(text) == shown
     assert show(text).isprintable() and show(text).encode("utf-8")
+
+
+WORDS = ["", "plain", "a b", "it's", "$HOME `id` \"q\" \\ !x *", "a\nb", "tab\there", "\x1b[2J", "\x7f\x9b",
+         "no\u00a0break\u2003em\u3000ideo", "\u202eevil", "\udcff\udc80bytes", "\\x41 \\n'", "\nab9f", "ünïcode 名前",
+         "-rf", "~root", "a=b", "\u2028sep"]
+
+
+@pytest.mark.parametrize("text", WORDS, ids=range(len(WORDS)))
+def test_shell_word_is_read_back_by_bash_as_the_text_and_survives_show(text: str) -> None:
+    """What the user pastes is what show printed: bash must read it back as exactly ``text``."""
+    word = shell_word(text)
+    assert show(word) == word  # printed as is: nothing for show to escape
+    r = subprocess.run(["bash", "-c", f"printf '%s' {word}"], capture_output=True, check=True)
+    assert r.stdout == os.fsencode(text)
+    if text.isprintable():
+        assert word == shlex.quote(text)
 
 
 def test_show_json_escapes_keys_and_nested_strings() -> None:

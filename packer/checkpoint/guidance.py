@@ -21,12 +21,12 @@ until then are still named. Nothing it builds leaves this module.
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from packer.checkpoint.placeholders import PLACEHOLDER_TYPES, GlobalPolicy, PlaceholderDict
 from packer.checkpoint.tree import Global, PickleDict, TensorRef
 from packer.errors import CheckpointError, DisallowedGlobalError
+from packer.show import shell_word
 
 MAX_NAMED = 40  # globals named in one message; the flags list is cut at the same place
 
@@ -146,7 +146,7 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
     qual = rest.split(" ", 1)[0]  # the first global met: the headline, as a one-global message has it
     shown = refused[:MAX_NAMED]
     more = f", and {len(refused) - MAX_NAMED} more" if len(refused) > MAX_NAMED else ""
-    flags = " ".join(f"--allow-global {shlex.quote(q)}" for q in shown)
+    flags = " ".join(f"--allow-global {shell_word(q)}" for q in shown)
     every = f" ({len(refused)} in this pickle: {', '.join(shown)}{more})" if len(refused) > 1 else ""
     head = f"{where}: global {qual} is not allowed{every}; packer never imports or calls anything"
     subclass = _subclass_message(where, refused)
@@ -157,7 +157,7 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
         return DisallowedGlobalError(module)
     found = _state_dict_key(value)
 
-    key = f"--key {found} " if found and any(q.startswith("torch.nn.") for q in refused) else ""
+    key = f"--key {shell_word(found)} " if found and any(q.startswith("torch.nn.") for q in refused) else ""
     beside = "; torch.nn objects sit beside the state dict" if key else ""
     return DisallowedGlobalError(f"{head}{beside}; if these are plain data, read them as inert placeholders "
                                  f"with: {key}{flags} (recipe: weights.allow_globals)")

@@ -34,6 +34,7 @@ from packer.checkpoint.tree import (
     reduce_call,
 )
 from packer.errors import CheckpointError, DisallowedGlobalError, TruncatedPickle, UnsafeInputError
+from packer.show import shell_word
 
 PersistentLoad = Callable[[object], object]
 _PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
@@ -422,8 +423,8 @@ class PickleVM:
                 hint = ("it is a pickled torch.nn module, not a state dict: save model.state_dict() "
                         "instead, or convert once in a trusted environment")
             elif self.policy.placeholder_types:
-                hint = (f"if {qual} is plain data, allow it as an inert placeholder with --allow-global {qual} "
-                        "(recipe: weights.allow_globals)")
+                hint = (f"if {qual} is plain data, allow it as an inert placeholder with "
+                        f"--allow-global {shell_word(qual)} (recipe: weights.allow_globals)")
             else:
                 hint = "this pickle may hold plain values only"
             raise DisallowedGlobalError(
