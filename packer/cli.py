@@ -1,11 +1,16 @@
 """The ``packer`` command line: parse options, call one library function, print.
 
-No logic lives here. Library errors (:class:`PackerError`) become one line on stderr and exit
-code 1 (a :class:`~packer.errors.UsageError` 2) in one place (:func:`_common`); click's usage
-errors exit with 2. Everything printed goes
-through :meth:`Ctx.log`, :meth:`Ctx.emit` or :func:`_error`, which show input text escaped
-(:mod:`packer.show`): a message built anywhere in the library cannot reach the terminal raw. Library modules are
-imported inside the commands so that ``packer --help`` stays fast and never imports torch.
+No logic lives here. Every error becomes an exit code in one place, :func:`_fail`: library
+errors (:class:`PackerError`) one line on stderr and exit code 1 (a
+:class:`~packer.errors.UsageError` 2), click's usage errors (an unknown option, a missing
+argument) click's usage text and 2, anything unexpected one line and 1 (``--debug``: the
+traceback). Under ``--json`` each of them also prints one JSON document on stdout, as every
+success prints its summary: the command's ``Ctx`` says so once click parsed the options, and
+:func:`_argv_ctx` reads the words themselves when click failed before that. Everything printed
+goes through :meth:`Ctx.log`, :meth:`Ctx.emit` or :func:`_error`, which show input text escaped
+(:mod:`packer.show`): a message built anywhere in the library cannot reach the terminal raw.
+Library modules are imported inside the commands so that ``packer --help`` stays fast and never
+imports torch.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -142,6 +147,80 @@ def _error(error: BaseException, text: str, ctx: Ctx, code: int) -> None:
         click.echo(json.dumps(show_json({"error": text, "exit_code": code}), indent=2, sort_keys=True))
 
 
+class _Reported(SystemExit):
+    """An exit whose error :func:`_fail` has printed (and its ``--json`` document)."""
+
+
+def _reason(error: BaseException) -> tuple[str, int]:
+    """The one error line's text and the exit code for ``error``."""
+    if isinstance(error, PackerError):
+        return str(error), error.exit_code
+    if isinstance(error, ImportError):  # a missing package is named as itself
+        return str(missing_dependency(error)), 1
+    if isinstance(error, OSError):  # the file system said no: still one line, still exit 1
+        where = f"{error.filename}: " if getattr(error, "filename", None) else ""
+        return f"{where}{error.strerror or error}", 1
+    if isinstance(error, click.exceptions.Abort):  # Ctrl-C (click turns it into Abort)
+        return "aborted", 1
+    if isinstance(error, SystemExit):  # SIGTERM (_terminated): 128 + the signal
+        code = error.code if isinstance(error.code, int) else 1
+        return f"stopped (exit code {code})", code
+    return (f"internal error: {type(error).__qualname__}: {error} (a bug; --debug shows the traceback, "
+            "please report it)"), 1
+
+
+def _fail(error: BaseException, ctx: Ctx) -> NoReturn:
+    """The one place an error becomes an exit code: its line (or click's usage text) on stderr,
+    under ``--json`` ``{"error", "exit_code"}`` on stdout; then exit with that code."""
+    if isinstance(error, BrokenPipeError):  # `packer inspect x | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise _Reported(1)
+    if isinstance(error, click.ClickException):
+        text, code = error.format_message(), error.exit_code
+        if isinstance(error, click.exceptions.NoArgsIsHelpError):  # plain `packer`: the help is the message
+            error.show()
+        else:  # click's layout (usage line, hint, the error), the error escaped: it may quote any word
+            usage = getattr(error, "ctx", None)
+            if usage is not None:
+                click.echo(f"{usage.get_usage()}\nTry '{usage.command_path} --help' for help.\n", err=True)
+            click.echo(f"Error: {show(text)}", err=True)
+        if ctx.json:
+            click.echo(json.dumps(show_json({"error": text, "exit_code": code}), indent=2, sort_keys=True))
+        raise _Reported(code)
+    text, code = _reason(error)
+    _error(error, text, ctx, code)
+    raise _Reported(code)
+
+
+def _argv_ctx(argv: Sequence[str]) -> Ctx:
+    """The common flags as the words show them (up to ``--``), for an error click raises before
+    it parsed them (an unknown option, a missing argument, ``packer --json verify``)."""
+    words = list(argv[:argv.index("--")] if "--" in argv else argv)
+    return Ctx(quiet="-q" in words or "--quiet" in words,
+               as_json=any(w == "--json" or w.startswith("--json=") for w in words), debug="--debug" in words)
+
+
+class _Main(click.Group):
+    """The command group; its :meth:`main` leaves every error to :func:`_fail`."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except _Reported:
+            raise
+        except SystemExit as e:
+            if e.code in (0, None):
+                raise
+            _fail(e, _argv_ctx(argv))
+        except BaseException as e:  # noqa: BLE001 - every exit is reported; Ctrl-C comes as Abort
+            _fail(e, _argv_ctx(argv))
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)  # an int: click's Exit (--help, --version)
+
+
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout; logs on stderr.")
@@ -157,22 +236,15 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
                 if isinstance(param.type, InputPath) and param.name and kwargs.get(param.name) is not None:
                     param.type.check(kwargs[param.name])
             fn(ctx, **kwargs)
-        except (PackerError, ImportError) as e:  # a missing package is named as itself
-            code = e.exit_code if isinstance(e, PackerError) else 1
-            _error(e, str(missing_dependency(e) if isinstance(e, ImportError) else e), ctx, code)
-            sys.exit(code)
-        except BrokenPipeError:  # `packer inspect x | head`: the reader left; stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
-        except OSError as e:  # the file system said no: still one line, still exit 1
-            where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-            _error(e, f"{where}{e.strerror or e}", ctx, 1)
-            sys.exit(1)
+        except click.ClickException:  # a usage error found by the command: click adds its usage line
+            raise
+        except Exception as e:  # noqa: BLE001 - reported with the flags as click parsed them
+            _fail(e, ctx)
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="packer")
 def main() -> None:
     """packer: build deploy-ready model artifacts so inference servers start in seconds.

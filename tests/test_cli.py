@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
+import click
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,3 +252,144 @@ def test_convert_takes_a_directory_named_with_a_non_ascii_space(tmp_path: Path, 
     recipe.write_text(f'name = "a{space}b"\nversion = "1"\nsource = "demo"\n')
     bad = packer("build", str(recipe), "-o", str(tmp_path / "o"))
     assert bad.returncode == 1 and f"name: character '{escaped}' (U+{ord(space):04X}) is not allowed" in bad.stderr
+
+
+# -- --json: one document on stdout for every exit of every command ------------------------------
+
+# the library function each command calls, made to fail unexpectedly
+CALLS = {"build": ("packer.build", "build"), "convert": ("packer.weights.sandbox", "convert_cli"),
+         "inspect": ("packer.checkpoint", "inspect_checkpoint"), "bundle": ("packer.bundle", "bundle_to_file"),
+         "unbundle": ("packer.bundle", "unbundle"), "verify": ("packer.verify", "verify"),
+         "profile": ("packer.profile", "profile"), "warm": ("packer.warm_step", "warm_output"),
+         "push": ("packer.push", "push")}
+
+
+def _commands() -> list[str]:
+    from packer.cli import main
+
+    return sorted(main.commands)
+
+
+def _command(name: str) -> click.Command:
+    from packer.cli import main
+
+    return main.commands[name]
+
+
+def _invoke(args: list[str]) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _one_document(stdout: str, code: int) -> dict[str, Any]:
+    doc = json.loads(stdout)  # "Extra data" if a second document (or anything else) follows
+    assert doc == {"error": doc["error"], "exit_code": code}, stdout
+    assert isinstance(doc["error"], str) and doc["error"]
+    return doc
+
+
+def _arguments(name: str, tmp_path: Path, *, exist: bool) -> list[str]:
+    """Arguments and required options for ``name``: inputs that exist (of the kind each takes),
+    and only the required arguments; or every one-word argument naming nothing."""
+    from packer.cli import InputPath
+
+    args: list[str] = []
+    for param in _command(name).params:
+        if isinstance(param, click.Argument) and param.nargs == 1 and (param.required or not exist):
+            if not exist:
+                args.append(str(tmp_path / "nowhere"))
+            elif isinstance(param.type, InputPath) and not param.type.file_okay:
+                (tmp_path / "dir").mkdir(exist_ok=True)
+                args.append(str(tmp_path / "dir"))
+            elif isinstance(param.type, InputPath):
+                (tmp_path / "file.bin").write_bytes(b"")
+                args.append(str(tmp_path / "file.bin"))
+            else:
+                args.append("registry.example/x:1")
+        elif isinstance(param, click.Option) and param.required:
+            args += [param.opts[0], str(tmp_path / "out")]
+    return args
+
+
+def _bad_option(name: str) -> list[str]:
+    """An unknown option; where the command passes those on (warm: the engine's flags), a known
+    option with a value of the wrong kind."""
+    command = _command(name)
+    if not command.context_settings.get("ignore_unknown_options"):
+        return ["--no-such-option"]
+    typed = (click.types.FloatParamType, click.types.IntParamType, click.Choice)
+    option = next(p for p in command.params if isinstance(p, click.Option) and isinstance(p.type, typed))
+    return [option.opts[0], "not-a-value"]
+
+
+def _missing_argument(name: str) -> list[str]:
+    """No argument where one is required; else an option's value left out (build's -o)."""
+    params = _command(name).params
+    if any(isinstance(p, click.Argument) and p.required for p in params):
+        return []
+    option = next(p for p in params if isinstance(p, click.Option) and not p.is_flag and p.nargs == 1)
+    return [option.opts[0]]
+
+
+def test_every_command_is_covered() -> None:
+    assert set(CALLS) == set(_commands())
+
+
+@pytest.mark.parametrize("where", ["after", "last"])
+@pytest.mark.parametrize("name", _commands())
+def test_json_usage_errors_are_one_document_exit_2(tmp_path: Path, name: str, where: str) -> None:
+    """An unknown option or a missing argument fails in click, before --json is parsed."""
+    for words in (_bad_option(name), _missing_argument(name)):
+        args = [name, "--json", *words] if where == "after" else [name, *words, "--json"]
+        if words == _missing_argument(name) and where == "last" and words:  # -o --json: --json is -o's value
+            continue
+        code, stdout, stderr = _invoke(args)
+        assert code == 2, (args, stdout, stderr)
+        doc = _one_document(stdout, 2)
+        assert f"Error: {doc['error']}" in stderr  # the same message, on stderr
+    code, stdout, _ = _invoke(["--json", name, *_arguments(name, tmp_path, exist=True)])  # before the command
+    _one_document(stdout, 2)
+
+
+@pytest.mark.parametrize("name", _commands())
+def test_json_refused_input_is_one_document_exit_1(tmp_path: Path, name: str) -> None:
+    code, stdout, stderr = _invoke([name, *_arguments(name, tmp_path, exist=False), "--json"])
+    assert code == 1, (stdout, stderr)
+    doc = _one_document(stdout, 1)
+    assert doc["error"].endswith("nowhere: does not exist") and stderr.strip() == f"error: {doc['error']}"
+
+
+@pytest.mark.parametrize("name", _commands())
+def test_an_internal_error_is_one_line_and_with_json_one_document_exit_1(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    import importlib
+
+    def boom(*_args: object, **_kwargs: object) -> NoReturn:
+        raise RuntimeError("boom\nnote: forged")
+
+    module, function = CALLS[name]
+    monkeypatch.setattr(importlib.import_module(module), function, boom)
+    args = [name, *_arguments(name, tmp_path, exist=True)]
+    code, stdout, stderr = _invoke([*args, "--json"])
+    assert code == 1, (stdout, stderr)
+    doc = _one_document(stdout, 1)
+    assert doc["error"].startswith("internal error: RuntimeError: boom\\nnote: forged")
+    assert stderr.strip() == f"error: {doc['error']}" and "Traceback" not in stderr
+    code, stdout, stderr = _invoke([*args, "--debug"])
+    assert code == 1 and stdout == "" and "Traceback" in stderr and "RuntimeError: boom" in stderr
+
+
+def test_the_entry_point_reports_usage_and_internal_errors_as_one_document(tmp_path: Path) -> None:
+    for args in (["--json", "frobnicate"], ["verify", "--json"], ["build", "--no-such", "--json"]):
+        proc = packer(*args)
+        assert proc.returncode == 2 and _one_document(proc.stdout, 2)["error"] in proc.stderr, args
+    code = ("import sys, packer.verify\n"
+            "def boom(*a, **k):\n raise KeyError('x')\n"
+            "packer.verify.verify = boom\nfrom packer.__main__ import run\n"
+            f"sys.argv = ['packer', 'verify', {str(tmp_path)!r}, '--json']\nrun()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "KeyError" in _one_document(proc.stdout, 1)["error"], proc.stderr
