@@ -393,3 +393,10 @@ def test_the_entry_point_reports_usage_and_internal_errors_as_one_document(tmp_p
             f"sys.argv = ['packer', 'verify', {str(tmp_path)!r}, '--json']\nrun()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 1 and "KeyError" in _one_document(proc.stdout, 1)["error"], proc.stderr
+
+
+def test_a_usage_error_shows_the_words_it_quotes_escaped() -> None:
+    for args in (["verify", "a", "b\x1b[2J\nnote: ok\udcff", "--json"], ["--\x1b]0;t\x07", "--json"]):
+        code, stdout, stderr = _invoke(args)
+        assert code == 2 and "\x1b" not in stdout + stderr and "\nnote: ok" not in stderr, stderr
+        assert f"Error: {_one_document(stdout, 2)['error']}" in stderr
