@@ -400,3 +400,18 @@ def test_a_usage_error_shows_the_words_it_quotes_escaped() -> None:
         code, stdout, stderr = _invoke(args)
         assert code == 2 and "\x1b" not in stdout + stderr and "\nnote: ok" not in stderr, stderr
         assert f"Error: {_one_document(stdout, 2)['error']}" in stderr
+
+
+def test_convert_takes_a_directory_named_with_controls_and_shows_it_escaped(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    src = tmp_path / "my\nmodel\x1b[2J"
+    src.mkdir()
+    torch.save({"w": torch.ones(2)}, src / "pytorch_model.bin")
+    out = tmp_path / "out\nnote: ok"
+    proc = packer("convert", str(src), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(2))
+    assert "\x1b" not in proc.stdout and proc.stdout.count("\n") == 1
+    assert "out\\nnote: ok/model.safetensors" in proc.stdout
