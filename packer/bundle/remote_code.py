@@ -14,22 +14,27 @@ them like every other member. Only plain file names at the model root qualify
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packer.errors import BundleError
-from packer.idents import check_rel_name, shown
-from packer.reading import JSON_DOC, Kind, read_bytes, read_json
+from packer.idents import check_rel_name, link_roots, shown
+from packer.reading import JSON_DOC, Kind, member, read_bytes, read_json
+from packer.show import show
 
 # where transformers looks for auto_map (model, tokenizer, processors)
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
                 "image_processor_config.json", "feature_extractor_config.json", "video_preprocessor_config.json")
 CODE = Kind("code file", 8 << 20, 0)  # one modeling file; real ones are tens of kB
 MAX_FILES = 64
-# transformers' own rules (dynamic_module_utils.get_relative_imports), applied to text lines
-_RELATIVE = re.compile(r"^\s*from\s+\.(\S+)\s+import|^\s*import\s+\.(\S+)\s*$", re.M)
+# transformers' own rules (dynamic_module_utils.get_relative_imports), applied to one line at a
+# time: over the whole text with re.M, ``^\s*`` spans blank lines and backtracks at every line
+# start, quadratic in the file (a 300,000-line file stalled the build); within one line each
+# pattern is anchored and linear
+_FROM = re.compile(r"\s*from\s+\.(\S+)\s+import")
+_IMPORT = re.compile(r"\s*import\s+\.(\S+)\s*")
 
 
 @dataclass(frozen=True)
@@ -59,50 +64,73 @@ def _module_file(ref: str, where: str) -> str:
     return str(check_rel_name(f"{module}.py", where=f"{where}: auto_map", error=BundleError))
 
 
-def _named(src: Path) -> tuple[dict[str, str], list[str]]:
+def _inside(src: Path, rel: str, roots: Sequence[Path], where: str) -> Path:
+    """``src / rel``, links resolved and proven inside ``roots`` before anything reads it."""
+    return member(src, rel, where=where, error=BundleError, roots=roots)
+
+
+def _named(src: Path, roots: Sequence[Path]) -> tuple[dict[str, str], list[str]]:
     files: dict[str, str] = {}  # file -> the config that named it
     elsewhere: list[str] = []
     for name in CONFIG_FILES:
-        path = src / name
+        path = _inside(src, name, roots, str(src))
         if not path.is_file():
             continue
-        doc = read_json(path, JSON_DOC, error=BundleError)
+        doc = read_json(path, JSON_DOC, error=BundleError, where=str(src / name))
         for ref in _references(doc.get("auto_map") if isinstance(doc, dict) else None):
             if "--" in ref:
-                elsewhere.append(ref)
+                elsewhere.append(show(ref))  # shown in a note: text from the input, escaped
             else:
-                files.setdefault(_module_file(ref, str(path)), name)
+                files.setdefault(_module_file(ref, str(src / name)), name)
     return files, elsewhere
 
 
-def remote_code(src: Path) -> RemoteCode:
+def relative_imports(text: str) -> Iterator[str]:
+    """The modules ``text`` imports relatively (``from .x import``, ``import .x``), by
+    transformers' rules applied line by line: linear time in ``len(text)``, whatever it holds."""
+    for line in text.split("\n"):
+        m = _FROM.match(line) or _IMPORT.fullmatch(line)
+        if m:
+            yield m.group(1)
+
+
+def remote_code(src: Path, *, roots: Sequence[Path] | None = None) -> RemoteCode:
     """The code files the model directory ``src`` needs for ``trust_remote_code``.
+
+    Every file is proven inside ``roots`` (links followed) before it is read: a link leading
+    elsewhere is refused, its target never opened.
+
+    Args:
+        src: the model directory.
+        roots: where links may lead; default :func:`packer.idents.link_roots` of ``src``.
 
     Returns:
         The named module files and, transitively, the files they import relatively (all at
-        the root of ``src``), and the references to code in other repositories.
+        the root of ``src``), and the references to code in other repositories (escaped).
 
     Raises:
-        BundleError: a config that is not JSON or too large (:data:`packer.reading.JSON_DOC`),
-            a code file over 8 MiB, a reference that is no
-            ``module.Class``, a named or imported file that is missing, more than 64 files.
+        BundleError: a config or code file that is a link leading outside ``roots``, a config
+            that is not JSON or too large (:data:`packer.reading.JSON_DOC`), a code file over
+            8 MiB, a reference that is no ``module.Class``, a named or imported file that is
+            missing, more than 64 files.
     """
-    named, elsewhere = _named(src)
+    roots = link_roots(src) if roots is None else roots
+    named, elsewhere = _named(src, roots)
     found: dict[str, str] = {}
     queue = sorted(named.items())
     while queue:
         rel, why = queue.pop()
         if rel in found:
             continue
-        if not (src / rel).is_file():
-            raise BundleError(f"{src / why}: names code in {rel}, which the model directory does not hold; "
+        path = _inside(src, rel, roots, f"{src / why}: auto_map")
+        if not path.is_file():
+            raise BundleError(f"{src / why}: names code in {show(rel)}, which the model directory does not hold; "
                               "add the file, or set bundle.remote_code = false to build without it")
         found[rel] = why
         if len(found) > MAX_FILES:
             raise BundleError(f"{src}: auto_map needs more than {MAX_FILES} code files")
-        text = read_bytes(src / rel, CODE, error=BundleError).decode("utf-8", "replace")
-        for m in _RELATIVE.finditer(text):
-            module = m.group(1) or m.group(2)
-            if module.isidentifier():  # a sub-package (".sub.mod") is no file transformers copies
-                queue.append((f"{module}.py", rel))
+        text = read_bytes(path, CODE, error=BundleError, where=str(src / rel)).decode("utf-8", "replace")
+        imported = {f"{module}.py" for module in relative_imports(text) if module.isidentifier()}
+        # a sub-package (".sub.mod") is no file transformers copies
+        queue.extend((name, rel) for name in sorted(imported - found.keys()))
     return RemoteCode(tuple(sorted(found)), tuple(sorted(set(elsewhere))))

@@ -160,7 +160,7 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
         folders = named_folders(src)  # the layout file's own list, beyond the folder names known here
     except WeightsError as e:
         raise BundleError(str(e)) from e
-    wanted = remote_code(src) if src.is_dir() else None
+    wanted = remote_code(src, roots=roots) if src.is_dir() else None
     code = frozenset(wanted.files) if wanted and cfg.remote_code else frozenset()
     for rel, path in _walk(src, roots, deep=bool(include), folders=folders):
         if reason := _select(rel, include, exclude, folders, code):
