@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from packer.errors import PackerError
+from packer.idents import ErrorClass
 from packer.place import FilePlace, parse_place
 from packer.reading import check_regular as check_regular  # moved to packer.reading; kept for callers
 from packer.reading import file_kind as file_kind
 from packer.reading import not_regular as not_regular
-from packer.reading import open_regular
+from packer.reading import open_regular, walk_tree
 
 CHUNK = 8 * 2**20
 # a hash read's buffer: small enough to stay in the core's own cache between the copy from the
@@ -304,18 +306,45 @@ def link_or_copy(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def disk_usage(root: Path) -> int:
+def disk_usage(root: Path, error: ErrorClass = PackerError) -> int:
     """Bytes ``root`` takes on disk, as ``du`` counts them: allocated blocks (sparse holes are free),
-    each hard-linked file once, symlinks as links (never followed)."""
+    each hard-linked file once, symlinks as links (never followed).
+
+    Raises:
+        error: the tree is deeper than the walk's cap or cannot be listed (:func:`walk_tree`).
+    """
     seen: set[tuple[int, int]] = set()
     total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in (*dirnames, *filenames):
-            st = os.lstat(os.path.join(dirpath, name))
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
+    for _rel, path, _mode in walk_tree(root, error=error):
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
     return total + os.lstat(root).st_blocks * 512
+
+
+def remove_tree(root: str | Path) -> None:
+    """Remove the folder ``root`` and everything below it, links as links, iteratively.
+
+    ``shutil.rmtree`` recurses once per level (Python 3.11), so a tree 1,100 levels deep ends in
+    RecursionError and stays on disk; this walks with a list instead, at any depth.
+
+    Raises:
+        OSError: an entry cannot be removed (the tree is left partly removed).
+    """
+    stack: list[tuple[str, bool]] = [(os.fspath(root), False)]
+    while stack:
+        path, emptied = stack.pop()
+        if emptied:
+            os.rmdir(path)
+            continue
+        stack.append((path, True))
+        with os.scandir(path) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append((entry.path, False))
+                else:
+                    os.unlink(entry.path)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o666) -> None:

@@ -13,11 +13,10 @@ import contextlib
 import ctypes
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
-from packer.fsutil import umask
+from packer.fsutil import remove_tree, umask
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -44,7 +43,8 @@ def remove_stale(out: Path) -> None:
         for entry in out.parent.iterdir():
             m = pattern.match(entry.name)
             if m and not _alive(int(m.group(1))):
-                shutil.rmtree(entry, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_tree(entry)
 
 
 def make_staging(out: Path) -> Path:
@@ -76,12 +76,12 @@ def publish(staging: Path, out: Path) -> None:
     if not out.exists():
         os.rename(staging, out)
     elif out.is_dir() and not out.is_symlink() and _exchange(staging, out):
-        shutil.rmtree(staging)  # now holds the previous build
+        remove_tree(staging)  # now holds the previous build (whatever tree it held)
     else:
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.packer-old-{os.getpid()}-", dir=out.parent))
         os.rename(out, old / "out")
         os.rename(staging, out)
-        shutil.rmtree(old)
+        remove_tree(old)
     _fsync_dir(out.parent)
 
 

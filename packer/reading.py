@@ -38,7 +38,9 @@ from typing import Any
 from packer.errors import PackerError
 from packer.idents import ErrorClass, check_rel_name, confined, digest_parts, is_commit, shown
 from packer.jsonshape import Shape, check_shape
-from packer.runtime.reading import too_deep  # the one nesting rule, shared with the runtime
+from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.reading import MAX_TREE_DEPTH, too_deep  # the one nesting rule, shared with the runtime
+from packer.runtime.reading import walk_tree as _walk_tree
 
 # a string, or an unterminated one up to the end: one left-to-right pass, whatever the input
 MAX_REF_FILE = 4096  # a hub ref file holds 40 hex digits and a newline
@@ -295,17 +297,42 @@ def read_ref_file(path: Path, *, where: str, error: ErrorClass) -> str:
     return text
 
 
-def irregular_entries(root: Path) -> list[Path]:
+def walk_tree(root: str | Path, *, error: ErrorClass, max_depth: int = MAX_TREE_DEPTH) -> list[tuple[str, Path, int]]:
+    """Every entry below the folder ``root``: iterative (a deep tree cannot exhaust the stack),
+    links never followed, at most ``max_depth`` folder levels.
+
+    The runtime's walker (:func:`packer.runtime.reading.walk_tree`), so both sides walk by one rule.
+
+    Args:
+        root: the folder; error: the caller's error class; max_depth: the depth cap.
+
+    Returns:
+        ``(relative posix path, path, lstat mode)`` of each entry, sorted by path.
+
+    Raises:
+        error: a folder deeper than ``max_depth`` (one line naming it and the cap), or one
+            that cannot be listed.
+    """
+    try:
+        return _walk_tree(root, max_depth=max_depth)
+    except ArtifactMismatchError as e:
+        raise error(str(e)) from None
+
+
+def irregular_entries(root: Path, error: ErrorClass = PackerError) -> list[Path]:
     """Entries under the directory ``root`` (links followed to their target's kind) that are
-    neither directories nor regular files: what a reader of the tree could block on."""
+    neither directories nor regular files: what a reader of the tree could block on.
+
+    Raises:
+        error: the tree is deeper than the walk's cap or cannot be listed (:func:`walk_tree`).
+    """
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            path = Path(dirpath) / name
+    for _rel, path, mode in walk_tree(root, error=error):
+        if stat.S_ISLNK(mode):
             try:
                 mode = os.stat(path).st_mode
             except OSError:
                 continue  # a dangling link: the reader names it missing
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                found.append(path)
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            found.append(path)
     return sorted(found)

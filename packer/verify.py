@@ -27,7 +27,7 @@ from packer.oci.reread import Vouched
 from packer.oci.verify import verify_image
 from packer.oci.warm_layer import check_warm_images
 from packer.place import BLOBS, FilePlace, blob_hex, blob_rel, places_of
-from packer.reading import member
+from packer.reading import member, walk_tree
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
 from packer.warm.pins import verify_states
@@ -106,9 +106,8 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
 
 
 def _check_no_extras(out: Path, listed: set[str], unlisted: tuple[str, ...]) -> None:
-    for path in sorted(out.rglob("*")):
-        rel = path.relative_to(out).as_posix()
-        if path.is_dir() and not path.is_symlink():
+    for rel, path, mode in walk_tree(out, error=VerifyError):
+        if stat.S_ISDIR(mode):
             continue
         if rel not in listed and rel not in (MANIFEST_NAME, TIMINGS, *unlisted):
             raise VerifyError(f"{path}: not listed in the manifest")
@@ -178,11 +177,12 @@ def _name_every_link(out: Path, e: VerifyError) -> VerifyError:
     if not sep or not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
         return e
     others = []
-    for path in sorted(out.rglob("*")):
-        with contextlib.suppress(OSError):
-            other = path.lstat()
-            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino) and path != Path(where):
-                others.append(str(path))
+    with contextlib.suppress(VerifyError):  # a tree too deep to name them all: the fault as it is
+        for _rel, path, _mode in walk_tree(out, error=VerifyError):
+            with contextlib.suppress(OSError):
+                other = path.lstat()
+                if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino) and path != Path(where):
+                    others.append(str(path))
     return VerifyError(f"{where} (the same file as {', '.join(others)}): {rest}") if others else e
 
 
@@ -213,7 +213,7 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
         VerifyError: naming the first mismatch.
     """
     try:
-        return {**_verify(out, public_key, vouched), "disk_bytes": disk_usage(Path(out))}
+        return {**_verify(out, public_key, vouched), "disk_bytes": disk_usage(Path(out), VerifyError)}
     except VerifyError as e:
         named = _name_every_link(out, e)
         if named is e:

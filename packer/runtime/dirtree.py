@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from .components import model_tree
 from .env import ArtifactMismatchError
+from .reading import walk_tree
 from .served import check_copies, check_links
 from .signature import SIGNATURE_FILE
 
@@ -48,13 +50,9 @@ def _plan(bundle: Path, pairs: list[tuple[str, str]], loader: Loader,
     tree (a materialized one, ``copies``, to its copy in ``copy_dir``)."""
     taken = {dst for dst, _ in pairs}
     links = {}
-    for top, dirs, files in os.walk(bundle):
-        dirs.sort()
-        rel_top = Path(top).relative_to(bundle)
-        for name in sorted(files):
-            rel = (rel_top / name).as_posix()
-            if rel not in taken:
-                links[rel] = os.path.abspath(Path(top) / name)
+    for rel, path, mode in walk_tree(bundle):
+        if not stat.S_ISDIR(mode) and rel not in taken:
+            links[rel] = os.path.abspath(path)
     for dst, rel in pairs:
         links[dst] = os.path.abspath(copy_dir / dst if dst in copies else loader.path(rel))
     return links

@@ -253,3 +253,41 @@ def entry_kind(path: str | os.PathLike[str]) -> str:
     except OSError as e:
         raise ArtifactMismatchError(f"{_where(path)}: {e.strerror or e}") from None
     return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+MAX_TREE_DEPTH = 64  # folders below a root: a bundle's reader allows fewer; a hostile tree has 1,100
+
+
+def walk_tree(root: str | os.PathLike[str], *, max_depth: int = MAX_TREE_DEPTH) -> list[tuple[str, Path, int]]:
+    """Every entry below the folder ``root``, iteratively (no recursion), links never followed.
+
+    Args:
+        root: the folder; max_depth: how many folder levels below it may hold entries.
+
+    Returns:
+        ``(relative posix path, path, lstat mode)`` of each entry, sorted by path; a folder's
+        contents follow it; a link (to a folder too) is one entry, never entered.
+
+    Raises:
+        ArtifactMismatchError: a folder deeper than ``max_depth`` (one line naming it and the
+            cap), or a folder that cannot be listed.
+    """
+    top = Path(root)
+    out: list[tuple[str, Path, int]] = []
+    stack: list[tuple[str, Path, int]] = [("", top, 0)]
+    while stack:
+        rel_dir, folder, depth = stack.pop()
+        if depth > max_depth:
+            raise ArtifactMismatchError(f"{_where(folder)}: folders nested deeper than {max_depth} levels "
+                                        f"below {_where(top)}; remove the tree or point at another folder")
+        try:
+            with os.scandir(folder) as it:
+                entries = [(e.name, e.stat(follow_symlinks=False).st_mode) for e in it]
+        except OSError as e:
+            raise ArtifactMismatchError(f"{_where(folder)}: cannot be listed ({e.strerror or e})") from None
+        for name, mode in entries:
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            out.append((rel, folder / name, mode))
+            if stat.S_ISDIR(mode):
+                stack.append((rel, folder / name, depth + 1))
+    return sorted(out)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .env import ArtifactMismatchError
-from .reading import check_rel, sha256_regular
+from .reading import check_rel, sha256_regular, walk_tree
 
 
 def walk(root: Path) -> dict[str, tuple[str, Path]]:
@@ -37,22 +37,10 @@ def walk(root: Path) -> dict[str, tuple[str, Path]]:
     (a link to a folder, a dangling link, a FIFO...). Folders come with their contents.
 
     Raises:
-        ArtifactMismatchError: ``root`` or a folder below it cannot be listed, or a link loop.
+        ArtifactMismatchError: ``root`` or a folder below it cannot be listed, a link loop, or
+            folders nested deeper than :data:`~packer.runtime.reading.MAX_TREE_DEPTH`.
     """
-    out: dict[str, tuple[str, Path]] = {}
-
-    def fail(e: OSError) -> None:
-        raise ArtifactMismatchError(f"{os.path.abspath(e.filename or root)}: cannot be listed "
-                                    f"({e.strerror or e})")
-
-    for top, dirs, files in os.walk(root, onerror=fail):
-        rel_top = Path(top).relative_to(root)
-        for name in [*dirs, *files]:
-            path = Path(top) / name
-            rel = (rel_top / name).as_posix()
-            out[rel] = (_kind(path), path)
-        dirs[:] = sorted(d for d in dirs if out[(rel_top / d).as_posix()][0] == "dir")
-    return dict(sorted(out.items()))
+    return {rel: (_kind(path), path) for rel, path, _mode in walk_tree(root)}
 
 
 def _kind(path: Path) -> str:

@@ -30,7 +30,7 @@ from packer.formats import MANIFEST_NAME
 from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
 from packer.idents import check_rel_name
 from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
-from packer.reading import Kind, file_kind, open_regular, parse_json, read_bytes
+from packer.reading import Kind, file_kind, open_regular, parse_json, read_bytes, walk_tree
 from packer.show import show
 from packer.warm.trust import SIGNATURE_NAME, build_digest, check_signature, statement
 
@@ -95,8 +95,8 @@ def collect(roots: dict[str, Path]) -> dict[str, Path]:
             raise WarmStateError(f"{top}: unknown warm-state root {root!r} (known: {', '.join(ROOTS)})")
         if not top.is_dir():
             continue
-        for path in sorted(top.rglob("*")):
-            if path.is_symlink():
+        for _rel, path, mode in walk_tree(top, error=WarmStateError):
+            if stat.S_ISLNK(mode):
                 raise WarmStateError(f"{path}: a link in the engine's cache; a warm state holds plain files only")
             if path.is_file() and not path.name.endswith(_SKIP_SUFFIXES):
                 found[f"{root}/{path.relative_to(top).as_posix()}"] = path
@@ -258,8 +258,8 @@ def _no_unpinned(state: Path, doc: dict[str, Any]) -> None:
     top = state / FILES
     if os.path.lexists(top):
         plain_dir(top)
-    for path in sorted(top.rglob("*")) if top.is_dir() else []:
-        if path.is_dir() and not path.is_symlink():
+    for _rel, path, mode in walk_tree(top, error=WarmStateError) if top.is_dir() else []:
+        if stat.S_ISDIR(mode):
             continue
         if path.relative_to(top).as_posix() not in doc["files"]:
             raise WarmStateError(f"{path}: not pinned by {state / MANIFEST}")

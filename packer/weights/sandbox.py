@@ -8,11 +8,13 @@ never as pickles. A child killed by a limit becomes one clear :class:`PackerErro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import resource
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from packer import errors
 from packer.fsutil import FileEntry
 from packer.jsonshape import ANY, SIZE, STR, ListOf, MapOf, Obj, check_shape
-from packer.reading import REPORT, parse_json
+from packer.reading import REPORT, parse_json, walk_tree
 from packer.recipe import ImageConfig, Rename, WeightsConfig
 from packer.stage import Progress, StageOutput
 
@@ -49,7 +51,12 @@ def _limits(total_input: int, expansion: float = 4.0) -> dict[str, int]:
 def _input_size(src: Path) -> int:
     if src.is_file():
         return src.stat().st_size
-    return sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    total = 0
+    for _rel, path, _mode in walk_tree(src, error=errors.WeightsError):  # a hub snapshot's files are links
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def _deny_sockets(event: str, _args: tuple[Any, ...]) -> None:
