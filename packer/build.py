@@ -169,6 +169,7 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
             ctx = StageContext(recipe, snap, staging, dry_run=dry_run, sandbox=sandbox, progress=progress,
                                layer_digests=default_layer_digests() if layer_digests is None else layer_digests)
             manifest, notes, vouched = _run_stages(ctx, timer)
+            notes = [*snap.notes, *notes]  # a cached commit built instead of the hub's is said first
         if dry_run:
             return BuildResult(out, manifest, timer, notes, dry_run=True)
         with timer.stage("verify") as t:

@@ -8,6 +8,12 @@ snapshot may lead is :func:`packer.idents.link_roots`' rule, which the stages ap
 The revision and the cache's ``refs/`` file are checked here, not left to huggingface_hub:
 its offline resolution joins the ref file's text onto the cache as it is, so a ref holding
 ``../../models--other--repo/snapshots/<sha>`` would build another model under this one's name.
+
+A branch or tag is resolved on the hub first, within :func:`hub_timeout`. When the hub resets,
+cuts its reply, fails (5xx) or does not answer in time, the commit the cache names for it is
+built, never silently: the snapshot's notes (the build's, and so ``--json``'s summary) name
+that commit, the ref asked for and the error. A hub that answers "no such revision" (4xx) is
+not overruled by the cache.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 from packer.errors import SourceError
 from packer.formats import WEIGHT_PATTERNS
 from packer.fsutil import file_kind
-from packer.idents import check_revision, confined, is_commit
+from packer.idents import check_revision, confined, is_commit, shown
 from packer.reading import read_ref_file
 from packer.recipe import Recipe
 
@@ -55,6 +61,7 @@ class Snapshot:
     uri: str
     revision: str | None = None
     single_file: bool = False
+    notes: tuple[str, ...] = ()  # for the build's notes (a cached commit built instead of the hub's), not hashed
 
     def identity(self) -> dict[str, Any]:
         return {"kind": self.kind, "uri": self.uri, "revision": self.revision}
@@ -102,9 +109,8 @@ def _pinned_commit(repo: Path, revision: str, where: str) -> str | None:
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    """The hub client's network failures that huggingface_hub itself does not fall back on (a
-    reset connection, a proxy cutting the reply: httpx2's in huggingface_hub 1.x; requests'
-    in older ones are OSErrors, caught with the rest)."""
+    """The hub client's network failures (a reset connection, a reply cut short, a timeout:
+    httpx2's in huggingface_hub 1.x and later; requests' in older ones are OSErrors, caught with the rest)."""
     try:
         from httpx2 import TransportError
     except ImportError:
@@ -112,62 +118,139 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return (TransportError,)
 
 
-def _download(recipe: Recipe, repo_id: str, revisions: list[str], cache_dir: Path | None) -> Path:
-    from huggingface_hub import snapshot_download
+def _broken_replies() -> tuple[type[BaseException], ...]:
+    """What a hub call raises when no usable answer came (a reply cut short may not parse)."""
+    return (OSError, ValueError, *_transport_errors())
+
+
+def hub_timeout() -> float:
+    """Seconds a hub call may take to connect, and to send each part of its reply.
+
+    huggingface_hub's own setting for metadata calls, ``HF_HUB_ETAG_TIMEOUT`` (default 10):
+    packer applies it to the calls the library makes without one (the revision's commit, the
+    file listing), which would otherwise wait forever on a hub that accepts and never answers.
+    File downloads keep the library's ``HF_HUB_DOWNLOAD_TIMEOUT``.
+    """
+    from huggingface_hub import constants
+
+    return float(constants.HF_HUB_ETAG_TIMEOUT)
+
+
+def _bound_hub_client() -> None:
+    """Give huggingface_hub's shared client :func:`hub_timeout` for calls made without a timeout
+    (a call's own timeout, as the file downloads pass, still wins)."""
+    try:
+        import httpx2
+    except ImportError:  # an older huggingface_hub on requests: its calls pass their own timeouts
+        return
+    from huggingface_hub import get_session
+
+    get_session().timeout = httpx2.Timeout(hub_timeout())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else 'no reply'}"
+
+
+def _fallback_note(uri: str, revision: str, commit: str, why: str) -> str:
+    return (f"source {uri}: built the cached commit {commit} that the local cache names for {revision!r}, "
+            f"not the hub's ({why}); the hub's {revision!r} may be newer: pin the commit, or build "
+            "again when the hub answers")
+
+
+def _hub_commit(recipe: Recipe, repo_id: str, revision: str, pinned: str | None,
+                cache_dir: Path | None) -> tuple[str, str | None]:
+    """The commit ``revision`` names on the hub, or else the cached ``pinned`` one and a note why.
+
+    Raises:
+        SourceError: the hub refused the repository or revision (4xx), or did not answer and
+            the cache knows no commit for ``revision``.
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE:
+        return (pinned, _fallback_note(recipe.source, revision, pinned, "HF_HUB_OFFLINE is set")) if pinned \
+            else (revision, None)  # the download names the cache it searched
+    try:
+        sha = HfApi().repo_info(repo_id, revision=revision, timeout=hub_timeout()).sha
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else 500
+        if status < 500 and status != 429:  # the hub answered: no such repository or revision, or no access
+            raise SourceError(f"source {recipe.source}: {str(e).splitlines()[0]}") from e
+        why = f"the hub answered {status}: {str(e).splitlines()[0]}"
+    except _broken_replies() as e:
+        why = f"the hub broke off: {_first_line(e)}"
+        if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:  # httpx2's ReadTimeout, ConnectTimeout...
+            why = f"no answer within HF_HUB_ETAG_TIMEOUT={hub_timeout():g} s: {_first_line(e)}"
+    else:
+        if not isinstance(sha, str) or not is_commit(sha):
+            raise SourceError(f"source {recipe.source}: the hub named {shown(sha)} as the commit of {revision!r}, "
+                              "not a commit hash")
+        return sha, None
+    if pinned is None:
+        raise _not_cached(recipe, repo_id, revision, cache_dir, why)
+    return pinned, _fallback_note(recipe.source, revision, pinned, why)
+
+
+def _not_cached(recipe: Recipe, repo_id: str, revision: str, cache_dir: Path | None, why: str) -> SourceError:
+    from huggingface_hub import constants
+
+    searched = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
+    return SourceError(f"source {recipe.source}: not in the local cache {searched} and the hub cannot be reached"
+                       f" ({why}); download it once (hf download {repo_id} --revision {revision}), point "
+                       "HF_HUB_CACHE at the cache that holds it, or unset HF_HUB_OFFLINE")
+
+
+def _download(recipe: Recipe, repo_id: str, revision: str, cache_dir: Path | None,
+              local: bool) -> tuple[Path, str | None]:
+    """The snapshot folder of ``revision`` (a commit where known) and a note when the files
+    came from the cache because the hub broke off."""
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    cut_off = _transport_errors()
-    local, why = False, "HF_HUB_OFFLINE is set or there is no network"
-    i = 0
-    while i < len(revisions):
-        revision = revisions[i]
+    why = "HF_HUB_OFFLINE is set or there is no network"
+    for attempt in ((local,) if local else (False, True)):
         try:
-            return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                          allow_patterns=hf_allow_patterns(recipe), local_files_only=local))
+            path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=attempt,
+                                     allow_patterns=hf_allow_patterns(recipe),
+                                     etag_timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            note = f"source {recipe.source}: the files of {revision} came from the local cache ({why})" \
+                if attempt and not local else None
+            return Path(path), note
         except LocalEntryNotFoundError as e:
-            if i + 1 < len(revisions):
-                i += 1
-                continue  # the hub is unreachable: try the commit the local ref names
-            from huggingface_hub import constants
-
-            searched = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
-            raise SourceError(
-                f"source {recipe.source}: not in the local cache {searched} and the hub cannot be reached"
-                f" ({why}); download it once (hf download"
-                f" {repo_id} --revision {revisions[-1]}), point HF_HUB_CACHE at the cache that holds it, or"
-                " unset HF_HUB_OFFLINE"
-            ) from e
-        except cut_off as e:
-            if local:
-                raise
-            # the hub answered with a broken connection: the cache decides, as for no network
-            local, why = True, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no reply'}"
-            i = len(revisions) - 1  # the commit the local ref names (or the revision itself)
+            raise _not_cached(recipe, repo_id, revision, cache_dir, why) from e
+        except _transport_errors() as e:
+            if attempt:
+                raise SourceError(f"source {recipe.source}: {_first_line(e)}") from e
+            why = f"the hub broke off: {_first_line(e)}"  # the cache decides, as for no network
         except (HfHubHTTPError, OSError, ValueError) as e:
             raise SourceError(f"source {recipe.source}: {str(e).splitlines()[0]}") from e
-    raise AssertionError("no revision to try")
+    raise AssertionError("no attempt made")
 
 
 def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
     repo_id, revision = parse_hf_uri(recipe.source)
-    from huggingface_hub import constants
-
     where = f"source {recipe.source}"
     repo = _hub_repo_folder(repo_id, cache_dir)
     pinned = _pinned_commit(repo, revision, where)
-    # Offline, huggingface_hub gets the commit we read and checked, never the ref file's raw text.
-    if pinned is None or pinned == revision:
-        revisions = [revision]
-    else:
-        revisions = [pinned] if constants.HF_HUB_OFFLINE else [revision, pinned]
-    path = _download(recipe, repo_id, revisions, cache_dir)
+    _bound_hub_client()
+    notes: list[str] = []
+    commit, note = revision, None
+    if not is_commit(revision):
+        commit, note = _hub_commit(recipe, repo_id, revision, pinned, cache_dir)
+    notes += [note] if note else []
+    # a fallback (note) reads the cache only: huggingface_hub gets the commit we read and checked
+    path, note = _download(recipe, repo_id, commit, cache_dir, local=bool(notes))
+    notes += [note] if note else []
     # snapshot folders are named by commit and lie in this repository: .../models--org--name/snapshots/<commit>
     real = confined(path, [repo / "snapshots"], error=SourceError, what=f"the snapshot of {recipe.source}",
                     hint="the cache is not huggingface_hub's layout; download the model again")
-    if real.parent != repo / "snapshots" or not is_commit(real.name) or pinned not in (None, real.name):
+    if real.parent != repo / "snapshots" or not is_commit(real.name) or (is_commit(commit) and real.name != commit):
         raise SourceError(f"{where}: huggingface_hub returned {path}, not this repository's snapshot of "
-                          f"{pinned or revision}; download the model again")
-    return Snapshot(root=real, weights=real, kind="hf", uri=recipe.source, revision=real.name)
+                          f"{commit}; download the model again")
+    return Snapshot(root=real, weights=real, kind="hf", uri=recipe.source, revision=real.name, notes=tuple(notes))
 
 
 def _resolve_local(recipe: Recipe) -> Snapshot:

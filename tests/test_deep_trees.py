@@ -17,7 +17,6 @@ from click.testing import CliRunner
 
 from packer.cli import main
 from packer.errors import WarmStateError
-from packer.fsutil import remove_tree
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.reading import MAX_TREE_DEPTH
 from packer.runtime.served import check_extracted
@@ -38,6 +37,18 @@ def _deep(top: Path) -> Path:
     return top
 
 
+def _remove_deep(top: Path) -> None:
+    """Remove a tree bottom-up without recursion (``shutil.rmtree`` recurses per level)."""
+    stack = [(top, False)]
+    while stack:
+        path, emptied = stack.pop()
+        if emptied or path.is_symlink() or not path.is_dir():
+            path.rmdir() if emptied else path.unlink()
+            continue
+        stack.append((path, True))
+        stack.extend((child, False) for child in path.iterdir())
+
+
 @pytest.fixture
 def trees(tmp_path: Path) -> Iterator[list[Path]]:
     """Folders the test fills with deep trees; removed iteratively (pytest's own cleanup recurses)."""
@@ -45,7 +56,7 @@ def trees(tmp_path: Path) -> Iterator[list[Path]]:
     yield made
     for top in made:
         if top.exists():
-            remove_tree(top)
+            _remove_deep(top)
     assert not any(top.exists() for top in made)
 
 
@@ -92,7 +103,9 @@ def test_a_warm_state_holding_a_deep_tree_is_one_line(tmp_path: Path, trees: lis
         collect({"vllm": caches})
 
 
-def test_the_walk_never_follows_links_and_remove_tree_keeps_their_targets(tmp_path: Path) -> None:
+def test_the_walk_never_follows_links_and_remove_tree_keeps_their_targets(tmp_path: Path,
+                                                                          trees: list[Path]) -> None:
+    from packer.fsutil import remove_tree
     from packer.reading import walk_tree
 
     target = tmp_path / "target"
@@ -105,3 +118,7 @@ def test_the_walk_never_follows_links_and_remove_tree_keeps_their_targets(tmp_pa
     assert [rel for rel, _, _ in walk_tree(top, error=WarmStateError)] == ["a", "a/link", "a/loop"]
     remove_tree(top)
     assert not top.exists() and (target / "sub" / "f").read_text() == "kept"
+    deep = _deep(tmp_path / "deep")
+    trees.append(deep)  # removed by the fixture if remove_tree fails
+    remove_tree(deep)  # at any depth: shutil.rmtree's recursion ends in RecursionError here
+    assert not deep.exists()

@@ -209,3 +209,91 @@ def test_a_reset_connection_to_the_hub_falls_back_to_the_cache(tmp_path: Path, r
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: source hf://acme/tiny@v9: not in the local cache") and "ReadError" in line
+
+
+def _serve_once(conn: socket.socket, fault: str, stop: threading.Event) -> None:
+    conn.settimeout(2)
+    with contextlib.suppress(OSError):
+        conn.recv(65536)
+    if fault == "reset":
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+    elif fault == "truncated":  # promises 1000 bytes, sends a few, closes
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"sha\": \"01")
+    elif fault in ("500", "404"):
+        body = b'{"error": "boom"}'
+        conn.sendall(f"HTTP/1.1 {fault} Oops\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)
+    else:  # "silent": accepts, reads the request, never answers (until the test ends, 60 s at most)
+        stop.wait(60)
+
+
+@contextlib.contextmanager
+def _faulty_hub(fault: str) -> Iterator[str]:
+    """An HF_ENDPOINT on 127.0.0.1 answering every request with ``fault``; one thread per connection."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    stop = threading.Event()
+    workers: list[threading.Thread] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+
+            def handle(c: socket.socket = conn) -> None:
+                with c:
+                    _serve_once(c, fault, stop)
+
+            workers.append(threading.Thread(target=handle, daemon=True))
+            workers[-1].start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        for w in workers:
+            w.join(5)
+        srv.close()
+
+
+def _hub_dry_run(tmp_path: Path, endpoint: str) -> subprocess.CompletedProcess[str]:
+    import torch
+    from safetensors.torch import save
+
+    populate_cache(tmp_path / "cache", "acme/tiny", {"config.json": b"{}",
+                                                      "model.safetensors": save({"w": torch.ones(2)})})
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "m"\nversion = "1"\nsource = "hf://acme/tiny@main"\n')
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env |= {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_ETAG_TIMEOUT": "1"}
+    return subprocess.run([sys.executable, "-m", "packer", "build", str(recipe), "-o", str(tmp_path / "o"),
+                           "--dry-run", "--json", "--no-sandbox"], capture_output=True, text=True, env=env,
+                          timeout=90, check=False)
+
+
+@pytest.mark.parametrize(("fault", "why"), [("reset", "ReadError"), ("truncated", "RemoteProtocolError"),
+                                            ("500", "the hub answered 500"), ("silent", "ReadTimeout")])
+def test_a_hub_fault_builds_the_cached_commit_with_a_note_saying_so(tmp_path: Path, fault: str, why: str) -> None:
+    """A hub that resets, cuts its reply short, fails or never answers (within HF_HUB_ETAG_TIMEOUT)
+    leaves the cached commit of @main to build, and the --json summary's notes say which and why."""
+    import json
+
+    with _faulty_hub(fault) as endpoint:
+        proc = _hub_dry_run(tmp_path, endpoint)
+    assert proc.returncode == 0, proc.stderr
+    notes = [n for n in json.loads(proc.stdout)["notes"] if n.startswith("source hf://acme/tiny@main")]
+    assert len(notes) == 1, notes
+    assert f"built the cached commit {COMMIT}" in notes[0] and "'main'" in notes[0] and why in notes[0]
+
+
+def test_a_hub_that_says_no_such_revision_is_not_overruled_by_the_cache(tmp_path: Path) -> None:
+    with _faulty_hub("404") as endpoint:
+        proc = _hub_dry_run(tmp_path, endpoint)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: source hf://acme/tiny@main: ") and "404" in line
