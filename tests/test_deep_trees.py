@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,12 +19,11 @@ from click.testing import CliRunner
 from packer.cli import main
 from packer.errors import WarmStateError
 from packer.runtime.env import ArtifactMismatchError
-from packer.runtime.reading import MAX_TREE_DEPTH
 from packer.runtime.served import check_extracted
 from packer.warm.pins import check_state, collect, write_state
 
 LEVELS = 1_100
-CAP = f"deeper than {MAX_TREE_DEPTH} levels"
+CAP = r"deeper than \d+ levels"  # the cap: runtime.reading.MAX_TREE_DEPTH
 
 
 def _deep(top: Path) -> Path:
@@ -76,7 +76,7 @@ def test_packer_verify_of_an_out_holding_a_deep_tree_is_one_line(tmp_path: Path,
     result = CliRunner().invoke(main, ["verify", str(out)])
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.output and CAP in lines[0], result.output
+    assert len(lines) == 1 and "Traceback" not in result.output and re.search(CAP, lines[0]), result.output
     assert str(out / "extra") in lines[0]
 
 
