@@ -122,3 +122,18 @@ def test_the_walk_never_follows_links_and_remove_tree_keeps_their_targets(tmp_pa
     trees.append(deep)  # removed by the fixture if remove_tree fails
     remove_tree(deep)  # at any depth: shutil.rmtree's recursion ends in RecursionError here
     assert not deep.exists()
+
+
+def test_a_deep_tree_left_by_the_weights_child_is_one_line(tmp_path: Path, trees: list[Path]) -> None:
+    from packer.errors import WeightsError
+    from packer.formats import UNNAMED_BLOBS
+    from packer.oci.reread import _remove_unnamed
+
+    trees.append(_deep(tmp_path / UNNAMED_BLOBS))
+    with pytest.raises(WeightsError, match=CAP) as caught:
+        _remove_unnamed(tmp_path)
+    assert "\n" not in str(caught.value)
+    shallow = tmp_path / "shallow"
+    (shallow / UNNAMED_BLOBS / "a" / "b").mkdir(parents=True)
+    _remove_unnamed(shallow)  # empty folders only: removed
+    assert not (shallow / UNNAMED_BLOBS).exists()

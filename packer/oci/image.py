@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import stat
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from packer.oci.plan import ImagePlan, PlannedLayer, model_files, plan_layers
 from packer.oci.runconfig import base_name, created_epoch, image_annotations, run_config
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
 from packer.place import BLOBS, blob_hex, blob_rel
-from packer.reading import MANIFEST, parse_json
+from packer.reading import MANIFEST, parse_json, walk_tree
 from packer.recipe import ImageConfig
 from packer.stage import Progress, StageOutput
 
@@ -154,9 +155,9 @@ def _entries(out_dir: Path, layers: Sequence[Layer], tarballs: Sequence[Standalo
         else:  # the uncompressed tee of a zstd layer: its sha256 is the diff_id
             size = (out_dir / t.rel_path).stat().st_size
             entries[t.rel_path] = FileEntry(t.rel_path, size, t.layer.diff_id[7:])
-    for p in (out_dir / "image").rglob("*"):
-        rel = p.relative_to(out_dir).as_posix()
-        if p.is_file() and rel not in entries:  # the small JSON files
+    for image_rel, p, mode in walk_tree(out_dir / "image", error=ImageError):
+        rel = f"image/{image_rel}"
+        if (stat.S_ISREG(mode) or stat.S_ISLNK(mode) and p.is_file()) and rel not in entries:  # small JSON files
             entries[rel] = file_entry(out_dir, p)
     entries["Dockerfile"] = file_entry(out_dir, out_dir / "Dockerfile")
     return [entries[k] for k in sorted(entries)]
@@ -167,10 +168,10 @@ def _clear_image_dir(image_dir: Path, keep: set[str], out_dir: Path) -> None:
     the weights stage wrote (``keep``, paths in OUT)."""
     if not image_dir.exists():
         return
-    for path in sorted(image_dir.rglob("*"), reverse=True):
+    for _rel, path, mode in reversed(walk_tree(image_dir, error=ImageError)):
         if path.relative_to(out_dir).as_posix() in keep:
             continue
-        if path.is_dir() and not path.is_symlink():
+        if stat.S_ISDIR(mode):
             if not any(path.iterdir()):
                 path.rmdir()
         else:

@@ -35,7 +35,7 @@ from packer.formats import UNNAMED_BLOBS
 from packer.fsutil import FileEntry, Identity, identity, sha256_range
 from packer.idents import check_rel_name, shown
 from packer.place import BLOBS, blob_rel
-from packer.reading import open_regular
+from packer.reading import open_regular, walk_tree
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,12 @@ def _remove_unnamed(root: Path) -> None:
     """Remove ``image/unnamed``, which must hold nothing but empty folders now."""
     top = root / UNNAMED_BLOBS
     try:
-        for folder, dirs, files in os.walk(top, topdown=False):
-            if files:
+        entries = walk_tree(top, error=WeightsError) if top.is_dir() else []  # a tree the child made
+        for _rel, path, mode in reversed(entries):  # a folder's contents sort after it: emptied first
+            if not stat.S_ISDIR(mode):
                 # a name the child chose: control characters escaped (repr without its quotes)
-                raise OSError(f"{repr(str(Path(folder, files[0])))[1:-1]} was not named by the weights stage")
-            for d in dirs:
-                os.rmdir(Path(folder, d))
+                raise OSError(f"{repr(str(path))[1:-1]} was not named by the weights stage")
+            os.rmdir(path)
         top.rmdir()
     except OSError as e:
         raise WeightsError(f"{top}: holds more than the layer blobs the weights stage named "
