@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -20,7 +19,7 @@ from typing import Any
 from packer.build_stages import STAGES, BuildStage, default_layer_digests, final_manifest
 from packer.errors import PackerError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import atomic_write_bytes, canonical_json, disk_usage, sha256_file_or_none
+from packer.fsutil import atomic_write_bytes, canonical_json, disk_usage, remove_tree, sha256_file_or_none
 from packer.manifest import TIMINGS
 from packer.publish import make_scratch, make_staging, publish
 from packer.recipe import Recipe
@@ -179,7 +178,8 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
         on_disk = disk_usage(staging)  # with the timings: what OUT takes once published
         publish(staging, out)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):  # at any depth (the weights child writes in it)
+            remove_tree(staging)
     warm = None
     if recipe.warm.engine:  # after the publish: the state lies beside the build, pinned apart
         with timer.stage("warm"):
