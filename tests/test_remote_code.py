@@ -201,7 +201,7 @@ def _scan_seconds(tmp_path: Path, lines: int) -> float:
 def test_scan_is_linear_in_the_file(tmp_path: Path) -> None:
     # a quadratic scan takes 16x for 4x the lines (5,000 -> 20,000 blank lines: 0.45 s -> 8.5 s)
     small, large = _scan_seconds(tmp_path, 5_000), _scan_seconds(tmp_path, 20_000)
-    assert large < 8 * max(small, 0.002)
+    assert large < 8 * max(small, 0.01)  # the floor keeps timer noise on tiny times out of it
 
 
 def test_a_300000_line_modeling_file_does_not_stall_packer_bundle(tmp_path: Path) -> None:
