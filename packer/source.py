@@ -18,6 +18,7 @@ not overruled by the cache.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ from typing import Any
 
 from packer.errors import SourceError
 from packer.formats import WEIGHT_PATTERNS
-from packer.fsutil import file_kind
+from packer.fsutil import atomic_write_bytes, file_kind
 from packer.idents import check_revision, confined, is_commit, shown
 from packer.reading import read_ref_file
 from packer.recipe import Recipe
@@ -230,6 +231,15 @@ def _download(recipe: Recipe, repo_id: str, revision: str, cache_dir: Path | Non
     raise AssertionError("no attempt made")
 
 
+def _remember_ref(repo: Path, revision: str, commit: str) -> None:
+    """Point the cache's ``refs/<revision>`` at the commit the hub named, as huggingface_hub
+    does for a download by name (packer downloads by commit), so an offline build finds it."""
+    ref = repo / "refs" / revision  # a checked ref name: no '..', not absolute
+    with contextlib.suppress(OSError):  # a read-only cache still builds
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(ref, commit.encode())
+
+
 def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
     repo_id, revision = parse_hf_uri(recipe.source)
     where = f"source {recipe.source}"
@@ -240,6 +250,7 @@ def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
     commit, note = revision, None
     if not is_commit(revision):
         commit, note = _hub_commit(recipe, repo_id, revision, pinned, cache_dir)
+    hub_named = note is None and commit != revision  # the hub answered with the commit to build
     notes += [note] if note else []
     # a fallback (note) reads the cache only: huggingface_hub gets the commit we read and checked
     path, note = _download(recipe, repo_id, commit, cache_dir, local=bool(notes))
@@ -250,6 +261,8 @@ def _resolve_hf(recipe: Recipe, cache_dir: Path | None) -> Snapshot:
     if real.parent != repo / "snapshots" or not is_commit(real.name) or (is_commit(commit) and real.name != commit):
         raise SourceError(f"{where}: huggingface_hub returned {path}, not this repository's snapshot of "
                           f"{commit}; download the model again")
+    if hub_named:
+        _remember_ref(repo, revision, commit)
     return Snapshot(root=real, weights=real, kind="hf", uri=recipe.source, revision=real.name, notes=tuple(notes))
 
 

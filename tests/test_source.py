@@ -213,6 +213,16 @@ def test_a_reset_connection_to_the_hub_falls_back_to_the_cache(tmp_path: Path, r
 
 def _serve_once(conn: socket.socket, fault: str, stop: threading.Event) -> None:
     conn.settimeout(2)
+    if fault == "answers":  # main's commit is OTHER, its file list empty (the cache holds the files)
+        request = b""
+        with contextlib.suppress(OSError):
+            request = conn.recv(65536)
+        line = request.split(b"\r\n", 1)[0]
+        body = b'{"id": "acme/tiny", "sha": "%s"}' % OTHER.encode() if b"/revision/main" in line else b"[]"
+        status = "200 OK" if b"/revision/main" in line or b"/tree/" in line else "500 Oops"
+        conn.sendall(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)
+        return
     with contextlib.suppress(OSError):
         conn.recv(65536)
     if fault == "reset":
@@ -265,8 +275,9 @@ def _hub_dry_run(tmp_path: Path, endpoint: str) -> subprocess.CompletedProcess[s
     import torch
     from safetensors.torch import save
 
-    populate_cache(tmp_path / "cache", "acme/tiny", {"config.json": b"{}",
-                                                      "model.safetensors": save({"w": torch.ones(2)})})
+    files = {"config.json": b"{}", "model.safetensors": save({"w": torch.ones(2)})}
+    populate_cache(tmp_path / "cache", "acme/tiny", files)
+    populate_cache(tmp_path / "cache", "acme/tiny", files, commit=OTHER, ref="other")  # what the hub calls main
     recipe = tmp_path / "r.toml"
     recipe.write_text('name = "m"\nversion = "1"\nsource = "hf://acme/tiny@main"\n')
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
@@ -297,3 +308,16 @@ def test_a_hub_that_says_no_such_revision_is_not_overruled_by_the_cache(tmp_path
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: source hf://acme/tiny@main: ") and "404" in line
+
+
+def test_the_hubs_commit_is_built_and_remembered_without_a_note(tmp_path: Path) -> None:
+    """A hub that names another commit for main than the cache's refs/main wins, and refs/main follows it."""
+    import json
+
+    with _faulty_hub("answers") as endpoint:
+        proc = _hub_dry_run(tmp_path, endpoint)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert f'"revision": "{OTHER}"' in proc.stdout
+    assert not [n for n in summary["notes"] if n.startswith("source hf://")]
+    assert (tmp_path / "cache" / "models--acme--tiny" / "refs" / "main").read_text() == OTHER
