@@ -323,15 +323,20 @@ def disk_usage(root: Path, error: ErrorClass = PackerError) -> int:
     return total + os.lstat(root).st_blocks * 512
 
 
-def remove_tree(root: str | Path) -> None:
+def remove_tree(root: str | Path, *, ignore_errors: bool = False) -> None:
     """Remove the folder ``root`` and everything below it, links as links, iteratively.
 
     ``shutil.rmtree`` recurses once per level (Python 3.11), so a tree 1,100 levels deep ends in
     RecursionError and stays on disk; this walks with a list instead, at any depth.
 
     Raises:
-        OSError: an entry cannot be removed (the tree is left partly removed).
+        OSError: an entry cannot be removed (the tree is left partly removed); never with
+            ``ignore_errors`` (a cleanup that must not replace the error behind it).
     """
+    if ignore_errors:
+        with contextlib.suppress(OSError):
+            remove_tree(root)
+        return
     stack: list[tuple[str, bool]] = [(os.fspath(root), False)]
     while stack:
         path, emptied = stack.pop()

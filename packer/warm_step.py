@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import RecipeError, UsageError, VerifyError, WarmStateError
-from packer.fsutil import atomic_write_bytes, quiet_cleanup
+from packer.fsutil import atomic_write_bytes, quiet_cleanup, remove_tree
 from packer.manifest import read_manifest
 from packer.oci.warm_layer import WarmImage, check_warm_images, plan_warm_image
 from packer.place import BLOBS
@@ -101,9 +100,9 @@ def _keep(out: Path, name: str, key: dict[str, Any], files: dict[str, Path], *,
             plan = plan_warm_image(out, stage / name, tag=image["tag"], blobs_dir=stage / "blobs")
         _publish(out, stage, stage / name, plan, lambda: _check_image(out, image, manifest))
     except BaseException as e:
-        quiet_cleanup(e, lambda: shutil.rmtree(stage))
+        quiet_cleanup(e, lambda: remove_tree(stage))
         raise
-    shutil.rmtree(stage)  # what the publish moved out of OUT
+    remove_tree(stage)  # what the publish moved out of OUT
     return doc, plan
 
 

@@ -35,7 +35,6 @@ import ast
 import atexit
 import hashlib
 import os
-import shutil
 import sys
 import tempfile
 import types
@@ -44,7 +43,7 @@ from typing import Any
 
 from packer.errors import EngineAdapterError, WarmStateError
 from packer.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
-from packer.fsutil import quiet_cleanup
+from packer.fsutil import quiet_cleanup, remove_tree
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.reading import is_regular, loads_json, read_bytes, read_json, resolve
 from packer.runtime.settings import RuntimeSettings
@@ -265,7 +264,7 @@ class CacheRedirect:
         try:
             self.doc, self.nbytes = verified_copy(state, self.dir / "state", doc)
         except BaseException as e:
-            quiet_cleanup(e, lambda: shutil.rmtree(self.dir, ignore_errors=True))
+            quiet_cleanup(e, lambda: remove_tree(self.dir, ignore_errors=True))
             raise
         self._saved: dict[str, str | None] = {}
 
@@ -284,7 +283,7 @@ class CacheRedirect:
             else:
                 os.environ[name] = value
         self._saved.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        remove_tree(self.dir, ignore_errors=True)
 
 
 def _private_dir() -> Path:
@@ -297,4 +296,4 @@ def _private_dir() -> Path:
 
 def _remove_if_owner(path: Path, owner: int) -> None:
     if os.getpid() == owner:  # a forked child inherits atexit handlers: only the creator removes it
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path, ignore_errors=True)

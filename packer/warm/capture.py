@@ -14,7 +14,6 @@ to a staging directory first; :mod:`packer.warm_step` verifies OUT before and re
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 
 from packer.errors import UsageError, WarmStateError
 from packer.formats import LOADER_NAME
+from packer.fsutil import remove_tree
 from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
 from packer.warm.key import STATE_ENV, state_name
@@ -121,7 +121,7 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
         name = state_name(key)
         doc = keep(name, key, collect(roots))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work, ignore_errors=True)
     return {"state": str(out / WARM_DIR / name), "name": name,
             "files": len(doc["files"]), "bytes": sum(p["size"] for p in doc["files"].values()),
             "model_path": key["model_path"], "seconds": round(time.monotonic() - start, 2), "token_ids": ids}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any, BinaryIO
 
 from packer.errors import WarmStateError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
+from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup, remove_tree
 from packer.idents import check_rel_name
 from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
 from packer.reading import Kind, file_kind, open_regular, parse_json, read_bytes, walk_tree
@@ -146,10 +145,10 @@ def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, 
             os.replace(dest, old / "state")
         os.replace(stage, dest)
         if old is not None:
-            shutil.rmtree(old)
+            remove_tree(old)
         return doc
     except BaseException as e:
-        quiet_cleanup(e, lambda: shutil.rmtree(stage, ignore_errors=True))
+        quiet_cleanup(e, lambda: remove_tree(stage, ignore_errors=True))
         raise
 
 
@@ -249,7 +248,7 @@ def verified_copy(state: Path, dest: Path, doc: dict[str, Any] | None = None) ->
             with _create(target) as sink:
                 total += _check_one(state / FILES / rel, pin, sink=sink)
     except BaseException as e:
-        quiet_cleanup(e, lambda: shutil.rmtree(dest, ignore_errors=True))
+        quiet_cleanup(e, lambda: remove_tree(dest, ignore_errors=True))
         raise
     return doc, total
 
