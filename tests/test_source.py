@@ -162,28 +162,8 @@ def test_snapshot_folder_linked_to_another_repo_is_refused(tmp_path: Path) -> No
 def resetting_hub() -> Iterator[str]:
     """An HF_ENDPOINT whose every connection is reset after the request line (a proxy or a
     firewall cutting the reply), which huggingface_hub itself does not treat as offline."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    srv.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(2)
-                with contextlib.suppress(OSError):
-                    conn.recv(4096)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    srv.close()
+    with _faulty_hub("reset") as url:
+        yield url
 
 
 @pytest.mark.parametrize("revision", ["main", "v9"])
