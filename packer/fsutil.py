@@ -118,6 +118,41 @@ def sha256_range(fd: int, start: int, end: int) -> str:
     return h.hexdigest()
 
 
+def sha256_chunked(fd: int, start: int, end: int, chunk: int) -> tuple[str, tuple[str, ...]]:
+    """sha256 (hex) of bytes ``start:end`` of ``fd`` and of each ``chunk``-byte piece of them, from
+    one read (``pread`` into a buffer of this call's own, as :func:`sha256_range`).
+
+    Returns:
+        ``(whole, chunks)``: the range's sha256 and each chunk's, the last chunk shorter.
+
+    Raises:
+        ValueError: not ``0 <= start <= end`` or ``chunk < 1``; EOFError: the file ends
+            before ``end``; OSError: unreadable.
+    """
+    if not 0 <= start <= end or chunk < 1:
+        raise ValueError(f"sha256_chunked: not a range of bytes in chunks: {start}:{end} by {chunk}")
+    whole, piece, done = hashlib.sha256(), hashlib.sha256(), []
+    view = memoryview(bytearray(min(HASH_READ, end - start)))
+    at = start
+    while at < end:
+        n = os.preadv(fd, [view[:min(len(view), end - at)]], at)
+        if n <= 0:
+            raise EOFError(f"the file ends at byte {at}, before byte {end}")
+        whole.update(view[:n])
+        pos = 0
+        while pos < n:  # a chunk's end may fall inside the buffer (a chunk under the buffer's size)
+            take = min(n - pos, chunk - (at + pos - start) % chunk)
+            piece.update(view[pos:pos + take])
+            pos += take
+            if (at + pos - start) % chunk == 0:
+                done.append(piece.hexdigest())
+                piece = hashlib.sha256()
+        at += n
+    if (end - start) % chunk:
+        done.append(piece.hexdigest())
+    return whole.hexdigest(), tuple(done)
+
+
 def sha256_file_or_none(path: str | Path, stop: threading.Event) -> tuple[int, str] | None:
     """:func:`sha256_file` for work done ahead of need: None when unreadable or stopped.
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.bundle import verify_bundle
+from packer.chunks import verify_chunks
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
@@ -221,6 +222,12 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
         raise named from e
 
 
+def _chunk_vouches(places: dict[str, FilePlace], vouched: Vouched | None) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """The chunk digests the build's re-read took of each file, by its path (a blob holds one file)."""
+    by_blob = {p.blob_digest: rel for rel, p in places.items() if p.in_blob}
+    return {by_blob[d]: (v.chunk, v.chunks) for d, v in (vouched or {}).items() if d in by_blob and v.chunk}
+
+
 def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict[str, Any]:
     raw, manifest = read_manifest(out)
     _check_self(out, raw, manifest)
@@ -237,6 +244,8 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
     count = len(listed) + 1 + len(referrer)  # with manifest.json
     if referrer or warm_index:  # the pinned index is index.json less the referrer and warm images: checked above
         listed = {rel: e for rel, e in listed.items() if rel != INDEX_REL}
+    # before the image walk, whose blob digest would blame a changed weight byte on its whole blob
+    verify_chunks(out, manifest, places, _chunk_vouches(places, vouched))
     checked: set[str] = set()
     stop = threading.Event()
     pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="packer-verify-files")

@@ -42,7 +42,7 @@ CAPS = {
 MAX_DEPTH = 64  # JSON nesting: packer's documents use fewer than ten levels
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 # a string, or an unterminated one up to the end: one left-to-right pass, whatever the input
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)  # unrolled: a long string in one run
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f\\]")
 
