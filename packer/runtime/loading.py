@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_targets, match_slots, module_slots
 from .bundle_cache import cache_root, cached
+from .chunks import FileChunks, SpanCheck, parse_table, table_in_tree
 from .cpu import map_shards, prefetch_files, read_shards
 from .env import ArtifactMismatchError
 from .place import FilePlace, place_of
-from .reading import check_rel, open_regular
+from .reading import check_rel, open_regular, read_bytes
 from .served import check_extracted
 from .settings import RuntimeSettings
 from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, sha256_fd, shard_tensors
@@ -77,6 +78,7 @@ class Loader:
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
         self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
         self._places: dict[str, FilePlace] = {}  # files entries read so far (:meth:`held`)
+        self._chunks: dict[str, FileChunks] | None = None  # the chunk table, read once (:meth:`chunk_table`)
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine.
@@ -174,6 +176,37 @@ class Loader:
                 check_sha256(where, sha256_fd(fd, meta["size"], offset=base), meta["sha256"])
         finally:
             os.close(fd)
+
+    def chunk_table(self) -> dict[str, FileChunks]:
+        """The build's chunk table (:mod:`.chunks`), read once; empty for a build without one.
+
+        Its bytes must have the sha256 the manifest pins for it (a file ``model.sig`` signs:
+        under ``PACKER_REQUIRE_SIGNATURE`` the signature proves it), and each record the size
+        and sha256 the manifest pins for its weight file.
+
+        Raises:
+            ArtifactMismatchError: the table is missing, over its cap, or does not match.
+        """
+        if self._chunks is None:
+            pairs = table_in_tree(self.manifest["weights"])
+            self._chunks = {} if not pairs else self._read_table(pairs[0][1])
+        return self._chunks
+
+    def _read_table(self, rel: str) -> dict[str, FileChunks]:
+        path = self.path(rel)
+        try:
+            data = read_bytes(path, "chunks")
+        except FileNotFoundError:
+            raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
+        where = os.path.abspath(path)
+        check_sha256(where, hashlib.sha256(data).hexdigest(), self.manifest["files"][rel]["sha256"])
+        return parse_table(data, where, self.manifest["files"])
+
+    def span_check(self, rank: str = "") -> SpanCheck | None:
+        """A :class:`~.chunks.SpanCheck` of this build's chunk table, or None without one (an
+        older build: its readers verify whole files). ``rank`` names the reader in messages."""
+        table = self.chunk_table()
+        return SpanCheck(table, rank) if table else None
 
     def _verify_shards(self, shards: list[Shard]) -> None:
         from concurrent.futures import ThreadPoolExecutor

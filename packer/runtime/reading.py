@@ -34,6 +34,7 @@ from .env import ArtifactMismatchError
 KIB, MIB = 2**10, 2**20
 CAPS = {
     "json": 64 * MIB,  # manifest.json, a safetensors index: a line per tensor at most
+    "chunks": 256 * MIB,  # packer-chunks.json: 64 hex digits per MiB of weights (a 405B model: ~50 MB)
     "signature": 256 * MIB,  # model.sig, the provenance: a statement lists one line per file
     "key": 64 * KIB,  # a PEM public key
     "runtime": 4 * MIB,  # one packer_runtime/*.py file
