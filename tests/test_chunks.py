@@ -270,3 +270,49 @@ def test_a_build_without_a_table_verifies_whole_files(built: Path, tmp_path: Pat
     loader = open_build(built)
     loader.manifest = manifest
     assert loader.span_check() is None
+
+
+# --- mapped views proven on first use (the vLLM load format under TP: vLLM's loaders narrow) ---
+
+
+def test_mapped_views_prove_the_chunks_of_what_is_used(built: Path, tmp_path: Path) -> None:
+    from packer.runtime import proven
+
+    bad = _copy(built, tmp_path / "bad")
+    name = "model.layers.3.mlp.gate_proj.weight"
+    at = _rank1_offset(built, name)  # 3/4 into the tensor: in its second half of rows
+    path, offset, _ = weight_location(bad, WEIGHTS)
+    _flip(path, offset + at)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        head = 8 + int.from_bytes(f.read(8), "little")
+    loader = open_build(bad)
+    t = loader.load_weights("cpu", verify=True, proven=True)[name]
+    assert type(t).__name__ == "Proven" and t.dtype == torch.bfloat16 and t.stride() == (t.shape[1], 1)
+    assert proven.release() == (-(-head // CHUNK) * CHUNK, -(-head // CHUNK))  # the header alone: metadata reads none
+    t = loader.load_weights("cpu", verify=True, proven=True)[name]
+    rows, half = t.shape[0], t.shape[0] // 2
+    first = torch.empty(half, t.shape[1], dtype=t.dtype)
+    first.copy_(t.narrow(0, 0, half))  # as vLLM's loader copies rank 0's rows: untouched, proven
+    hashed, _ = proven.release()
+    assert half * t.shape[1] * 2 <= hashed - CHUNK <= half * t.shape[1] * 2 + 2 * CHUNK, hashed  # + header, edges
+    t = loader.load_weights("cpu", verify=True, proven=True)[name]
+    chunk = at // CHUNK
+    with pytest.raises(ArtifactMismatchError, match=rf"^{WEIGHTS}: chunk {chunk} \(bytes \[{chunk * CHUNK}, "):
+        torch.empty(rows - half, t.shape[1], dtype=t.dtype).copy_(t.narrow(0, half, rows - half))  # rank 1's
+    with pytest.raises(ArtifactMismatchError, match=rf"chunk {chunk} "):
+        t.float()  # any use of the bytes proves them first
+    proven.release()
+
+
+def test_a_whole_verified_load_names_the_chunk(built: Path, tmp_path: Path) -> None:
+    bad = _copy(built, tmp_path / "bad")
+    path, offset, size = weight_location(bad, WEIGHTS)
+    at = size // 2
+    _flip(path, offset + at)
+    with pytest.raises(ArtifactMismatchError, match=rf"^{WEIGHTS}: chunk {at // CHUNK} \(bytes "):
+        open_build(bad).load_weights("cpu", verify=True)
+    loader = open_build(built)
+    loader.load_weights("cpu", verify=True)
+    stage = [s for s in loader.report() if s["stage"] == "verify chunks"]
+    assert stage and stage[-1]["bytes"] == size and stage[-1]["chunks"] == -(-size // CHUNK)

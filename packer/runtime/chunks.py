@@ -163,7 +163,8 @@ class SpanCheck:
         table: the build's chunk table (:func:`parse_table`).
         rank: the reader's name in messages (``"rank 1 of 2"``; "" for a single process).
 
-    ``hashed`` counts the bytes hashed (whole chunks), ``chunks`` the chunks checked.
+    ``hashed`` counts the bytes hashed (whole chunks), ``chunks`` the chunks checked (one
+    check per thread: the counts are not locked).
     """
 
     def __init__(self, table: Mapping[str, FileChunks], rank: str = "") -> None:
@@ -173,6 +174,19 @@ class SpanCheck:
     def covers(self, rel: str) -> bool:
         """Whether the table holds the file ``rel`` (else the caller verifies it whole)."""
         return rel in self.table
+
+    def check_file(self, rel: str, fd: int, base: int) -> None:
+        """Verify every chunk of the file ``rel`` (a reader of all its bytes), read chunk by chunk.
+
+        Raises:
+            ArtifactMismatchError: as :meth:`check`, for the first chunk that differs.
+        """
+        fc = self.table[rel]
+        buf = memoryview(bytearray(min(fc.chunk, fc.size)))
+        for i in range(len(fc.hexes) // 64):
+            a, b = fc.bounds(i)
+            _pread_into(fd, buf[: b - a], base + a, rel)
+            self.check(rel, fd, base, a, buf[: b - a])
 
     def check(self, rel: str, fd: int, base: int, start: int, data: memoryview | bytes) -> None:
         """Verify every chunk covering ``data``, the bytes at ``start`` of the file ``rel``.

@@ -209,8 +209,18 @@ class Loader:
         return SpanCheck(table, rank) if table else None
 
     def _verify_shards(self, shards: list[Shard]) -> None:
+        """Every byte of ``shards``: chunk by chunk with the build's chunk table (a changed byte
+        named by its chunk), else each file's sha256."""
         from concurrent.futures import ThreadPoolExecutor
 
+        table = self.chunk_table()
+        if table and all(s.rel in table for s in shards):
+            with self.timeline.stage("verify chunks") as box, ThreadPoolExecutor(self.readers) as ex:
+                checks = [SpanCheck(table) for _ in shards]  # one per thread: its counts are its own
+                list(ex.map(lambda i: checks[i].check_file(shards[i].rel, shards[i].fd, shards[i].base),
+                            range(len(shards))))
+                box["bytes"], box["chunks"] = sum(c.hashed for c in checks), sum(c.chunks for c in checks)
+            return
         with self.timeline.stage("verify sha256") as box, ThreadPoolExecutor(self.readers) as ex:
             # hashlib releases the GIL: shards hash in parallel
             # exactly the file's bytes: inside a layer blob, the range the manifest pins
@@ -220,7 +230,8 @@ class Loader:
                 box["bytes"] += s.size
 
     def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
-                     pipeline: bool | None = None, copy: bool = False) -> dict[str, torch.Tensor]:
+                     pipeline: bool | None = None, copy: bool = False,
+                     proven: bool = False) -> dict[str, torch.Tensor]:
         """Load every tensor; aliases of tied tensors are the same tensor object.
 
         Args:
@@ -232,6 +243,9 @@ class Loader:
                 CUDA scheduling against the CPU engine.
             copy: CPU only: private materialised tensors read with parallel preadv instead
                 of views of a mapping.
+            proven: CPU views of the mapping, verifying: with the build's chunk table each
+                chunk is proven when its bytes are first used (:mod:`.proven`; a vLLM rank
+                under tensor parallelism uses its slices only); without one, every file whole.
 
         Returns:
             ``{name: tensor}`` including the alias names, in file order (each shard's
@@ -251,7 +265,10 @@ class Loader:
         use_ring = dev.type != "cpu" if pipeline is None else pipeline
         shards = self.open_shards(verify=verify)
         try:
-            if dev.type == "cpu" and not use_ring:
+            check = self._proof_on_use(verify and proven and dtype is None and not copy and not use_ring)
+            if dev.type == "cpu" and check is not None:
+                out = self._proven(torch, shards, check)
+            elif dev.type == "cpu" and not use_ring:
                 if verify:
                     self._verify_shards(shards)
                 bufs = (read_shards(torch, shards, self.readers, self.timeline, hugepages=self.settings.hugepages)
@@ -265,6 +282,20 @@ class Loader:
         if self.auto_flush:
             self.timeline.flush()
         return out
+
+    def _proof_on_use(self, wanted: bool) -> SpanCheck | None:
+        """The check of a load whose chunks are proven on use, if ``wanted`` and the build has a table."""
+        if not wanted:
+            return None
+        from .tp import rank_name
+
+        return self.span_check(rank_name())
+
+    def _proven(self, torch: ModuleType, shards: list[Shard], check: SpanCheck) -> dict[str, torch.Tensor]:
+        from .proven import prove_mapped
+
+        bufs = map_shards(torch, shards, self.timeline)
+        return prove_mapped(torch, shards, bufs, self._tensors(torch, shards, bufs, None), self.chunk_table(), check)
 
     def _device(self, torch: ModuleType, device: str) -> torch.device:
         dev = torch.device(device)

@@ -51,7 +51,8 @@ class Stored(NamedTuple):
     check: SpanCheck | None = None
 
 
-def _rank_name() -> str:
+def rank_name() -> str:
+    """``"rank R of N"`` in a torch.distributed process group, else ""."""
     import torch.distributed as dist
 
     return f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
@@ -60,7 +61,7 @@ def _rank_name() -> str:
 def _span_check(loader: Loader, shards: list[Shard]) -> SpanCheck | None:
     """The check of this rank's reads, each header checked now; None without a chunk table,
     which verifies every file whole (the one way an older build can be proven)."""
-    check = loader.span_check(_rank_name())
+    check = loader.span_check(rank_name())
     whole = [s for s in shards if check is None or not check.covers(s.rel)]
     if whole:
         loader._verify_shards(whole)
