@@ -259,7 +259,8 @@ def test_a_flipped_byte_is_refused_by_the_rank_that_reads_it_only(built: Path, t
         _flip(path, offset + at)
     ours = _ranks(work)
     chunk = at // CHUNK
-    assert ours[1]["error"].startswith(f"mismatch: {WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, "), ours[1]
+    assert ours[1]["error"].startswith("mismatch: "), ours[1]
+    assert f"rank1/out/{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, " in ours[1]["error"], ours[1]
     assert "on rank 1 of 2; the file is corrupt" in ours[1]["error"]
     assert not ours[0]["error"].startswith("mismatch"), ours[0]["error"]  # rank 0 saw its peer leave, no more
 
@@ -298,7 +299,7 @@ def test_mapped_views_prove_the_chunks_of_what_is_used(built: Path, tmp_path: Pa
     assert half * t.shape[1] * 2 <= hashed - CHUNK <= half * t.shape[1] * 2 + 2 * CHUNK, hashed  # + header, edges
     t = loader.load_weights("cpu", verify=True, proven=True)[name]
     chunk = at // CHUNK
-    with pytest.raises(ArtifactMismatchError, match=rf"^{WEIGHTS}: chunk {chunk} \(bytes \[{chunk * CHUNK}, "):
+    with pytest.raises(ArtifactMismatchError, match=rf"bad/{WEIGHTS}: chunk {chunk} \(bytes \[{chunk * CHUNK}, "):
         torch.empty(rows - half, t.shape[1], dtype=t.dtype).copy_(t.narrow(0, half, rows - half))  # rank 1's
     with pytest.raises(ArtifactMismatchError, match=rf"chunk {chunk} "):
         t.float()  # any use of the bytes proves them first
@@ -310,7 +311,7 @@ def test_a_whole_verified_load_names_the_chunk(built: Path, tmp_path: Path) -> N
     path, offset, size = weight_location(bad, WEIGHTS)
     at = size // 2
     _flip(path, offset + at)
-    with pytest.raises(ArtifactMismatchError, match=rf"^{WEIGHTS}: chunk {at // CHUNK} \(bytes "):
+    with pytest.raises(ArtifactMismatchError, match=rf"bad/{WEIGHTS}: chunk {at // CHUNK} \(bytes "):
         open_build(bad).load_weights("cpu", verify=True)
     loader = open_build(built)
     loader.load_weights("cpu", verify=True)

@@ -147,6 +147,13 @@ def table_doc(chunk: int, files: Mapping[str, tuple[int, str, tuple[str, ...]]])
                       for rel, (size, sha, digests) in sorted(files.items())}}
 
 
+def rank_name() -> str:
+    """``"rank R of N"`` in a torch.distributed process group, else "" (torch imported here)."""
+    import torch.distributed as dist
+
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
+
+
 def _pread_into(fd: int, view: memoryview, at: int, where: str) -> None:
     got = 0
     while got < len(view):
@@ -175,7 +182,7 @@ class SpanCheck:
         """Whether the table holds the file ``rel`` (else the caller verifies it whole)."""
         return rel in self.table
 
-    def check_file(self, rel: str, fd: int, base: int) -> None:
+    def check_file(self, rel: str, fd: int, base: int, where: str | None = None) -> None:
         """Verify every chunk of the file ``rel`` (a reader of all its bytes), read chunk by chunk.
 
         Raises:
@@ -186,9 +193,10 @@ class SpanCheck:
         for i in range(len(fc.hexes) // 64):
             a, b = fc.bounds(i)
             _pread_into(fd, buf[: b - a], base + a, rel)
-            self.check(rel, fd, base, a, buf[: b - a])
+            self.check(rel, fd, base, a, buf[: b - a], where)
 
-    def check(self, rel: str, fd: int, base: int, start: int, data: memoryview | bytes) -> None:
+    def check(self, rel: str, fd: int, base: int, start: int, data: memoryview | bytes,
+              where: str | None = None) -> None:
         """Verify every chunk covering ``data``, the bytes at ``start`` of the file ``rel``.
 
         Args:
@@ -197,6 +205,7 @@ class SpanCheck:
             base: where the file's first byte is in ``fd`` (its offset in the blob; 0 for a file).
             start: where ``data`` starts in the file (bytes).
             data: the bytes the reader uses; the rest of each covering chunk is read here.
+            where: the file as found on this machine, for messages (default ``rel``).
 
         Raises:
             ArtifactMismatchError: a chunk whose sha256 is not the table's, naming the file,
@@ -220,6 +229,6 @@ class SpanCheck:
             if h.hexdigest() != fc.digest(i):
                 by = f" on {self.rank}" if self.rank else ""
                 raise ArtifactMismatchError(
-                    f"{rel}: chunk {i} (bytes [{a}, {b}) of {fc.size}) has sha256 {h.hexdigest()[:16]}..., the "
-                    f"chunk table pins {fc.digest(i)[:16]}...{by}; the file is corrupt or from "
+                    f"{where or rel}: chunk {i} (bytes [{a}, {b}) of {fc.size}) has sha256 {h.hexdigest()[:16]}..., "
+                    f"the chunk table pins {fc.digest(i)[:16]}...{by}; the file is corrupt or from "
                     "another build")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_targets, match_slots, module_slots
 from .bundle_cache import cache_root, cached
-from .chunks import FileChunks, SpanCheck, parse_table, table_in_tree
+from .chunks import FileChunks, SpanCheck, parse_table, rank_name, table_in_tree
 from .cpu import map_shards, prefetch_files, read_shards
 from .env import ArtifactMismatchError
 from .place import FilePlace, place_of
@@ -217,7 +217,8 @@ class Loader:
         if table and all(s.rel in table for s in shards):
             with self.timeline.stage("verify chunks") as box, ThreadPoolExecutor(self.readers) as ex:
                 checks = [SpanCheck(table) for _ in shards]  # one per thread: its counts are its own
-                list(ex.map(lambda i: checks[i].check_file(shards[i].rel, shards[i].fd, shards[i].base),
+                list(ex.map(lambda i: checks[i].check_file(shards[i].rel, shards[i].fd, shards[i].base,
+                                                                   shards[i].label),
                             range(len(shards))))
                 box["bytes"], box["chunks"] = sum(c.hashed for c in checks), sum(c.chunks for c in checks)
             return
@@ -287,8 +288,6 @@ class Loader:
         """The check of a load whose chunks are proven on use, if ``wanted`` and the build has a table."""
         if not wanted:
             return None
-        from .tp import rank_name
-
         return self.span_check(rank_name())
 
     def _proven(self, torch: ModuleType, shards: list[Shard], check: SpanCheck) -> dict[str, torch.Tensor]:

@@ -40,8 +40,9 @@ METADATA = frozenset({"shape", "dtype", "device", "size", "dim", "ndim", "numel"
 class _Mapped:
     """One shard's mapping: where it starts in memory, its file's chunks, which are proven."""
 
-    def __init__(self, rel: str, start: int, view: memoryview, chunks: FileChunks, check: SpanCheck) -> None:
-        self.rel, self.start, self.view, self.chunks, self.check = rel, start, view, chunks, check
+    def __init__(self, shard: Shard, start: int, view: memoryview, chunks: FileChunks, check: SpanCheck) -> None:
+        self.rel, self.label, self.start, self.view = shard.rel, shard.label, start, view
+        self.chunks, self.check = chunks, check
         self.proven: set[int] = set()
         self.lock = threading.Lock()
 
@@ -52,7 +53,7 @@ class _Mapped:
                 if i in self.proven:
                     continue
                 a, b = self.chunks.bounds(i)
-                self.check.check(self.rel, -1, 0, a, self.view[a:b])  # the whole chunk: nothing read
+                self.check.check(self.rel, -1, 0, a, self.view[a:b], self.label)  # the whole chunk: nothing read
                 self.proven.add(i)
 
 
@@ -148,7 +149,7 @@ def prove_mapped(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], t
     for s, (buf, _) in zip(shards, bufs, strict=True):
         if s.rel not in table:
             raise ArtifactMismatchError(f"{s.rel}: the chunk table holds no digests of it")
-        mapped = _Mapped(s.rel, buf.data_ptr(), memoryview(buf.numpy()), table[s.rel], check)
+        mapped = _Mapped(s, buf.data_ptr(), memoryview(buf.numpy()), table[s.rel], check)
         _MAPPINGS[buf.untyped_storage().data_ptr()] = mapped
         mapped.prove(0, len(s.head))
         for e in s.tensors:

@@ -33,7 +33,7 @@ import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .assign import module_slots
-from .chunks import SpanCheck
+from .chunks import SpanCheck, rank_name
 from .env import torch_dtype
 from .hf import hf_construct, hf_finish
 from .shards import Shard, TensorEntry
@@ -51,13 +51,6 @@ class Stored(NamedTuple):
     check: SpanCheck | None = None
 
 
-def rank_name() -> str:
-    """``"rank R of N"`` in a torch.distributed process group, else ""."""
-    import torch.distributed as dist
-
-    return f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
-
-
 def _span_check(loader: Loader, shards: list[Shard]) -> SpanCheck | None:
     """The check of this rank's reads, each header checked now; None without a chunk table,
     which verifies every file whole (the one way an older build can be proven)."""
@@ -68,7 +61,7 @@ def _span_check(loader: Loader, shards: list[Shard]) -> SpanCheck | None:
     if check is None:
         return None
     for s in shards:  # the header this rank parsed, as it was read
-        check.check(s.rel, s.fd, s.base, 0, s.head)
+        check.check(s.rel, s.fd, s.base, 0, s.head, s.label)
     return check
 
 
@@ -225,7 +218,7 @@ def read_rows(torch: Any, stored: Stored, first: int, last: int, stats: dict[str
         got += n
     stats["read"] += got
     if check is not None and check.covers(s.rel):
-        check.check(s.rel, s.fd, s.base, at - s.base, view)
+        check.check(s.rel, s.fd, s.base, at - s.base, view, s.label)
     return buf.view(dt).view((last - first, *e.shape[1:]) if e.shape else ())
 
 
