@@ -23,7 +23,8 @@ from packer.reading import JSON_DOC, open_regular, read_bytes
 from packer.runtime.chunks import CHUNKS_NAME, CHUNKS_REL, MAX_CHUNK, MIN_CHUNK, FileChunks, parse_table, table_doc
 from packer.runtime.env import ArtifactMismatchError
 
-__all__ = ["CHUNKS_NAME", "CHUNKS_REL", "DEFAULT_CHUNK", "MAX_CHUNK", "MIN_CHUNK", "chunk_table", "verify_chunks"]
+__all__ = ["CHUNKS_NAME", "CHUNKS_REL", "DEFAULT_CHUNK", "MAX_CHUNK", "MIN_CHUNK", "chunk_difference", "chunk_table",
+           "verify_chunks"]
 
 DEFAULT_CHUNK = 1 << 20  # 1 MiB: benchmarks/RESULTS.md ("Chunk size") gives the numbers
 
@@ -113,6 +114,23 @@ def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, F
         bad = next((i for i, (a, b) in enumerate(zip(got, fc.digests, strict=True)) if a != b), None)
         if bad is not None:
             a, b = fc.bounds(bad)
-            raise VerifyError(f"{out / rel}: chunk {bad} (bytes [{a}, {b}) of {fc.size}) has sha256 "
+            raise VerifyError(f"{_where(out, places[rel])}: chunk {bad} (bytes [{a}, {b}) of {fc.size}) has sha256 "
                               f"{got[bad][:16]}..., {CHUNKS_REL} pins {fc.digests[bad][:16]}...")
     return hashed
+
+
+def _where(out: Path, place: FilePlace) -> str:
+    """The file as found: a file of its own, or its bytes in a layer blob."""
+    path, offset, _ = place.path(out)
+    return f"{path} ({place.rel} at offset {offset})" if place.in_blob else str(path)
+
+
+def chunk_difference(out: Path, manifest: Mapping[str, Any], places: Mapping[str, FilePlace]) -> str | None:
+    """Where the chunk table places a difference in the weight files (the first chunk that
+    differs, in words), for a refusal that blamed a whole blob; None when it finds none or
+    cannot tell (no table, a table that is itself wrong)."""
+    try:
+        verify_chunks(out, manifest, places)
+    except VerifyError as e:
+        return str(e) if ": chunk " in str(e) else None
+    return None

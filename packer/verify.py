@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.bundle import verify_bundle
-from packer.chunks import verify_chunks
+from packer.chunks import chunk_difference, verify_chunks
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
@@ -244,8 +244,6 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
     count = len(listed) + 1 + len(referrer)  # with manifest.json
     if referrer or warm_index:  # the pinned index is index.json less the referrer and warm images: checked above
         listed = {rel: e for rel, e in listed.items() if rel != INDEX_REL}
-    # before the image walk, whose blob digest would blame a changed weight byte on its whole blob
-    verify_chunks(out, manifest, places, _chunk_vouches(places, vouched))
     checked: set[str] = set()
     stop = threading.Event()
     pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="packer-verify-files")
@@ -257,9 +255,13 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
             except ImageArtifactMismatchError as e:
                 raise VerifyError(f"{out / MANIFEST_NAME}: differs from the copy built into the image ({e})") from e
         nbytes = _check_files(out, listed, checked, ahead, places)
+    except VerifyError as e:  # a changed weight byte blames its whole blob: the chunk table says where
+        where = chunk_difference(out, manifest, places)
+        raise (VerifyError(f"{e}; {where}") if where else e) from e
     finally:
         stop.set()  # a failure above need not wait for every file to be hashed
         pool.shutdown(wait=True, cancel_futures=True)
+    verify_chunks(out, manifest, places, _chunk_vouches(places, vouched))
     if manifest.get("weights"):
         for section in components_of(manifest["weights"]):  # each component on its own
             verify_weights(out, section, places)

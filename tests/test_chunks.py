@@ -164,9 +164,30 @@ def test_verify_names_the_chunk_of_a_flipped_byte(built: Path, tmp_path: Path) -
     path, offset, size = weight_location(bad, WEIGHTS)
     at = size - 3 * CHUNK + 123
     _flip(path, offset + at)
-    with pytest.raises(VerifyError, match=rf"bad/{WEIGHTS}: chunk {at // CHUNK} \(bytes \[{at // CHUNK * CHUNK}, "
-                                          rf"{at // CHUNK * CHUNK + CHUNK}\) of {size}\) has sha256"):
+    c = at // CHUNK
+    # the image walk blames the blob; the chunk table says where in the file
+    blob = r"bad/image/blobs/sha256/\w+"
+    with pytest.raises(VerifyError, match=rf"{blob}: .*; \S+{blob} \({WEIGHTS} at offset {offset}\): chunk {c} "
+                                          rf"\(bytes \[{c * CHUNK}, {c * CHUNK + CHUNK}\) of {size}\) has sha256"):
         verify(bad)
+
+
+def test_verify_checks_the_table_against_the_bytes(built: Path, tmp_path: Path) -> None:
+    from packer.chunks import verify_chunks
+    from packer.place import places_of
+
+    bad = _copy(built, tmp_path / "bad")
+    manifest = json.loads((bad / "manifest.json").read_bytes())
+    table = json.loads((bad / CHUNKS_REL).read_bytes())
+    table["files"][WEIGHTS]["chunks"] = table["files"][WEIGHTS]["chunks"][:64 * 5] + "0" * 64 \
+        + table["files"][WEIGHTS]["chunks"][64 * 6:]  # chunk 5 forged, the table pinned anew
+    data = canonical_json(table)
+    (bad / CHUNKS_REL).write_bytes(data)
+    manifest["files"][CHUNKS_REL] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    places = places_of(manifest["files"], where="m")
+    assert verify_chunks(built, json.loads((built / "manifest.json").read_bytes()), places) > 0  # read, hashed: ok
+    with pytest.raises(VerifyError, match=rf"\({WEIGHTS} at offset \d+\): chunk 5 \(bytes \[{5 * CHUNK}, "):
+        verify_chunks(bad, manifest, places)
 
 
 def test_a_tampered_table_is_refused_by_verify_and_the_loader(built: Path, tmp_path: Path) -> None:
@@ -175,7 +196,7 @@ def test_a_tampered_table_is_refused_by_verify_and_the_loader(built: Path, tmp_p
     hexes = table["files"][WEIGHTS]["chunks"]
     table["files"][WEIGHTS]["chunks"] = "0" * 64 + hexes[64:]  # a forger's digest for chunk 0
     (bad / CHUNKS_REL).write_bytes(canonical_json(table))
-    with pytest.raises(VerifyError, match=rf"{CHUNKS_REL}: sha256 \w+\.\.\. differs from the manifest's"):
+    with pytest.raises(VerifyError, match=rf"{CHUNKS_REL}: sha256 \w+… differs from the manifest's"):
         verify(bad)
     with pytest.raises(ArtifactMismatchError, match=rf"{CHUNKS_REL}: sha256 \w+\.\.\., the manifest says"):
         open_build(bad).chunk_table()

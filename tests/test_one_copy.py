@@ -173,9 +173,12 @@ def test_a_flipped_byte_of_the_one_copy_is_refused_by_each_reader(
     bad = _flipped(out, tmp_path)
     r = subprocess.run([sys.executable, "-m", "packer", "verify", str(bad)], capture_output=True, text=True,
                        timeout=300)
-    # the chunk table names the chunk that holds the flipped byte, before the image walk blames its blob
-    assert r.returncode == 1 and re.search(r"weights/model.safetensors: chunk \d+ \(bytes \[\d+, \d+\) of \d+\) "
-                                           r"has sha256 \w+\.\.\., weights/packer-chunks.json pins", r.stderr), r.stderr
+    assert r.returncode == 1 and "image/blobs/sha256/" in r.stderr and "does not match" in r.stderr, r.stderr
+    assert "the weight file it holds at offset 4096 is the manifest's weights/model.safetensors: sha256" in r.stderr
+    # and the chunk table says which chunk of the file holds the flipped byte
+    chunk = (r"; \S+/image/blobs/sha256/\w+ \(weights/model.safetensors at offset 4096\): chunk \d+ "
+             r"\(bytes \[\d+, \d+\) of \d+\) has sha256 \w+\.\.\., weights/packer-chunks.json pins")
+    assert re.search(chunk, r.stderr), r.stderr
     with pytest.raises(ArtifactMismatchError, match=r"chunk \d+ \(bytes .*the chunk table pins"):
         open_build(bad).load_weights("cpu", verify=True)
     open_build(out).load_weights("cpu", verify=True)  # the untouched build loads
