@@ -9,6 +9,7 @@ inside the stage functions, so importing this module stays cheap (no torch).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -16,7 +17,7 @@ from typing import Any
 
 from packer.errors import SignError
 from packer.formats import MANIFEST_NAME
-from packer.fsutil import FileEntry, canonical_json, sha256_file
+from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
 from packer.reading import SIGNATURE, read_bytes
 from packer.stage import Stage, StageContext, StageOutput
@@ -51,9 +52,28 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     if ctx.dry_run:
         return out
     framing = None if layer_image is None else partial(weight_layer_framing, layer_image, mtime=mtime)
-    files, vouched = reread_blobs(ctx.staging, out.files, framing)
+    files, vouched = reread_blobs(ctx.staging, out.files, framing, ctx.recipe.weights.chunk_size)
     layers = {f"layer:{f.path}": digest for f in files if f.blob and (digest := f.place().blob_digest)}
-    return replace(out, files=files, vouched=vouched, digests=layers)  # none of the child's
+    return _with_chunk_table(ctx, replace(out, files=files, vouched=vouched, digests=layers))  # none of the child's
+
+
+def _with_chunk_table(ctx: StageContext, out: StageOutput) -> StageOutput:
+    """``out`` with ``weights/packer-chunks.json`` (:mod:`packer.chunks`): the chunk digests the
+    re-read of each weight layer blob hashed, pinned as a weight file of the build (its weights
+    section names it under ``chunks``; the model directory and ``model.sig`` hold it). Weight
+    files written as plain files (no layer blob) are hashed by the writer, in no chunks: such a
+    build has no table, and its readers verify whole files."""
+    from packer.chunks import CHUNKS_REL, chunk_table
+
+    held = {f.path: f.place().blob_digest for f in out.files if f.blob}
+    digests = {rel: (v.chunk, v.chunks) for rel, blob in held.items() if (v := out.vouched.get(str(blob)))}
+    data = chunk_table(out.files, digests)
+    if data is None:
+        return out
+    (ctx.staging / CHUNKS_REL).parent.mkdir(exist_ok=True)  # with every weight file in a blob, made here
+    atomic_write_bytes(ctx.staging / CHUNKS_REL, data)
+    entry = FileEntry(CHUNKS_REL, len(data), hashlib.sha256(data).hexdigest())
+    return replace(out, files=(*out.files, entry), section={**out.section, "chunks": CHUNKS_REL})
 
 
 def bundle_stage(ctx: StageContext) -> StageOutput:

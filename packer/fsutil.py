@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -118,6 +119,66 @@ def sha256_range(fd: int, start: int, end: int) -> str:
         h.update(view[:n])
         at += n
     return h.hexdigest()
+
+
+class _Chunks:
+    """sha256 of each ``chunk``-byte piece of a range fed in order from ``start``."""
+
+    def __init__(self, start: int, chunk: int) -> None:
+        self.start, self.chunk, self.piece = start, chunk, hashlib.sha256()
+        self.done: list[str] = []
+
+    def feed(self, view: memoryview, at: int) -> None:
+        pos = 0
+        while pos < len(view):  # a chunk's end may fall inside the buffer (a chunk under its size)
+            take = min(len(view) - pos, self.chunk - (at + pos - self.start) % self.chunk)
+            self.piece.update(view[pos:pos + take])
+            pos += take
+            if (at + pos - self.start) % self.chunk == 0:
+                self.done.append(self.piece.hexdigest())
+                self.piece = hashlib.sha256()
+
+    def close(self, end: int) -> tuple[str, ...]:
+        if (end - self.start) % self.chunk:
+            self.done.append(self.piece.hexdigest())
+        return tuple(self.done)
+
+
+def sha256_chunked(fd: int, start: int, end: int, chunk: int) -> tuple[str, tuple[str, ...]]:
+    """sha256 (hex) of bytes ``start:end`` of ``fd`` and of each ``chunk``-byte piece of them, from
+    one read (``pread`` into buffers of this call's own, as :func:`sha256_range`).
+
+    The chunks are hashed on a helper thread from the buffer just read while this one reads the
+    next and hashes it whole (hashlib releases the GIL): two buffers, each reused only once the
+    helper is done with it. Where cores are free the chunks cost no wall time.
+
+    Returns:
+        ``(whole, chunks)``: the range's sha256 and each chunk's, the last chunk shorter.
+
+    Raises:
+        ValueError: not ``0 <= start <= end`` or ``chunk < 1``; EOFError: the file ends
+            before ``end``; OSError: unreadable.
+    """
+    if not 0 <= start <= end or chunk < 1:
+        raise ValueError(f"sha256_chunked: not a range of bytes in chunks: {start}:{end} by {chunk}")
+    whole, pieces = hashlib.sha256(), _Chunks(start, chunk)
+    bufs = [memoryview(bytearray(min(HASH_READ, end - start))) for _ in range(2)]
+    with ThreadPoolExecutor(1, thread_name_prefix="packer-chunks") as helper:
+        pending: Future[None] | None = None
+        at, turn = start, 0
+        while at < end:
+            view = bufs[turn]
+            n = os.preadv(fd, [view[:min(len(view), end - at)]], at)
+            if n <= 0:
+                raise EOFError(f"the file ends at byte {at}, before byte {end}")
+            whole.update(view[:n])
+            if pending is not None:
+                pending.result()  # the other buffer is free again
+            pending = helper.submit(pieces.feed, view[:n], at)
+            at, turn = at + n, 1 - turn
+        if pending is not None:
+            pending.result()
+    return whole.hexdigest(), pieces.close(end)
 
 
 def sha256_file_or_none(path: str | Path, stop: threading.Event) -> tuple[int, str] | None:

@@ -68,6 +68,8 @@ class WeightsConfig:
     variants: tuple[str, ...] = ()
     # expanded views are written out: the output may be this many times the input storages' bytes + 1 GiB
     max_expansion: float = 4.0
+    # chunk digests (packer.runtime.chunks): each weight file hashed per chunk of this many bytes
+    chunk_size: int = 1 << 20  # packer.chunks.DEFAULT_CHUNK: benchmarks/RESULTS.md says why
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,13 @@ def _size(path: str, v: Any) -> int:
         if size > 0:
             return size
     raise _fail(path, 'a size like "5GB"', v)
+
+
+def _chunk_size(path: str, v: Any) -> int:
+    size = _size(path, v) if isinstance(v, str) else 0
+    if size % 4096 == 0 and 4096 <= size <= 1 << 30:
+        return size
+    raise _fail(path, 'a multiple of 4 KiB up to 1 GiB, like "4MiB"', v)
 
 
 def _ratio(path: str, v: Any) -> float:
@@ -420,7 +429,7 @@ _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
     "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
-    "max_expansion": _ratio, "variants": _str_list,
+    "max_expansion": _ratio, "variants": _str_list, "chunk_size": _chunk_size,
 }
 _BUNDLE = {"include": _str_list, "exclude": _str_list, "remote_code": _bool}
 _IMAGE = {

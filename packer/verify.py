@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.bundle import verify_bundle
+from packer.chunks import chunk_difference, verify_chunks
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
@@ -221,6 +222,12 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
         raise named from e
 
 
+def _chunk_vouches(places: dict[str, FilePlace], vouched: Vouched | None) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """The chunk digests the build's re-read took of each file, by its path (a blob holds one file)."""
+    by_blob = {p.blob_digest: rel for rel, p in places.items() if p.in_blob}
+    return {by_blob[d]: (v.chunk, v.chunks) for d, v in (vouched or {}).items() if d in by_blob and v.chunk}
+
+
 def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict[str, Any]:
     raw, manifest = read_manifest(out)
     _check_self(out, raw, manifest)
@@ -248,9 +255,13 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
             except ImageArtifactMismatchError as e:
                 raise VerifyError(f"{out / MANIFEST_NAME}: differs from the copy built into the image ({e})") from e
         nbytes = _check_files(out, listed, checked, ahead, places)
+    except VerifyError as e:  # a changed weight byte blames its whole blob: the chunk table says where
+        where = chunk_difference(out, manifest, places)
+        raise (VerifyError(f"{e}; {where}") if where else e) from e
     finally:
         stop.set()  # a failure above need not wait for every file to be hashed
         pool.shutdown(wait=True, cancel_futures=True)
+    verify_chunks(out, manifest, places, _chunk_vouches(places, vouched))
     if manifest.get("weights"):
         for section in components_of(manifest["weights"]):  # each component on its own
             verify_weights(out, section, places)

@@ -480,5 +480,5 @@ def test_dockerfile_comments_name_each_file_once(demo_out: Path) -> None:
     text = (demo_out / "Dockerfile").read_text()
     manifest = json.loads((demo_out / "manifest.json").read_bytes())
     members = ", ".join(m["name"] for m in manifest["bundle"]["members"])
-    assert f"# model files: {members} (from bundle.tar.zst)\n" in text
+    assert f"# model files: {members} (from bundle.tar.zst); weights/packer-chunks.json\n" in text
     assert text.count("bundle.tar.zst") == 2  # the model files' source and the bundle layer's file

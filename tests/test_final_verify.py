@@ -86,16 +86,17 @@ def _during_the_re_read(monkeypatch: pytest.MonkeyPatch, act: Any) -> list[int |
     """Run ``act(fd)`` as the re-read starts hashing the blob (what a process the child left
     behind could do); the hash of the file inside it starts late. Returns the inode that hasher
     still sees through its descriptor when it ends (None: the descriptor was gone)."""
-    real = packer.oci.reread.sha256_range
+    real, real_chunked = packer.oci.reread.sha256_range, packer.oci.reread.sha256_chunked
     seen: list[int | None] = []
 
-    def hash_range(fd: int, start: int, end: int) -> str:
-        if start == 0:
-            act(fd)
-            return real(fd, start, end)
+    def hash_range(fd: int, start: int, end: int) -> str:  # the blob's hasher
+        act(fd)
+        return real(fd, start, end)
+
+    def hash_file(fd: int, start: int, end: int, chunk: int) -> tuple[str, tuple[str, ...]]:  # the file's
         time.sleep(0.2)  # still reading when the blob's hash has failed
         try:
-            return real(fd, start, end)
+            return real_chunked(fd, start, end, chunk)
         finally:
             try:
                 seen.append(os.fstat(fd).st_ino)
@@ -103,6 +104,7 @@ def _during_the_re_read(monkeypatch: pytest.MonkeyPatch, act: Any) -> list[int |
                 seen.append(None)
 
     monkeypatch.setattr(packer.oci.reread, "sha256_range", hash_range)
+    monkeypatch.setattr(packer.oci.reread, "sha256_chunked", hash_file)
     return seen
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -51,7 +52,8 @@ def _manifest(out: Path) -> dict[str, Any]:
 def test_the_layer_blob_is_the_one_copy_at_a_page_offset(signed: tuple[Path, dict[str, Any]]) -> None:
     out, summary = signed
     entry = _manifest(out)["files"][WEIGHTS]
-    assert not (out / "weights").exists()  # no second copy beside the image
+    # no second copy beside the image: weights/ holds the chunk table alone
+    assert [p.name for p in (out / "weights").iterdir()] == ["packer-chunks.json"]
     blob = out / entry["blob"]
     assert entry["blob"].startswith("image/blobs/sha256/") and entry["offset"] % PAGE == 0
     assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name  # the blob is its layer
@@ -173,7 +175,11 @@ def test_a_flipped_byte_of_the_one_copy_is_refused_by_each_reader(
                        timeout=300)
     assert r.returncode == 1 and "image/blobs/sha256/" in r.stderr and "does not match" in r.stderr, r.stderr
     assert "the weight file it holds at offset 4096 is the manifest's weights/model.safetensors: sha256" in r.stderr
-    with pytest.raises(ArtifactMismatchError, match=r"sha256 .*the manifest says"):
+    # and the chunk table says which chunk of the file holds the flipped byte
+    chunk = (r"; \S+/image/blobs/sha256/\w+ \(weights/model.safetensors at offset 4096\): chunk \d+ "
+             r"\(bytes \[\d+, \d+\) of \d+\) has sha256 \w+\.\.\., weights/packer-chunks.json pins")
+    assert re.search(chunk, r.stderr), r.stderr
+    with pytest.raises(ArtifactMismatchError, match=r"chunk \d+ \(bytes .*the chunk table pins"):
         open_build(bad).load_weights("cpu", verify=True)
     open_build(out).load_weights("cpu", verify=True)  # the untouched build loads
     # the image's /models: unpacked by umoci, and read layer tar by layer tar (umoci refuses a

@@ -113,6 +113,7 @@ EVERY_STRING = {
     "name": "m", "version": "1", "source": "demo",
     "weights": {"files": ["*.bin"], "key": "state_dict", "strip_prefixes": ["module."],
                 "renames": [{"pattern": "a", "replace": "b"}], "dtype": "float16", "max_shard_size": "5GB",
+                "chunk_size": "1MiB",
                 "tie_prefer": ["lm_head.weight"], "allow_globals": ["m.C"], "layout": "auto",
                 "components": ["unet"], "variants": ["model.int8.safetensors"]},
     "bundle": {"include": ["*.json"], "exclude": ["x.json"]},

@@ -89,7 +89,9 @@ def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Pa
     copy = _copy(signed, tmp_path / "copy")
     held, offset, _ = weight_location(copy, "weights/model.safetensors")  # its one copy: in its layer blob
     _flip(held, offset + 20_000)
-    with pytest.raises(VerifyError, match=r"weights/model.safetensors: sha256 \w+… differs") as e:
+    # and the chunk table names the chunk that holds the byte (byte 20000: chunk 0 of 1 MiB)
+    with pytest.raises(VerifyError, match=r"weights/model.safetensors: sha256 \w+… differs.*; .*\(weights/model."
+                                          r"safetensors at offset \d+\): chunk 0 \(bytes \[0, 1048576\) of") as e:
         verify(copy, public_key=keys["pub"])
     print(e.value)
     linked = Path(loader_model_dir(copy, tmp_path / "cache").stdout.strip())
@@ -99,9 +101,9 @@ def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Pa
            "PACKER_STARTUP_LOG": "off", "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, str(copy / "packer_loader.py"), "--selftest", "--device", "cpu"],
                        capture_output=True, text=True, env=env, timeout=300)
-    print(r.stderr)  # the signature pins digests, so the loader checks every file's sha256
+    print(r.stderr)  # the signature pins digests, so the loader checks every chunk of what it loads
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith(
-        f"packer_loader: self-test failed: {copy.resolve() / 'weights' / 'model.safetensors'}: sha256")
+        f"packer_loader: self-test failed: {copy.resolve() / 'weights' / 'model.safetensors'}: chunk 0 (bytes [0, ")
 
 
 def _attacker_build(tmp_path: Path, signed: Path, attacker_key: Path, edit: str) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -324,3 +325,26 @@ def test_signed_serves_only_the_signed_model_dir(tmp_path: Path) -> None:
                        timeout=900, check=False)
     assert r.returncode != 0
     assert f"{changed / 'config.json'}: sha256 " in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="hardware: vLLM's CPU backend runs one core per rank")
+def test_tensor_parallel_ranks_prove_only_the_chunks_they_use(tmp_path: Path) -> None:
+    """A real packer build (its chunk table of 4 KiB chunks: the model's tensors are 16-64 KiB):
+    each rank proves the chunks of the slices vLLM's weight loaders take (a column split's rows,
+    a row split's whole matrix), not every file whole, and the tokens are vLLM's own."""
+    from tests.built import build_dir, weight_location
+
+    llama(tmp_path / "hf", tied=False, **VLLM_LLAMA)
+    out = tmp_path / "out"
+    build_dir(tmp_path / "hf", out, weights={"chunk_size": "4KiB"})
+    r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir"], capture_output=True,
+                       text=True, env=env(tmp_path), timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    d = Path(r.stdout.strip())
+    want, _ = generate(tmp_path, d, "auto", tp=2)
+    got, log = generate(tmp_path, d, "packer", tp=2, extra={"verify": True})
+    assert got == want
+    proven = [int(n) for n in re.findall(r", (\d+) bytes of chunks proven \(tensor parallel 2\)", log)]
+    size = weight_location(out, "weights/model.safetensors")[2]
+    assert len(proven) == 2 and all(0 < n < 0.8 * size for n in proven), (proven, size)

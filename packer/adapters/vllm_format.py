@@ -278,19 +278,24 @@ def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any], *, tp_si
     target = next((p.device for p in model.parameters()), torch.device("cpu"))
     tp = tp_size
     device = weights_device(target, tp, opts.get("device"))
-    tensors = loader.load_weights(device, verify=bool(opts.get("verify")))
+    # under TP each rank uses its slices only: verifying, it proves the chunks of those as vLLM's
+    # weight loaders first use them (a build without a chunk table: every file whole)
+    tensors = loader.load_weights(device, verify=bool(opts.get("verify")), proven=tp > 1 and device == "cpu")
     if tp > 1 and device == "cpu":
         no_readahead(tensors)
     n = len(tensors)
-    # load_weights returns the tensors in file order (each shard by offset), tied aliases last
-    loaded = model.load_weights(iter(tensors.items()))
+    try:
+        # load_weights returns the tensors in file order (each shard by offset), tied aliases last
+        loaded = model.load_weights(iter(tensors.items()))
+    finally:
+        hashed = loader.proven_done()
     del tensors  # the mapping (or the device buffers) go with the last view
     if loaded is not None and getattr(model_config, "quantization", None) is None:  # as vLLM's own check
         left = sorted({name for name, _ in model.named_parameters()} - set(loaded))
         if left:
             raise EngineAdapterError(f"--load-format packer: {len(left)} parameter(s) of the model got no "
                                      f"weights from {path.parent}: {left[:8]}")
+    proof = f", {hashed} bytes of chunks proven" if hashed else ", sha256 verified" if opts.get("verify") else ""
     _log.info("packer: %d tensors (aliases included) of %s loaded through %s on %s%s (tensor parallel %d) in %.2f s",
-              n, path.parent, path.name, device, ", sha256 verified" if opts.get("verify") else "", tp,
-              time.perf_counter() - start)
+              n, path.parent, path.name, device, proof, tp, time.perf_counter() - start)
     return set(loaded or ())

@@ -94,10 +94,13 @@ def _header(plan: ImagePlan) -> list[str]:
 
 
 def _layer_comment(planned: PlannedLayer) -> str:
-    """What a layer holds: each file once, a bundle member by its own name (and the bundle it comes from)."""
-    names = [f.member or f.rel_path for f in planned.files]
+    """What a layer holds: each file once, bundle members by their own names (and the bundle they come
+    from), then the files of OUT beside them (the shard index, the chunk table)."""
+    members = [f.member for f in planned.files if f.member]
     bundles = sorted({f.rel_path for f in planned.files if f.member})
-    return f"{planned.name}: {', '.join(names)}" + (f" (from {', '.join(bundles)})" if bundles else "")
+    parts = [f"{', '.join(members)} (from {', '.join(bundles)})"] if members else []
+    others = [f.rel_path for f in planned.files if not f.member]
+    return f"{planned.name}: " + "; ".join([*parts, *([", ".join(others)] if others else [])])
 
 
 def render_dockerfile(

@@ -13,7 +13,8 @@ than sharing one mapping, whose page faults cost more than the copies):
   what was meant outside the spans the child read back too, and reproducible;
 - the blob's digest names it: it moves to ``image/blobs/sha256/<digest>``;
 - the file's sha256, which the manifest, the emitted loader and the model signature pin, comes
-  from these bytes, never from the child.
+  from these bytes, never from the child; so does the sha256 of each of its chunks (the chunk
+  table, :mod:`packer.runtime.chunks`), hashed from the same buffers.
 
 Each blob's :class:`Vouch` lets the final verification (:func:`packer.verify.verify`) take both
 digests for the same file, not written since, instead of hashing it again.
@@ -25,14 +26,14 @@ import contextlib
 import os
 import stat
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
 from packer.formats import UNNAMED_BLOBS
-from packer.fsutil import FileEntry, Identity, identity, sha256_range
+from packer.fsutil import FileEntry, Identity, identity, sha256_chunked, sha256_range
 from packer.idents import check_rel_name, shown
 from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular, walk_tree
@@ -49,6 +50,8 @@ class Vouch:
         identity: the blob file read (:func:`~packer.fsutil.identity`: device, inode, size and
             mtime, the same before and after the read). A later reader holding a file of that
             identity takes both digests; stat shows no write since, which is what it can tell.
+        chunk, chunks: the chunk size (bytes) and the file's chunk digests (hex), from the
+            same read.
     """
 
     offset: int
@@ -56,6 +59,8 @@ class Vouch:
     sha256: str
     digest: str
     identity: Identity
+    chunk: int = 0
+    chunks: tuple[str, ...] = ()
 
 
 Vouched = dict[str, Vouch]  # "sha256:<blob hex>" -> what was read of it
@@ -115,7 +120,7 @@ def _framing_matches(fd: int, size: int, prefix: bytes, suffix: bytes) -> bool:
     return os.pread(fd, len(prefix), 0) == prefix and os.pread(fd, len(suffix), size - len(suffix)) == suffix
 
 
-def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor) -> Vouch:
+def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor, chunk: int) -> Vouch:
     prefix, suffix = framing(entry.path, entry.size)
     with open_regular(path, WeightsError) as f:
         fd = f.fileno()
@@ -130,14 +135,15 @@ def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecut
             if not _framing_matches(fd, size, prefix, suffix):
                 raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this "
                                    "build writes: the weights stage wrote it wrong (or it shrank)")
-            hashes = [pool.submit(sha256_range, fd, 0, size),  # the blob: its name
-                      pool.submit(sha256_range, fd, entry.offset, entry.offset + entry.size)]  # the file
+            blob = pool.submit(sha256_range, fd, 0, size)  # the blob: its name
+            inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk)  # the file
             try:
-                digest, sha256 = (h.result() for h in hashes)
+                digest, (sha256, chunks) = blob.result(), inside.result()
             finally:
-                for h in hashes:  # neither hasher may outlive the descriptor it reads
+                hashers: list[Future[Any]] = [blob, inside]
+                for h in hashers:  # neither hasher may outlive the descriptor it reads
                     h.cancel()
-                wait(hashes)
+                wait(hashers)
         except EOFError as e:
             raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
         except OSError as e:
@@ -147,21 +153,22 @@ def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecut
     # rename moves it too, so the vouch's identity leaves it out
     if before != identity(end) or st.st_ctime_ns != end.st_ctime_ns:
         raise WeightsError(f"{path}: written while the build re-read it")
-    return Vouch(entry.offset, entry.size, sha256, digest, before)
+    return Vouch(entry.offset, entry.size, sha256, digest, before, chunk, chunks)
 
 
-def reread_blobs(root: Path, files: tuple[FileEntry, ...],
-                 framing: Framing | None) -> tuple[tuple[FileEntry, ...], Vouched]:
+def reread_blobs(root: Path, files: tuple[FileEntry, ...], framing: Framing | None,
+                 chunk: int = 1 << 20) -> tuple[tuple[FileEntry, ...], Vouched]:
     """Re-read every file of ``files`` held in a layer blob under ``root`` (the build's staging),
     and move each blob to its name, ``image/blobs/sha256/<digest>``.
 
     ``framing`` gives the bytes before and after a file in its layer (what the build asked the
-    writer to write around it); None where the build asked for no layer blob.
+    writer to write around it); None where the build asked for no layer blob. ``chunk`` is the
+    chunk size (bytes) of the files' chunk digests, hashed in the same read.
 
     Returns:
         ``files`` with each blob-held file's ``sha256`` from this read (any value the writer
         gave is replaced) and its ``blob`` at its name, and the :data:`Vouched` of each blob
-        for the final verification.
+        for the final verification, with each file's chunk digests.
 
     Raises:
         WeightsError: a blob place that is not ``image/unnamed/<file path>`` (no symlink on
@@ -184,7 +191,7 @@ def reread_blobs(root: Path, files: tuple[FileEntry, ...],
     at_once = min(len(held), os.cpu_count() or 1)  # blobs read at a time, each by two hashers
     with ThreadPoolExecutor(2 * at_once, thread_name_prefix="packer-reread") as hashers, \
             ThreadPoolExecutor(at_once, thread_name_prefix="packer-reread-blob") as blobs:
-        reads: list[Any] = [(i, f, path, blobs.submit(_read, path, f, framing, hashers)) for i, f, path in held]
+        reads: list[Any] = [(i, f, path, blobs.submit(_read, path, f, framing, hashers, chunk)) for i, f, path in held]
         for i, f, path, read in reads:
             got = read.result()
             try:

@@ -38,7 +38,8 @@ def component_loader(loader: Loader, name: str | None) -> Loader:
         raise ValueError(f"packer_loader: no component {name!r} in this build; its components: {have}")
     cache = loader.component_loaders
     if name not in cache:
-        cache[name] = type(loader)({**loader.manifest, "weights": comps[name]}, loader.root,
+        table = {"chunks": w["chunks"]} if "chunks" in (w := loader.manifest["weights"]) else {}  # build-wide
+        cache[name] = type(loader)({**loader.manifest, "weights": {**comps[name], **table}}, loader.root,
                                    weights_dir=loader.weights_dir, timeline=loader.timeline,
                                    settings=loader.settings)
     return cache[name]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .chunks import table_in_tree
 from .components import model_tree
 from .env import ArtifactMismatchError
 from .reading import walk_tree
@@ -159,7 +160,7 @@ def lay_out(loader: Loader, *, root: str | Path | None = None) -> Path:
             ``PACKER_REQUIRE_SIGNATURE``) or with other entries.
     """
     bundle = loader.bundle_dir()
-    pairs = model_tree(loader.manifest["weights"])
+    pairs = [*model_tree(loader.manifest["weights"]), *table_in_tree(loader.manifest["weights"])]
     for _, rel in pairs:
         loader.check_file(rel, verify=False)
     if loader.path(SIGNATURE_FILE).is_file():  # a signed build: model_signing finds model.sig inside

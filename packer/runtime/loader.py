@@ -118,10 +118,20 @@ class Build:
 
     def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
                      root: str | Path | None = None, pipeline: bool | None = None,
-                     copy: bool = False, component: str | None = None) -> dict[str, torch.Tensor]:
+                     copy: bool = False, component: str | None = None, proven: bool = False) -> dict[str, torch.Tensor]:
         """Load this build's weights (of ``component``, e.g. ``"unet"``); see :meth:`Loader.load_weights`."""
         return component_loader(self.loader(root), component).load_weights(device, dtype=dtype, verify=verify,
-                                                                           pipeline=pipeline, copy=copy)
+                                                                           pipeline=pipeline, copy=copy, proven=proven)
+
+    def proven_done(self, root: str | Path | None = None) -> int:
+        """After a ``load_weights(proven=True)`` whose tensors were used: stop proving on use,
+        record the ``verify chunks`` stage (bytes hashed, chunks) and return the bytes hashed."""
+        from .proven import release
+
+        hashed, chunks = release()
+        if chunks:
+            self.loader(root).timeline.add("verify chunks", 0.0, 0.0, hashed, chunks=chunks)
+        return hashed
 
     def load_into(self, module: torch.nn.Module, *, device: str | None = None, strict: bool = True,
                   verify: bool = False, root: str | Path | None = None, component: str | None = None) -> LoadResult:

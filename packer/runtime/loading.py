@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_targets, match_slots, module_slots
 from .bundle_cache import cache_root, cached
+from .chunks import FileChunks, SpanCheck, parse_table, rank_name, table_in_tree
 from .cpu import map_shards, prefetch_files, read_shards
 from .env import ArtifactMismatchError
 from .place import FilePlace, place_of
-from .reading import check_rel, open_regular
+from .reading import check_rel, open_regular, read_bytes
 from .served import check_extracted
 from .settings import RuntimeSettings
 from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, sha256_fd, shard_tensors
@@ -77,6 +78,7 @@ class Loader:
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
         self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
         self._places: dict[str, FilePlace] = {}  # files entries read so far (:meth:`held`)
+        self._chunks: dict[str, FileChunks] | None = None  # the chunk table, read once (:meth:`chunk_table`)
 
     def path(self, rel: str) -> Path:
         """Where the artifact ``rel`` (a manifest path) is on this machine.
@@ -175,9 +177,51 @@ class Loader:
         finally:
             os.close(fd)
 
+    def chunk_table(self) -> dict[str, FileChunks]:
+        """The build's chunk table (:mod:`.chunks`), read once; empty for a build without one.
+
+        Its bytes must have the sha256 the manifest pins for it (a file ``model.sig`` signs:
+        under ``PACKER_REQUIRE_SIGNATURE`` the signature proves it), and each record the size
+        and sha256 the manifest pins for its weight file.
+
+        Raises:
+            ArtifactMismatchError: the table is missing, over its cap, or does not match.
+        """
+        if self._chunks is None:
+            pairs = table_in_tree(self.manifest["weights"])
+            self._chunks = {} if not pairs else self._read_table(pairs[0][1])
+        return self._chunks
+
+    def _read_table(self, rel: str) -> dict[str, FileChunks]:
+        path = self.path(rel)
+        try:
+            data = read_bytes(path, "chunks")
+        except FileNotFoundError:
+            raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
+        where = os.path.abspath(path)
+        check_sha256(where, hashlib.sha256(data).hexdigest(), self.manifest["files"][rel]["sha256"])
+        return parse_table(data, where, self.manifest["files"])
+
+    def span_check(self, rank: str = "") -> SpanCheck | None:
+        """A :class:`~.chunks.SpanCheck` of this build's chunk table, or None without one (an
+        older build: its readers verify whole files). ``rank`` names the reader in messages."""
+        table = self.chunk_table()
+        return SpanCheck(table, rank) if table else None
+
     def _verify_shards(self, shards: list[Shard]) -> None:
+        """Every byte of ``shards``: chunk by chunk with the build's chunk table (a changed byte
+        named by its chunk), else each file's sha256."""
         from concurrent.futures import ThreadPoolExecutor
 
+        table = self.chunk_table()
+        if table and all(s.rel in table for s in shards):
+            with self.timeline.stage("verify chunks") as box, ThreadPoolExecutor(self.readers) as ex:
+                checks = [SpanCheck(table) for _ in shards]  # one per thread: its counts are its own
+                list(ex.map(lambda i: checks[i].check_file(shards[i].rel, shards[i].fd, shards[i].base,
+                                                                   shards[i].label),
+                            range(len(shards))))
+                box["bytes"], box["chunks"] = sum(c.hashed for c in checks), sum(c.chunks for c in checks)
+            return
         with self.timeline.stage("verify sha256") as box, ThreadPoolExecutor(self.readers) as ex:
             # hashlib releases the GIL: shards hash in parallel
             # exactly the file's bytes: inside a layer blob, the range the manifest pins
@@ -187,7 +231,8 @@ class Loader:
                 box["bytes"] += s.size
 
     def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
-                     pipeline: bool | None = None, copy: bool = False) -> dict[str, torch.Tensor]:
+                     pipeline: bool | None = None, copy: bool = False,
+                     proven: bool = False) -> dict[str, torch.Tensor]:
         """Load every tensor; aliases of tied tensors are the same tensor object.
 
         Args:
@@ -199,6 +244,9 @@ class Loader:
                 CUDA scheduling against the CPU engine.
             copy: CPU only: private materialised tensors read with parallel preadv instead
                 of views of a mapping.
+            proven: CPU views of the mapping, verifying: with the build's chunk table each
+                chunk is proven when its bytes are first used (:mod:`.proven`; a vLLM rank
+                under tensor parallelism uses its slices only); without one, every file whole.
 
         Returns:
             ``{name: tensor}`` including the alias names, in file order (each shard's
@@ -218,7 +266,10 @@ class Loader:
         use_ring = dev.type != "cpu" if pipeline is None else pipeline
         shards = self.open_shards(verify=verify)
         try:
-            if dev.type == "cpu" and not use_ring:
+            check = self._proof_on_use(verify and proven and dtype is None and not copy and not use_ring)
+            if dev.type == "cpu" and check is not None:
+                out = self._proven(torch, shards, check)
+            elif dev.type == "cpu" and not use_ring:
                 if verify:
                     self._verify_shards(shards)
                 bufs = (read_shards(torch, shards, self.readers, self.timeline, hugepages=self.settings.hugepages)
@@ -232,6 +283,18 @@ class Loader:
         if self.auto_flush:
             self.timeline.flush()
         return out
+
+    def _proof_on_use(self, wanted: bool) -> SpanCheck | None:
+        """The check of a load whose chunks are proven on use, if ``wanted`` and the build has a table."""
+        if not wanted:
+            return None
+        return self.span_check(rank_name())
+
+    def _proven(self, torch: ModuleType, shards: list[Shard], check: SpanCheck) -> dict[str, torch.Tensor]:
+        from .proven import prove_mapped
+
+        bufs = map_shards(torch, shards, self.timeline)
+        return prove_mapped(torch, shards, bufs, self._tensors(torch, shards, bufs, None), self.chunk_table(), check)
 
     def _device(self, torch: ModuleType, device: str) -> torch.device:
         dev = torch.device(device)

@@ -39,8 +39,11 @@ class FilePlace:
             relative to OUT), or None for a file of its own.
         offset: where the file's bytes start in ``blob`` (a page offset); 0 without one.
 
-    Chunk digests (proof at the size of a read) are to come as a field here, read by
-    :func:`parse_place` with the rest.
+    Chunk digests (proof at the size of a read) are not a field of the files entry: they live
+    in the build's chunk table (``packer-chunks.json``, :mod:`.chunks`), a file of the model
+    directory of its own so that ``model.sig`` signs it (a field here would be pinned by the
+    unsigned manifest alone); :class:`~.chunks.FileChunks` is their value per file, read by
+    :func:`~.chunks.parse_table` against these entries' size and sha256.
     """
 
     rel: str

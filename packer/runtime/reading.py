@@ -34,6 +34,7 @@ from .env import ArtifactMismatchError
 KIB, MIB = 2**10, 2**20
 CAPS = {
     "json": 64 * MIB,  # manifest.json, a safetensors index: a line per tensor at most
+    "chunks": 256 * MIB,  # packer-chunks.json: 64 hex digits per MiB of weights (a 405B model: ~50 MB)
     "signature": 256 * MIB,  # model.sig, the provenance: a statement lists one line per file
     "key": 64 * KIB,  # a PEM public key
     "runtime": 4 * MIB,  # one packer_runtime/*.py file
@@ -42,7 +43,7 @@ CAPS = {
 MAX_DEPTH = 64  # JSON nesting: packer's documents use fewer than ten levels
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 # a string, or an unterminated one up to the end: one left-to-right pass, whatever the input
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)  # unrolled: a long string in one run
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f\\]")
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .chunks import table_in_tree
 from .components import model_tree
 from .env import ArtifactMismatchError
 from .reading import CAPS, loads_json, read_bytes
@@ -38,8 +39,9 @@ def model_layout(manifest: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     The layout ``model_dir()`` makes (``packer.runtime.dirtree``) and the plain model
     directory shipped beside the loader: the bundle's members at their relative paths, each
     weight file at its place in the build's model tree (``model.safetensors``, or a
-    component's ``unet/diffusion_pytorch_model.safetensors``), a weight file winning over a
-    member of the same name. ``model.sig`` itself is never part of it. Every digest comes from
+    component's ``unet/diffusion_pytorch_model.safetensors``) and the chunk table
+    (``packer-chunks.json``, :mod:`.chunks`: so ``model.sig`` signs it), a weight file winning
+    over a member of the same name. ``model.sig`` itself is never part of it. Every digest comes from
     the manifest: nothing is hashed here.
 
     Args:
@@ -52,7 +54,8 @@ def model_layout(manifest: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     Raises:
         ValueError: the manifest's model tree names a path outside the directory.
     """
-    out = {dst: (rel, manifest["files"][rel]["sha256"]) for dst, rel in model_tree(manifest["weights"])}
+    pairs = [*model_tree(manifest["weights"]), *table_in_tree(manifest["weights"])]
+    out = {dst: (rel, manifest["files"][rel]["sha256"]) for dst, rel in pairs}
     for member in (manifest.get("bundle") or {}).get("members", []):
         if member["name"] not in out and member["name"] != SIGNATURE_FILE:
             out[member["name"]] = ("", member["sha256"])

@@ -19,7 +19,12 @@ its ``from_pretrained(tp_plan="auto")``) and fills every parameter with this ran
 
 Weight files are opened with ``POSIX_FADV_RANDOM`` before their header is read: no readahead,
 a read brings in its own pages only.
-``verify=True`` hashes every file whole, so it reads everything on every rank.
+``verify=True`` (and ``PACKER_REQUIRE_SIGNATURE``) checks, with the build's chunk table, only the
+chunks covering what this rank reads (each header, its spans, the replicated tensors): the
+span's own bytes as read, the rest of its edge chunks read for the hash. A changed byte is
+refused by the rank whose span holds it (:class:`~.chunks.SpanCheck` names file, chunk and
+rank); the ``verify chunks`` stage reports the bytes hashed. A build without a table (older
+manifests) hashes every file whole, so every rank reads everything.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .assign import module_slots
+from .chunks import SpanCheck, rank_name
 from .env import torch_dtype
 from .hf import hf_construct, hf_finish
 from .shards import Shard, TensorEntry
@@ -38,10 +44,25 @@ if TYPE_CHECKING:
 
 
 class Stored(NamedTuple):
-    """Where one stored tensor is: its shard and its entry."""
+    """Where one stored tensor is: its shard and its entry; ``check`` verifies what is read of it."""
 
     shard: Shard
     entry: TensorEntry
+    check: SpanCheck | None = None
+
+
+def _span_check(loader: Loader, shards: list[Shard]) -> SpanCheck | None:
+    """The check of this rank's reads, each header checked now; None without a chunk table,
+    which verifies every file whole (the one way an older build can be proven)."""
+    check = loader.span_check(rank_name())
+    whole = [s for s in shards if check is None or not check.covers(s.rel)]
+    if whole:
+        loader._verify_shards(whole)
+    if check is None:
+        return None
+    for s in shards:  # the header this rank parsed, as it was read
+        check.check(s.rel, s.fd, s.base, 0, s.head, s.label)
+    return check
 
 
 def tp_from_pretrained(loader: Loader, model_class: Any, *, device: str, dtype: Any, verify: bool,
@@ -53,7 +74,8 @@ def tp_from_pretrained(loader: Loader, model_class: Any, *, device: str, dtype: 
         model_class: a transformers model class or ``AutoModel*`` with a tensor-parallel plan.
         device: this rank's device (``"cpu"``, ``"cuda:N"``).
         dtype: parameter dtype (None: the config's, else the weights').
-        verify: also check every file's sha256 (reads every file whole).
+        verify: also check what this rank reads against the chunk table (every file whole
+            without one).
         tp_plan: ``"auto"`` (the model's plan) or a dict overriding rules, as transformers takes it.
 
     Returns:
@@ -100,9 +122,8 @@ def load_tp(loader: Loader, model: Any, dev: Any, verify: bool) -> None:
     aliases = w.get("aliases", {})
     shards = loader.open_shards(verify=verify, random_access=True)
     try:
-        if verify:
-            loader._verify_shards(shards)
-        where = {e.name: Stored(s, e) for s in shards for e in s.tensors}
+        check = _span_check(loader, shards) if verify else None
+        where = {e.name: Stored(s, e, check) for s in shards for e in s.tensors}
         done: set[str] = set()
         stats = {"read": 0, "sent": 0}
         with loader.timeline.stage("tensor parallel read") as box:
@@ -120,6 +141,8 @@ def load_tp(loader: Loader, model: Any, dev: Any, verify: bool) -> None:
             box["bytes"] = stats["read"]
         if stats["sent"]:
             loader.timeline.add("tensor parallel exchange (sent)", 0.0, 0.0, stats["sent"])
+        if check is not None:
+            loader.timeline.add("verify chunks", 0.0, 0.0, check.hashed, chunks=check.chunks)
     finally:
         for s in shards:
             s.close()
@@ -178,7 +201,7 @@ def local_part(torch: Any, stored: Stored, ref: Any, dev: Any, stats: dict[str, 
 
 def read_rows(torch: Any, stored: Stored, first: int, last: int, stats: dict[str, int]) -> Any:
     """Rows ``first:last`` of a stored tensor, read with ``preadv`` into a private CPU tensor."""
-    s, e = stored
+    s, e, check = stored
     dt = torch_dtype(e.code, e.name)[0]
     if not e.shape:
         first, last, rows, row = 0, 1, 1, e.end - e.begin
@@ -194,6 +217,8 @@ def read_rows(torch: Any, stored: Stored, first: int, last: int, stats: dict[str
             raise RuntimeError(f"{s.rel}: truncated in tensor {e.name!r}")
         got += n
     stats["read"] += got
+    if check is not None and check.covers(s.rel):
+        check.check(s.rel, s.fd, s.base, at - s.base, view, s.label)
     return buf.view(dt).view((last - first, *e.shape[1:]) if e.shape else ())
 
 

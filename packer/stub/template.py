@@ -166,6 +166,7 @@ prepare = _build.prepare
 prefetch = _build.prefetch
 warm_context = _build.warm_context
 warmup_inputs = _build.warmup_inputs
+proven_done = _build.proven_done  # the vLLM load format's: after load_weights(proven=True)
 main = _build.main
 
 _build.serve_warm()  # a no-op unless this process is the fork server warm_context starts

@@ -1,0 +1,136 @@
+"""The build side's door to :mod:`packer.runtime.chunks`: the chunk table written and checked.
+
+The build hashes each weight file's chunks in the read it already makes of the file
+(:func:`packer.oci.reread.reread_blobs`, one buffer feeding the file's sha256 and its chunk's);
+:func:`chunk_table` turns those digests into the bytes of ``weights/packer-chunks.json``, which
+the manifest pins and ``model.sig`` signs (:func:`packer.runtime.signature.model_layout`).
+:func:`verify_chunks` is ``packer verify``'s check of the table against the bytes: for the
+build's own final verification the table must equal what the re-read hashed (nothing is read
+again); otherwise every chunk is read and hashed, and the first that differs is named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from packer.errors import VerifyError
+from packer.fsutil import FileEntry, canonical_json, sha256_chunked
+from packer.place import FilePlace
+from packer.reading import JSON_DOC, open_regular, read_bytes
+from packer.runtime.chunks import CHUNKS_NAME, CHUNKS_REL, MAX_CHUNK, MIN_CHUNK, FileChunks, parse_table, table_doc
+from packer.runtime.env import ArtifactMismatchError
+
+__all__ = ["CHUNKS_NAME", "CHUNKS_REL", "DEFAULT_CHUNK", "MAX_CHUNK", "MIN_CHUNK", "chunk_difference", "chunk_table",
+           "verify_chunks"]
+
+DEFAULT_CHUNK = 1 << 20  # 1 MiB: benchmarks/RESULTS.md ("Chunk size") gives the numbers
+
+
+def chunk_table(files: tuple[FileEntry, ...], digests: Mapping[str, tuple[int, tuple[str, ...]]]) -> bytes | None:
+    """The bytes of ``packer-chunks.json`` for the weight files hashed in chunks.
+
+    Args:
+        files: the weights stage's files (each file's final size and sha256).
+        digests: ``{path in OUT: (chunk size, chunk digests)}`` from the build's read of the bytes.
+
+    Returns:
+        canonical JSON (same digests, same bytes), or None when no file was hashed in chunks.
+
+    Raises:
+        ValueError: files hashed with different chunk sizes (a bug in the build).
+    """
+    sizes = {chunk for chunk, _ in digests.values()}
+    if not sizes:
+        return None
+    if len(sizes) != 1:
+        raise ValueError(f"chunk_table: one chunk size per build, got {sorted(sizes)}")
+    by_path = {f.path: f for f in files}
+    table = {rel: (by_path[rel].size, by_path[rel].sha256, chunks) for rel, (_, chunks) in digests.items()}
+    return canonical_json(table_doc(sizes.pop(), table))
+
+
+def _read_table(out: Path, manifest: Mapping[str, Any]) -> dict[str, FileChunks] | None:
+    rel = (manifest.get("weights") or {}).get("chunks")
+    if rel is None:
+        return None
+    if rel != CHUNKS_REL or rel not in manifest["files"]:
+        raise VerifyError(f"{out / 'manifest.json'}: weights.chunks {str(rel)[:80]!r} is not {CHUNKS_REL}, "
+                          "pinned in files")
+    data = read_bytes(out / rel, JSON_DOC, error=VerifyError)
+    pinned = manifest["files"][rel].get("sha256") if isinstance(manifest["files"][rel], dict) else None
+    if hashlib.sha256(data).hexdigest() != pinned:  # before its digests are believed
+        raise VerifyError(f"{out / rel}: sha256 {hashlib.sha256(data).hexdigest()[:16]}... differs from the "
+                          f"manifest's {str(pinned)[:16]}...")
+    try:
+        return parse_table(data, str(out / rel), manifest["files"])
+    except ArtifactMismatchError as e:
+        raise VerifyError(str(e)) from None
+
+
+def _hashed(out: Path, place: FilePlace, chunk: int) -> tuple[str, ...]:
+    path, offset, size = place.path(out)
+    with open_regular(path, VerifyError) as f:
+        try:
+            return sha256_chunked(f.fileno(), offset, offset + size, chunk)[1]
+        except (OSError, EOFError) as e:
+            raise VerifyError(f"{path}: cannot read {place.rel} to check its chunks ({e})") from e
+
+
+def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, FilePlace],
+                  vouched: Mapping[str, tuple[int, tuple[str, ...]]] | None = None) -> int:
+    """Check the build's chunk table against the weight files' bytes.
+
+    Args:
+        out: the build directory.
+        manifest: its manifest (``weights.chunks`` names the table; absent: nothing to check).
+        places: every files entry, read (:func:`packer.place.places_of`).
+        vouched: ``{path in OUT: (chunk size, digests)}`` the build's own re-read hashed, for
+            its final verification: those files are not read again.
+
+    Returns:
+        the bytes hashed here (0 when everything was vouched for or there is no table).
+
+    Raises:
+        VerifyError: a malformed table, one that leaves out a weight file, or a chunk whose
+            bytes differ, naming the file and the chunk (index and byte range).
+    """
+    table = _read_table(out, manifest)
+    if table is None:
+        return 0
+    weights = [rel for rel in places if rel.endswith(".safetensors") and rel.startswith("weights/")]
+    missing = sorted(set(weights) - set(table))
+    if missing:
+        raise VerifyError(f"{out / CHUNKS_REL}: holds no chunk digests of {missing[0]}")
+    hashed = 0
+    for rel, fc in sorted(table.items()):
+        mine = (vouched or {}).get(rel)
+        if mine is not None and mine[0] == fc.chunk:
+            got = mine[1]
+        else:
+            got, hashed = _hashed(out, places[rel], fc.chunk), hashed + fc.size
+        bad = next((i for i, (a, b) in enumerate(zip(got, fc.digests, strict=True)) if a != b), None)
+        if bad is not None:
+            a, b = fc.bounds(bad)
+            raise VerifyError(f"{_where(out, places[rel])}: chunk {bad} (bytes [{a}, {b}) of {fc.size}) has sha256 "
+                              f"{got[bad][:16]}..., {CHUNKS_REL} pins {fc.digests[bad][:16]}...")
+    return hashed
+
+
+def _where(out: Path, place: FilePlace) -> str:
+    """The file as found: a file of its own, or its bytes in a layer blob."""
+    path, offset, _ = place.path(out)
+    return f"{path} ({place.rel} at offset {offset})" if place.in_blob else str(path)
+
+
+def chunk_difference(out: Path, manifest: Mapping[str, Any], places: Mapping[str, FilePlace]) -> str | None:
+    """Where the chunk table places a difference in the weight files (the first chunk that
+    differs, in words), for a refusal that blamed a whole blob; None when it finds none or
+    cannot tell (no table, a table that is itself wrong)."""
+    try:
+        verify_chunks(out, manifest, places)
+    except VerifyError as e:
+        return str(e) if ": chunk " in str(e) else None
+    return None

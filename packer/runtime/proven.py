@@ -1,0 +1,171 @@
+"""Mapped tensors proven chunk by chunk when their bytes are first used (a vLLM rank under TP).
+
+vLLM's weight loaders take each whole tensor and narrow it to the rank's slice before copying
+it into the rank's parameter; which bytes a rank uses is only known there. Under verification
+(``verify=True``, ``PACKER_REQUIRE_SIGNATURE``) with the build's chunk table, the loader hands
+out views of the private mapping (:func:`~.cpu.map_shards`) as :class:`Proven` tensors: a view
+operation (``narrow``, ``view``, indexing that keeps the storage...) gives another, unproven;
+any other operation (``copy_`` into a parameter, ``to``, arithmetic) first proves the chunks
+covering the bytes its :class:`Proven` arguments span, hashing them from the mapping, each chunk
+once per process (:class:`~.chunks.SpanCheck` counts them), and refuses a changed one naming file,
+chunk and rank. Metadata (``shape``, ``dtype``, ``stride``...) reads no data and proves nothing.
+
+torch is imported only here, when such a load runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .chunks import FileChunks, SpanCheck
+from .env import ArtifactMismatchError
+
+if TYPE_CHECKING:
+    from .shards import Shard
+
+# operations whose result may share the input's storage: wrapped again, nothing read yet
+VIEWS = frozenset({"narrow", "view", "select", "__getitem__", "t", "transpose", "permute", "chunk", "split",
+                   "unflatten", "flatten", "squeeze", "unsqueeze", "as_strided", "expand", "detach", "view_as",
+                   "contiguous", "reshape", "unbind", "split_with_sizes", "tensor_split", "movedim", "T"})
+# what reads no data: answered without a proof
+METADATA = frozenset({"shape", "dtype", "device", "size", "dim", "ndim", "numel", "element_size", "stride",
+                      "storage_offset", "data_ptr", "is_contiguous", "untyped_storage", "__len__", "nbytes",
+                      "itemsize", "is_floating_point", "is_complex", "requires_grad", "layout", "is_cuda",
+                      "is_meta", "is_quantized", "is_sparse", "names", "__hash__", "grad", "_base", "is_leaf",
+                      "__class__", "name", "output_nr", "_version", "data", "is_nested", "nelement",
+                      "get_device", "__torch_function__", "__reduce_ex__"})
+
+
+class _Mapped:
+    """One shard's mapping: where it starts in memory, its file's chunks, which are proven."""
+
+    def __init__(self, shard: Shard, start: int, view: memoryview, chunks: FileChunks, check: SpanCheck) -> None:
+        self.rel, self.label, self.start, self.view = shard.rel, shard.label, start, view
+        self.chunks, self.check = chunks, check
+        self.proven: set[int] = set()
+        self.lock = threading.Lock()
+
+    def prove(self, lo: int, hi: int) -> None:
+        """Prove file bytes ``lo:hi``: each covering chunk not proven yet, hashed from the mapping."""
+        with self.lock:
+            for i in self.chunks.cover(lo, hi):
+                if i in self.proven:
+                    continue
+                a, b = self.chunks.bounds(i)
+                self.check.check(self.rel, -1, 0, a, self.view[a:b], self.label)  # the whole chunk: nothing read
+                self.proven.add(i)
+
+
+_MAPPINGS: dict[int, _Mapped] = {}  # untyped storage address -> its mapping
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property of Tensor: its descriptor's name
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return str(name)
+
+
+def _extent(t: Any) -> tuple[_Mapped, int, int] | None:
+    """``(mapping, first file byte, end)`` that tensor ``t`` spans; None for none (empty, another storage)."""
+    storage = t.untyped_storage()
+    mapped = _MAPPINGS.get(storage.data_ptr())
+    if mapped is None or t.numel() == 0:
+        return None
+    lo = t.data_ptr() - mapped.start
+    span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    return mapped, lo, lo + span * t.element_size()
+
+
+def _prove_all(values: Any, cls: type) -> None:
+    stack = [values]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, cls):
+            got = _extent(v)
+            if got is not None:
+                got[0].prove(got[1], got[2])
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+
+
+_CLASS: list[type] = []
+
+
+def proven_class(torch: Any) -> type:
+    """The :class:`Proven` tensor subclass (made once, torch being imported)."""
+    if _CLASS:
+        return _CLASS[0]
+
+    class Proven(torch.Tensor):
+        """A view of a mapped weight file whose bytes are proven when first used."""
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            name = _name(func)
+            if name in METADATA:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            if name not in VIEWS:
+                _prove_all((args, kwargs), cls)
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return _rewrap(out, args, cls)
+
+    def _rewrap(out: Any, args: Any, cls: type) -> Any:
+        if isinstance(out, torch.Tensor):
+            if out.untyped_storage().data_ptr() in _MAPPINGS:
+                return out.as_subclass(cls)
+            _prove_all(args, cls)  # a copy was made: its source proven before the copy is used
+            return out
+        if isinstance(out, (tuple, list)):
+            return type(out)(_rewrap(o, args, cls) for o in out)
+        return out
+
+    _CLASS.append(Proven)
+    return Proven
+
+
+def prove_mapped(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], tensors: dict[str, Any],
+                 table: dict[str, FileChunks], check: SpanCheck) -> dict[str, Any]:
+    """``tensors`` (views of the mappings ``bufs`` of ``shards``) as :class:`Proven` tensors.
+
+    Each shard's header is proven now; a tensor that is not a view of its mapping (copied at
+    load to be aligned) is proven now, whole. Aliases stay one object.
+
+    Raises:
+        ArtifactMismatchError: a header, or a copied tensor, whose chunks differ; a shard the
+            table does not hold.
+    """
+    cls = proven_class(torch)
+    out: dict[str, Any] = {}
+    made: dict[int, Any] = {}
+    for s, (buf, _) in zip(shards, bufs, strict=True):
+        if s.rel not in table:
+            raise ArtifactMismatchError(f"{s.rel}: the chunk table holds no digests of it")
+        mapped = _Mapped(s, buf.data_ptr(), memoryview(buf.numpy()), table[s.rel], check)
+        _MAPPINGS[buf.untyped_storage().data_ptr()] = mapped
+        mapped.prove(0, len(s.head))
+        for e in s.tensors:
+            t = tensors[e.name]
+            if t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr() and e.end > e.begin:
+                mapped.prove(len(s.head) + e.begin, len(s.head) + e.end)
+    for name, t in tensors.items():
+        if id(t) not in made:
+            made[id(t)] = t.as_subclass(cls) if t.untyped_storage().data_ptr() in _MAPPINGS else t
+        out[name] = made[id(t)]
+    return out
+
+
+def release() -> tuple[int, int]:
+    """Forget every mapping (the tensors keep theirs alive as long as they live) and return
+    ``(bytes hashed, chunks proven)`` since the last release: for the caller's report."""
+    checks = {id(m.check): m.check for m in _MAPPINGS.values()}
+    _MAPPINGS.clear()
+    return sum(c.hashed for c in checks.values()), sum(c.chunks for c in checks.values())

@@ -1,0 +1,340 @@
+"""Chunk digests (packer/runtime/chunks.py, packer/chunks.py): proof at the size of a read.
+
+The build hashes each weight file per chunk in the re-read it already makes and pins the table
+(``weights/packer-chunks.json``) in the manifest and in ``model.sig``; ``packer verify`` checks
+it and names the chunk of a changed byte; a tensor-parallel rank that verifies hashes only the
+chunks of what it reads, and a changed byte is refused by the rank whose span holds it, only
+there (real gloo ranks, as tests/test_tp.py runs them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from packer.build import build
+from packer.chunks import CHUNKS_REL
+from packer.errors import VerifyError
+from packer.fsutil import canonical_json, sha256_chunked
+from packer.recipe import demo_recipe, with_sign_key
+from packer.runtime.chunks import FileChunks, SpanCheck, parse_table
+from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.signature import model_layout, require_signature
+from packer.verify import verify
+from tests.built import build_dir, open_build, weight_location
+from tests.hf_fixtures import llama
+from tests.sign_fixtures import make_keypair
+from tests.test_tp import WIDE
+
+REPO = Path(__file__).resolve().parents[1]
+CHUNK = 32 * 1024  # the recipe's chunk_size here: many chunks per rank's span in a small model
+WEIGHTS = "weights/model.safetensors"
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _copy(out: Path, dest: Path) -> Path:
+    shutil.copytree(out, dest, symlinks=True)  # real copies: a flip must not reach the original
+    return dest
+
+
+# --- the pieces ---
+
+
+@pytest.mark.parametrize("chunk", [4096, 65536, 1 << 20, 3 << 20])
+@pytest.mark.parametrize(("start", "cut"), [(0, 0), (4096, 5), (0, 2**20 * 3 + 17)])
+def test_one_read_gives_the_file_and_its_chunks(tmp_path: Path, chunk: int, start: int, cut: int) -> None:
+    data = os.urandom(3 * 2**20 + 4096 + 777)
+    (tmp_path / "f").write_bytes(data)
+    end = len(data) - cut
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        whole, chunks = sha256_chunked(fd, start, end, chunk)
+    finally:
+        os.close(fd)
+    part = data[start:end]
+    assert whole == hashlib.sha256(part).hexdigest()
+    assert list(chunks) == [hashlib.sha256(part[i:i + chunk]).hexdigest() for i in range(0, len(part), chunk)]
+
+
+def _table(data: bytes, chunk: int) -> dict[str, FileChunks]:
+    digests = "".join(hashlib.sha256(data[i:i + chunk]).hexdigest() for i in range(0, len(data), chunk))
+    return {"w": FileChunks(chunk, len(data), hashlib.sha256(data).hexdigest(), digests)}
+
+
+def test_a_span_check_hashes_the_chunks_it_covers_and_names_a_changed_one(tmp_path: Path) -> None:
+    data = bytearray(os.urandom(10 * 4096 + 100))
+    path = tmp_path / "blob"
+    path.write_bytes(b"\0" * 8192 + bytes(data))  # the file at offset 8192 of a blob
+    check = SpanCheck(_table(bytes(data), 4096), "rank 1 of 2")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        check.check("w", fd, 8192, 5000, memoryview(data)[5000:13000])  # chunks 1..3
+        assert (check.chunks, check.hashed) == (3, 3 * 4096)
+        check.check("w", fd, 8192, 40960, memoryview(data)[40960:])  # the short last chunk
+        assert (check.chunks, check.hashed) == (4, 3 * 4096 + 100)
+    finally:
+        os.close(fd)
+    _flip(path, 8192 + 4096 * 7 + 3)  # in chunk 7, outside the span read next
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        check.check("w", fd, 8192, 0, memoryview(data)[:4096 * 6])  # chunks 0..5: untouched
+        with pytest.raises(ArtifactMismatchError, match=r"^w: chunk 7 \(bytes \[28672, 32768\) of 41060\) has sha256 "
+                                                        r"\w+\.\.\., the chunk table pins \w+\.\.\. on rank 1 of 2"):
+            check.check("w", fd, 8192, 4096 * 7 + 10, memoryview(data)[4096 * 7 + 10: 4096 * 7 + 20])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("edit", "reason"), [
+    (lambda t: t.update(chunk_size=1000), "chunk_size 1000"),
+    (lambda t: t.update(format="x"), "not a packer-chunks/v1 table"),
+    (lambda t: t["files"][WEIGHTS].update(chunks=t["files"][WEIGHTS]["chunks"][:-64]), "expected 2 chunk digests"),
+    (lambda t: t["files"][WEIGHTS].update(chunks=t["files"][WEIGHTS]["chunks"].upper()), "expected 2 chunk"),
+    (lambda t: t["files"][WEIGHTS].update(size=5000), "not what the manifest pins"),
+    (lambda t: t["files"][WEIGHTS].update(size=9000), "expected 3 chunk digests"),
+    (lambda t: t["files"][WEIGHTS].update(sha256="1" * 64), "not what the manifest pins"),
+    (lambda t: t["files"].update({"../x": t["files"][WEIGHTS]}), "not a relative path inside"),
+])
+def test_a_malformed_table_is_refused_in_one_line(edit: Any, reason: str) -> None:
+    data = os.urandom(6000)
+    sha = hashlib.sha256(data).hexdigest()
+    table = {"format": "packer-chunks/v1", "algorithm": "sha256", "chunk_size": 4096,
+             "files": {WEIGHTS: {"size": 6000, "sha256": sha, "chunks": "a" * 128}}}
+    pinned = {WEIGHTS: {"size": 6000, "sha256": sha}}
+    assert parse_table(canonical_json(table), "T", pinned)[WEIGHTS].digest(1) == "a" * 64
+    edit(table)
+    with pytest.raises(ArtifactMismatchError) as e:
+        parse_table(canonical_json(table), "T", pinned)
+    assert "\n" not in str(e.value) and reason in str(e.value), str(e.value)
+
+
+# --- the build ---
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama built with 32 KiB chunks (its one weight file in its layer blob)."""
+    tmp = tmp_path_factory.mktemp("chunks")
+    llama(tmp / "hf", **{**WIDE, "tied": False})
+    build_dir(tmp / "hf", tmp / "out", weights={"chunk_size": "32KiB"})
+    return tmp / "out"
+
+
+def test_the_build_pins_a_table_of_its_bytes_that_the_signature_lists(built: Path) -> None:
+    manifest = json.loads((built / "manifest.json").read_bytes())
+    data = (built / CHUNKS_REL).read_bytes()
+    assert manifest["weights"]["chunks"] == CHUNKS_REL
+    assert manifest["files"][CHUNKS_REL] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    table = parse_table(data, "t", manifest["files"])
+    path, offset, size = weight_location(built, WEIGHTS)
+    weights = path.read_bytes()[offset: offset + size]
+    assert table[WEIGHTS].chunk == CHUNK and table[WEIGHTS].size == size
+    assert table[WEIGHTS].digests == tuple(hashlib.sha256(weights[i:i + CHUNK]).hexdigest()
+                                           for i in range(0, size, CHUNK))
+    # a file of the model directory: what model.sig lists, model_dir() links and the image holds
+    assert model_layout(manifest)["packer-chunks.json"] == (CHUNKS_REL, manifest["files"][CHUNKS_REL]["sha256"])
+    assert (open_build(built).span_check() or SpanCheck({})).covers(WEIGHTS)
+
+
+def test_same_inputs_same_table(built: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    build_dir(built.parent / "hf", again, weights={"chunk_size": "32KiB"})
+    assert (again / CHUNKS_REL).read_bytes() == (built / CHUNKS_REL).read_bytes()
+
+
+def test_verify_names_the_chunk_of_a_flipped_byte(built: Path, tmp_path: Path) -> None:
+    bad = _copy(built, tmp_path / "bad")
+    path, offset, size = weight_location(bad, WEIGHTS)
+    at = size - 3 * CHUNK + 123
+    _flip(path, offset + at)
+    c = at // CHUNK
+    # the image walk blames the blob; the chunk table says where in the file
+    blob = r"bad/image/blobs/sha256/\w+"
+    with pytest.raises(VerifyError, match=rf"{blob}: .*; \S+{blob} \({WEIGHTS} at offset {offset}\): chunk {c} "
+                                          rf"\(bytes \[{c * CHUNK}, {c * CHUNK + CHUNK}\) of {size}\) has sha256"):
+        verify(bad)
+
+
+def test_verify_checks_the_table_against_the_bytes(built: Path, tmp_path: Path) -> None:
+    from packer.chunks import verify_chunks
+    from packer.place import places_of
+
+    bad = _copy(built, tmp_path / "bad")
+    manifest = json.loads((bad / "manifest.json").read_bytes())
+    table = json.loads((bad / CHUNKS_REL).read_bytes())
+    table["files"][WEIGHTS]["chunks"] = table["files"][WEIGHTS]["chunks"][:64 * 5] + "0" * 64 \
+        + table["files"][WEIGHTS]["chunks"][64 * 6:]  # chunk 5 forged, the table pinned anew
+    data = canonical_json(table)
+    (bad / CHUNKS_REL).write_bytes(data)
+    manifest["files"][CHUNKS_REL] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    places = places_of(manifest["files"], where="m")
+    assert verify_chunks(built, json.loads((built / "manifest.json").read_bytes()), places) > 0  # read, hashed: ok
+    with pytest.raises(VerifyError, match=rf"\({WEIGHTS} at offset \d+\): chunk 5 \(bytes \[{5 * CHUNK}, "):
+        verify_chunks(bad, manifest, places)
+
+
+def test_a_tampered_table_is_refused_by_verify_and_the_loader(built: Path, tmp_path: Path) -> None:
+    bad = _copy(built, tmp_path / "bad")
+    table = json.loads((bad / CHUNKS_REL).read_bytes())
+    hexes = table["files"][WEIGHTS]["chunks"]
+    table["files"][WEIGHTS]["chunks"] = "0" * 64 + hexes[64:]  # a forger's digest for chunk 0
+    (bad / CHUNKS_REL).write_bytes(canonical_json(table))
+    with pytest.raises(VerifyError, match=rf"{CHUNKS_REL}: sha256 \w+… differs from the manifest's"):
+        verify(bad)
+    with pytest.raises(ArtifactMismatchError, match=rf"{CHUNKS_REL}: sha256 \w+\.\.\., the manifest says"):
+        open_build(bad).chunk_table()
+
+
+def test_a_table_pinned_anew_is_refused_by_the_signature(tmp_path: Path) -> None:
+    key, pub = make_keypair(tmp_path / "keys")
+    out = tmp_path / "signed"
+    build(with_sign_key(demo_recipe(), key), out)
+    manifest = json.loads((out / "manifest.json").read_bytes())
+    require_signature(manifest, out, str(pub))
+    # a forger who rewrites the table and the manifest's pin of it: model.sig still signs the old digest
+    manifest["files"][CHUNKS_REL] = {**manifest["files"][CHUNKS_REL], "sha256": "0" * 64}
+    with pytest.raises(ArtifactMismatchError, match=r"model.sig: signs packer-chunks.json with sha256 \w+\.\.\., "
+                                                    r"this loader's manifest pins 0000000000000000\.\.\."):
+        require_signature(manifest, out, str(pub))
+
+
+# --- tensor parallel ranks that verify what they read ---
+
+
+def _ranks(work: Path, world: int = 2) -> list[dict[str, Any]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(world):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO),
+               "PACKER_BUNDLE_CACHE": str(work / f"cache{r}"), "OMP_NUM_THREADS": "1", "PACKER_STARTUP_LOG": "off"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.tp_verify_worker", str(work)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-4000:]
+    return [torch.load(work / f"verify-{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _per_rank(built: Path, work: Path, world: int = 2) -> Path:
+    for r in range(world):
+        _copy(built, work / f"rank{r}" / "out")
+    return work
+
+
+def _rank1_offset(built: Path, name: str) -> int:
+    """The file offset of a byte 3/4 into tensor ``name``: rank 1's under a row split in two, and
+    far (> a chunk) from its span's edges, whose chunks the neighbouring spans share."""
+    path, offset, _ = weight_location(built, WEIGHTS)
+    begin, end = json.loads((built / "manifest.json").read_bytes())["weights"]["tensors"][name]["data_offsets"]
+    assert (end - begin) // 4 > 2 * CHUNK
+    with open(path, "rb") as f:
+        f.seek(offset)
+        head = 8 + int.from_bytes(f.read(8), "little")  # the data section starts after the header
+    return head + begin + 3 * (end - begin) // 4
+
+
+def test_two_verified_ranks_hash_their_share_and_match_an_unverified_load(built: Path, tmp_path: Path) -> None:
+    ours = _ranks(_per_rank(built, tmp_path))
+    table = open_build(built).chunk_table()[WEIGHTS]
+    for r in range(2):
+        assert ours[r]["error"] == "", ours[r]["error"]
+        share = ours[r]["sharded"] / 2 + ours[r]["replicated"]
+        spans = len(json.loads((built / "manifest.json").read_bytes())["weights"]["tensors"]) + 1  # + header
+        # the bound of issue 40: the rank's share + (on average) one chunk per span; at most two
+        assert share <= ours[r]["hashed"] <= share + 2 * CHUNK * spans, (r, ours[r]["hashed"], share)
+        assert ours[r]["hashed"] < 0.6 * table.size  # not the whole file, as whole-file verification hashes
+        print(f"rank {r}: hashed {ours[r]['hashed']} bytes in {ours[r]['chunks']} chunks; share {share:.0f}, "
+              f"file {table.size}")
+    assert torch.equal(ours[0]["logits"], ours[1]["logits"])
+
+
+def test_a_flipped_byte_is_refused_by_the_rank_that_reads_it_only(built: Path, tmp_path: Path) -> None:
+    work = _per_rank(built, tmp_path)
+    at = _rank1_offset(built, "model.layers.3.mlp.gate_proj.weight")  # colwise: rows split
+    for r in range(2):  # the same flipped file under both ranks: only rank 1 reads that byte
+        path, offset, _ = weight_location(work / f"rank{r}" / "out", WEIGHTS)
+        _flip(path, offset + at)
+    ours = _ranks(work)
+    chunk = at // CHUNK
+    assert ours[1]["error"].startswith("mismatch: "), ours[1]
+    assert f"rank1/out/{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, " in ours[1]["error"], ours[1]
+    assert "on rank 1 of 2; the file is corrupt" in ours[1]["error"]
+    assert not ours[0]["error"].startswith("mismatch"), ours[0]["error"]  # rank 0 saw its peer leave, no more
+
+
+def test_a_build_without_a_table_verifies_whole_files(built: Path, tmp_path: Path) -> None:
+    manifest = json.loads((built / "manifest.json").read_bytes())
+    del manifest["weights"]["chunks"]
+    loader = open_build(built)
+    loader.manifest = manifest
+    assert loader.span_check() is None
+
+
+# --- mapped views proven on first use (the vLLM load format under TP: vLLM's loaders narrow) ---
+
+
+def test_mapped_views_prove_the_chunks_of_what_is_used(built: Path, tmp_path: Path) -> None:
+    from packer.runtime import proven
+
+    bad = _copy(built, tmp_path / "bad")
+    name = "model.layers.3.mlp.gate_proj.weight"
+    at = _rank1_offset(built, name)  # 3/4 into the tensor: in its second half of rows
+    path, offset, _ = weight_location(bad, WEIGHTS)
+    _flip(path, offset + at)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        head = 8 + int.from_bytes(f.read(8), "little")
+    loader = open_build(bad)
+    t = loader.load_weights("cpu", verify=True, proven=True)[name]
+    assert type(t).__name__ == "Proven" and t.dtype == torch.bfloat16 and t.stride() == (t.shape[1], 1)
+    assert proven.release() == (-(-head // CHUNK) * CHUNK, -(-head // CHUNK))  # the header alone: metadata reads none
+    t = loader.load_weights("cpu", verify=True, proven=True)[name]
+    rows, half = t.shape[0], t.shape[0] // 2
+    first = torch.empty(half, t.shape[1], dtype=t.dtype)
+    first.copy_(t.narrow(0, 0, half))  # as vLLM's loader copies rank 0's rows: untouched, proven
+    hashed, _ = proven.release()
+    assert half * t.shape[1] * 2 <= hashed - CHUNK <= half * t.shape[1] * 2 + 2 * CHUNK, hashed  # + header, edges
+    t = loader.load_weights("cpu", verify=True, proven=True)[name]
+    chunk = at // CHUNK
+    with pytest.raises(ArtifactMismatchError, match=rf"bad/{WEIGHTS}: chunk {chunk} \(bytes \[{chunk * CHUNK}, "):
+        torch.empty(rows - half, t.shape[1], dtype=t.dtype).copy_(t.narrow(0, half, rows - half))  # rank 1's
+    with pytest.raises(ArtifactMismatchError, match=rf"chunk {chunk} "):
+        t.float()  # any use of the bytes proves them first
+    proven.release()
+
+
+def test_a_whole_verified_load_names_the_chunk(built: Path, tmp_path: Path) -> None:
+    bad = _copy(built, tmp_path / "bad")
+    path, offset, size = weight_location(bad, WEIGHTS)
+    at = size // 2
+    _flip(path, offset + at)
+    with pytest.raises(ArtifactMismatchError, match=rf"bad/{WEIGHTS}: chunk {at // CHUNK} \(bytes "):
+        open_build(bad).load_weights("cpu", verify=True)
+    loader = open_build(built)
+    loader.load_weights("cpu", verify=True)
+    stage = [s for s in loader.report() if s["stage"] == "verify chunks"]
+    assert stage and stage[-1]["bytes"] == size and stage[-1]["chunks"] == -(-size // CHUNK)
