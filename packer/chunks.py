@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError
+from packer.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
 from packer.fsutil import FileEntry, canonical_json, sha256_chunked
 from packer.place import FilePlace
 from packer.reading import JSON_DOC, open_regular, read_bytes
@@ -57,7 +58,7 @@ def _read_table(out: Path, manifest: Mapping[str, Any]) -> dict[str, FileChunks]
     if rel is None:
         return None
     if rel != CHUNKS_REL or rel not in manifest["files"]:
-        raise VerifyError(f"{out / 'manifest.json'}: weights.chunks {str(rel)[:80]!r} is not {CHUNKS_REL}, "
+        raise VerifyError(f"{out / MANIFEST_NAME}: weights.chunks {str(rel)[:80]!r} is not {CHUNKS_REL}, "
                           "pinned in files")
     data = read_bytes(out / rel, JSON_DOC, error=VerifyError)
     pinned = manifest["files"][rel].get("sha256") if isinstance(manifest["files"][rel], dict) else None
@@ -100,7 +101,7 @@ def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, F
     table = _read_table(out, manifest)
     if table is None:
         return 0
-    weights = [rel for rel in places if rel.endswith(".safetensors") and rel.startswith("weights/")]
+    weights = [rel for rel in places if rel.endswith(SAFETENSORS_SUFFIX) and rel.startswith("weights/")]
     missing = sorted(set(weights) - set(table))
     if missing:
         raise VerifyError(f"{out / CHUNKS_REL}: holds no chunk digests of {missing[0]}")
