@@ -73,6 +73,7 @@ def test_modelpack_view_validates_and_shares_the_weight_blobs(demo: Path) -> Non
             assert diff_id == la["digest"]
     paths = sorted(la["annotations"][FILEPATH] for la in manifest["layers"])
     assert paths == ["models/config.json", "models/generation_config.json", "models/model.safetensors",
+                     "models/packer-chunks.json",  # the signed chunk table: a reader proves each chunk it reads
                      "models/special_tokens_map.json", "models/tokenizer.json", "models/tokenizer_config.json"]
     assert config["descriptor"]["name"] == "packer-demo" and config["config"]["format"] == "safetensors"
     assert all(d.startswith("sha256:") for d in config["modelfs"]["diffIds"])
