@@ -136,7 +136,7 @@ def test_signed_the_adapter_runs_no_code_of_the_build(signed: tuple[Path, Path, 
     (out / RUNTIME_DIR / "loader.py").write_text(f"open({str(canary)!r}, 'w').write('ran')\n")
     code = ("import sys; from packer.adapters import vllm_format as vf; "
             f"p = vf.check_model_dir({str(d)!r}); m = vf.import_loader(p); t = m.load_weights('cpu'); "
-            "print(len(t), type(m._build).__module__)")
+            "m.proven_done(); print(len(t), type(m._build).__module__)")  # every name the load format calls
     r = run(code, tmp_path, PACKER_REQUIRE_SIGNATURE=str(pub))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [r.stdout.split()[0], "packer.runtime.loader"] and int(r.stdout.split()[0]) > 5

@@ -138,7 +138,8 @@ def load_stub(path: Path) -> types.ModuleType:
         module.__dict__.update({name: getattr(loader, name) for name in ("ArtifactMismatchError", "LoadResult",
                                                                           "report", "init_empty")})
         module.__dict__.update(load_weights=build.load_weights, load_into=build.load_into, manifest=build.manifest,
-                               model_dir=build.model_dir, bundle_dir=build.bundle_dir, _build=build)
+                               model_dir=build.model_dir, bundle_dir=build.bundle_dir, proven_done=build.proven_done,
+                               _build=build)
         sys.modules[STUB_MODULE] = module
         return module
     check_anchor(path, source)
