@@ -583,3 +583,28 @@ def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
     referrers = {k: v for k, v in rest if k.endswith(":" + referrers_tag(digest))}
     views = {k: v for k, v in rest if k not in referrers}
     ctx.emit({"ref": first, "digest": digest, "modelpack": views or None, "referrers": referrers or None})
+
+
+@main.command()
+@click.argument("ref")
+@click.option("--dir", "dest", type=click.Path(path_type=Path), default=None,
+              help="where to lay out the model directory (must not exist or be empty; default: a new "
+                   "private directory in the temp directory)")
+@_common
+def stream(ctx: Ctx, ref: str, dest: Path | None) -> None:
+    """Lay out the small files of the image REF (oci://HOST/REPO@sha256:...) as a model directory
+    whose weights stream from the registry; print its path.
+
+    The directory holds config, tokenizer, chunk table, loader and ``packer-stream.json``; no
+    weight byte. Serve it with ``vllm serve DIR --load-format packer``, or load it with its
+    ``packer_loader.py``: the weights are read from the registry, every chunk proven.
+
+    \b
+    Example:
+      packer stream oci://registry.example.com/team/model@sha256:... --dir /srv/model
+    """
+    from packer.stream import lay_out
+
+    where, digest = lay_out(ref, dest)
+    ctx.log(str(where))
+    ctx.emit({"dir": str(where), "ref": digest})

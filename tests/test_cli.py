@@ -28,7 +28,8 @@ def test_help_does_not_import_torch() -> None:
     assert "Examples" in proc.stdout
 
 
-@pytest.mark.parametrize("command", ["build", "convert", "inspect", "bundle", "unbundle", "verify", "profile", "push"])
+@pytest.mark.parametrize("command", ["build", "convert", "inspect", "bundle", "unbundle", "verify", "profile", "push",
+                                     "stream"])
 def test_every_command_has_help_with_examples(command: str) -> None:
     proc = packer(command, "--help")
     assert proc.returncode == 0 and "Example" in proc.stdout and "--json" in proc.stdout
@@ -261,7 +262,9 @@ CALLS = {"build": ("packer.build", "build"), "convert": ("packer.weights.sandbox
          "inspect": ("packer.checkpoint", "inspect_checkpoint"), "bundle": ("packer.bundle", "bundle_to_file"),
          "unbundle": ("packer.bundle", "unbundle"), "verify": ("packer.verify", "verify"),
          "profile": ("packer.profile", "profile"), "warm": ("packer.warm_step", "warm_output"),
-         "push": ("packer.push", "push")}
+         "push": ("packer.push", "push"), "stream": ("packer.stream", "lay_out")}
+# a command whose argument is no path: what it refuses, and the end of its one line
+REFUSED = {"stream": (["oci://127.0.0.1:9/nowhere@sha256:" + "0" * 64], "Connection refused)")}
 
 
 def _commands() -> list[str]:
@@ -357,10 +360,11 @@ def test_json_usage_errors_are_one_document_exit_2(tmp_path: Path, name: str, wh
 
 @pytest.mark.parametrize("name", _commands())
 def test_json_refused_input_is_one_document_exit_1(tmp_path: Path, name: str) -> None:
-    code, stdout, stderr = _invoke([name, *_arguments(name, tmp_path, exist=False), "--json"])
+    args, end = REFUSED.get(name, (_arguments(name, tmp_path, exist=False), "nowhere: does not exist"))
+    code, stdout, stderr = _invoke([name, *args, "--json"])
     assert code == 1, (stdout, stderr)
     doc = _one_document(stdout, 1)
-    assert doc["error"].endswith("nowhere: does not exist") and stderr.strip() == f"error: {doc['error']}"
+    assert doc["error"].endswith(end) and stderr.strip() == f"error: {doc['error']}"
 
 
 @pytest.mark.parametrize("name", _commands())

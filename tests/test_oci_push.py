@@ -6,12 +6,9 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,45 +21,14 @@ from packer.oci import build_image, push
 from packer.recipe import ImageConfig, demo_recipe, with_sign_key
 from tests.built import weight_location
 from tests.oci_validate import REF, make_out, require_tool, run, validate_layout, validate_referrer
+from tests.registry_fixtures import docker_registry
 from tests.sign_fixtures import make_keypair
-
-REGISTRY = "/usr/bin/docker-registry"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
 def registry(tmp_path: Path) -> Iterator[str]:
-    if not Path(REGISTRY).exists():
-        pytest.skip(f"{REGISTRY} is not installed (apt-get install docker-registry)")
-    port = _free_port()
-    config = tmp_path / "registry.yml"
-    config.write_text(
-        "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {tmp_path / 'registry-data'}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n"
-    )
-    proc = subprocess.Popen([REGISTRY, "serve", str(config)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    pytest.fail(f"docker-registry did not start: {err[-500:]}")
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with docker_registry(tmp_path) as address:
+        yield address
 
 
 def test_push_digest_matches_local(tmp_path: Path, registry: str) -> None:

@@ -26,6 +26,8 @@ ALLOWED = {
     ("runtime/dirtree.py", "materialize", "os.open"):
         "creates a weight file materialized from its layer blob (O_CREAT|O_EXCL|O_NOFOLLOW): a write",
     ("runtime/bundle_reader.py", "extract", "os.open"): "a directory descriptor of the extraction target (a write)",
+    ("runtime/bundle_reader.py", "write_members", "os.open"):
+        "a directory descriptor of the streamed model directory being written (a write)",
     ("runtime/bundle_reader.py", "_write_tree", "os.open"):
         "creates the extracted members (O_CREAT|O_EXCL|O_NOFOLLOW relative to a directory descriptor): a write",
 }

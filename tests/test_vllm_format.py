@@ -46,6 +46,20 @@ def build(tmp: Path, *, tied: bool = True, shard: str | None = None) -> tuple[Pa
     return out, Path(r.stdout.strip())
 
 
+def packer_build(tmp: Path) -> tuple[Path, Path]:
+    """A real ``packer build`` (image, chunk table of 4 KiB chunks: the tensors are 16-64 KiB) of
+    an untied Llama, and the model directory its loader prints."""
+    from tests.built import build_dir
+
+    llama(tmp / "hf", tied=False, **VLLM_LLAMA)
+    out = tmp / "out"
+    build_dir(tmp / "hf", out, weights={"chunk_size": "4KiB"})
+    r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir"], capture_output=True,
+                       text=True, env=env(tmp), timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    return out, Path(r.stdout.strip())
+
+
 def env(tmp: Path) -> dict[str, str]:
     return {**os.environ, "PACKER_BUNDLE_CACHE": str(tmp / "cache"), "PACKER_STARTUP_LOG": "text",
             "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -333,18 +347,39 @@ def test_tensor_parallel_ranks_prove_only_the_chunks_they_use(tmp_path: Path) ->
     """A real packer build (its chunk table of 4 KiB chunks: the model's tensors are 16-64 KiB):
     each rank proves the chunks of the slices vLLM's weight loaders take (a column split's rows,
     a row split's whole matrix), not every file whole, and the tokens are vLLM's own."""
-    from tests.built import build_dir, weight_location
+    from tests.built import weight_location
 
-    llama(tmp_path / "hf", tied=False, **VLLM_LLAMA)
-    out = tmp_path / "out"
-    build_dir(tmp_path / "hf", out, weights={"chunk_size": "4KiB"})
-    r = subprocess.run([sys.executable, str(out / "packer_loader.py"), "--model-dir"], capture_output=True,
-                       text=True, env=env(tmp_path), timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    d = Path(r.stdout.strip())
+    out, d = packer_build(tmp_path)
     want, _ = generate(tmp_path, d, "auto", tp=2)
     got, log = generate(tmp_path, d, "packer", tp=2, extra={"verify": True})
     assert got == want
     proven = [int(n) for n in re.findall(r", (\d+) bytes of chunks proven \(tensor parallel 2\)", log)]
     size = weight_location(out, "weights/model.safetensors")[2]
     assert len(proven) == 2 and all(0 < n < 0.8 * size for n in proven), (proven, size)
+
+
+@pytest.mark.vllm
+def test_a_model_streamed_from_a_registry_serves_the_same_tokens(tmp_path: Path) -> None:
+    """``packer stream`` of a pushed build: a model directory with no weight byte, served by
+    ``--load-format packer``, which reads every weight from the registry (each chunk proven)."""
+    from packer.oci.push import push
+    from tests.registry_fixtures import docker_registry
+
+    out, d = packer_build(tmp_path)
+    want, _ = generate(tmp_path, d, "auto")
+    with docker_registry(tmp_path / "registry") as address:
+        digest = push(out, f"{address}/models/m:1", tls_verify=False)[f"{address}/models/m:1"]
+        streamed = tmp_path / "streamed"
+        ref = f"oci://{address}/models/m@{digest}"
+        os.environ["PACKER_REGISTRY_INSECURE"] = address
+        try:
+            s = subprocess.run([sys.executable, "-m", "packer", "stream", ref, "--dir", str(streamed)],
+                               capture_output=True, text=True, env=env(tmp_path), timeout=120, check=False)
+            assert s.returncode == 0, s.stderr
+            assert not list(streamed.glob("*.safetensors"))
+            got, log = generate(tmp_path, streamed, "packer")
+        finally:
+            del os.environ["PACKER_REGISTRY_INSECURE"]
+    assert got == want
+    assert "[startup] fetch (registry, proven):" in log
+    assert "loaded through packer_loader.py on cpu" in log

@@ -3,7 +3,8 @@
 Rank ``r`` loads its own copy ``WORK/rank{r}/out`` of a ``packer build`` with the emitted loader's
 ``from_pretrained(tp_plan="auto", verify=True)`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
 ``MASTER_PORT`` as torchrun sets them) and writes ``WORK/verify-r.pt``: the logits, the bytes
-the ``verify chunks`` stage hashed and its chunks, the plan's sharded/replicated bytes, and
+the ``verify chunks`` stage hashed and its chunks (with ``PACKER_TEST_ROOT=oci://...``, a
+streamed load: the bytes the ``fetch`` stage fetched, each proven), the plan's sharded/replicated bytes, and
 ``error``: "" after a load, ``mismatch: <message>`` when the loader refused a byte, else the
 exception that ended the rank (a peer that left mid-exchange).
 """
@@ -22,10 +23,11 @@ from tests.tp_worker import IDS, emitted_loader, plan_bytes
 def _load(pl: Any, torch: Any) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    model = pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", verify=True)
+    root = os.environ.get("PACKER_TEST_ROOT") or None  # an oci:// reference: the streamed load
+    model = pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", verify=True, root=root)
     with torch.no_grad():
         logits = model(torch.tensor(IDS)).logits
-    stage = [s for s in pl.report() if s["stage"] == "verify chunks"]
+    stage = [s for s in pl.report() if s["stage"] == ("fetch (registry, proven)" if root else "verify chunks")]
     sharded, replicated = plan_bytes(model)
     return {"logits": logits.detach().clone(), "hashed": stage[-1]["bytes"] if stage else -1,
             "chunks": stage[-1].get("chunks", 0) if stage else 0, "sharded": sharded, "replicated": replicated,

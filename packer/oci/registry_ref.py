@@ -9,20 +9,9 @@ an option (``-x``) or carry whitespace and control characters into a command lin
 
 from __future__ import annotations
 
-import re
-
 from packer.errors import UsageError
 from packer.idents import shown
-
-_DOMAIN_PART = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
-_HOST = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9A-Fa-f:.]+\])"
-_DOMAIN = rf"{_HOST}(?::[0-9]{{1,5}})?"
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_TAG = r"[\w][\w.-]{0,127}"
-_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
-_REF = re.compile(rf"(?P<domain>{_DOMAIN})/(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
-                  rf"(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?", re.ASCII)
-MAX_NAME = 255  # the distribution's limit on host/repository
+from packer.runtime.registry import MAX_NAME, REF  # the one grammar: the streamed load reads it too
 
 
 def check_ref(ref: str) -> str:
@@ -39,7 +28,7 @@ def check_ref(ref: str) -> str:
         UsageError: anything else (exit code 2), with what a REF looks like.
     """
     dest = ref.removeprefix("docker://")
-    m = _REF.fullmatch(dest)
+    m = REF.fullmatch(dest)
     domain = m.group("domain") if m else ""
     has_host = "." in domain or ":" in domain or domain == "localhost"
     if m is None or not has_host:

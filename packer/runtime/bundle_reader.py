@@ -174,6 +174,15 @@ def _frames(data: bytes | bytearray, max_window: int, max_bytes: int) -> list[tu
     return frames
 
 
+def decompress(data: bytes | bytearray, max_bytes: int, max_window: int = DEFAULT_MAX_WINDOW) -> bytearray:
+    """zstd ``data`` (one or more frames) decompressed, at most ``max_bytes``.
+
+    Raises:
+        BundleFormatError: malformed frames, a window over ``max_window``, or over the cap.
+    """
+    return _decompress(data, max_bytes, max_window)
+
+
 def _decompress(data: bytes | bytearray, max_bytes: int, max_window: int) -> bytearray:
     frames = _frames(data, max_window, max_bytes)
     out = bytearray()
@@ -443,6 +452,19 @@ class Bundle:
         members = _parse_tar(tar, max_members, max_depth)
         return cls(tar, members, hashlib.sha256(data).hexdigest())
 
+    @classmethod
+    def from_tar(cls, tar: bytearray, *, max_members: int = DEFAULT_MAX_MEMBERS,
+                 max_depth: int = DEFAULT_MAX_DEPTH) -> Bundle:
+        """Validate an uncompressed tar stream (an image layer's) by the same rules and caps."""
+        return cls(tar, _parse_tar(tar, max_members, max_depth), hashlib.sha256(tar).hexdigest())
+
+    def subtree(self, prefix: tuple[str, ...]) -> dict[tuple[str, ...], tuple[memoryview, bool]]:
+        """The members under ``prefix`` (a directory's components), by their path below it:
+        ``{components: (bytes, is_dir)}``; the rest are left out."""
+        view, n = memoryview(self._tar), len(prefix)
+        return {parts[n:]: (view[o: o + s], d) for parts, (o, s, d) in self._members.items()
+                if parts[:n] == prefix and len(parts) > n}
+
     def names(self) -> list[str]:
         """The regular files, sorted (directories are implied by the names)."""
         return sorted(self._files)
@@ -473,6 +495,26 @@ class Bundle:
         finally:
             os.close(root)
         return dest
+
+
+def write_members(dest: str | os.PathLike[str], members: dict[tuple[str, ...], tuple[memoryview, bool]]) -> None:
+    """Write ``members`` (as :meth:`Bundle.subtree` gives them, from one or more archives)
+    into the empty directory ``dest``, by the extraction's rules (no link followed, none made).
+
+    Raises:
+        FileExistsError: ``dest`` is not empty; OSError: the files cannot be written.
+    """
+    data, flat = bytearray(), {}
+    for parts, (raw, is_dir) in members.items():
+        flat[parts] = (len(data), len(raw), is_dir)
+        data += raw
+    root = os.open(dest, _DIR_FLAGS)
+    try:
+        if os.listdir(root):
+            raise FileExistsError(errno.ENOTEMPTY, "extraction target is not empty", os.fspath(dest))
+        _write_tree(root, flat, memoryview(data))
+    finally:
+        os.close(root)
 
 
 def _write_tree(root: int, members: dict[tuple[str, ...], tuple[int, int, bool]], data: memoryview) -> None:

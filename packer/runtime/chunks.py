@@ -19,14 +19,13 @@ Standard library only: the runtime ships without the build side, which imports t
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .env import ArtifactMismatchError
-from .reading import check_rel, loads_json
+from .reading import PositionalSource, check_rel, loads_json, read_at
 
 CHUNKS_NAME = "packer-chunks.json"  # the table's name in the model directory
 CHUNKS_REL = "weights/" + CHUNKS_NAME  # and in OUT, beside the weight files it covers
@@ -154,15 +153,6 @@ def rank_name() -> str:
     return f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
 
 
-def _pread_into(fd: int, view: memoryview, at: int, where: str) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], at + got)
-        if n <= 0:
-            raise ArtifactMismatchError(f"{where}: truncated at byte {at + got}")
-        got += n
-
-
 class SpanCheck:
     """Check the chunks covering the bytes a reader uses, as it reads them.
 
@@ -182,7 +172,7 @@ class SpanCheck:
         """Whether the table holds the file ``rel`` (else the caller verifies it whole)."""
         return rel in self.table
 
-    def check_file(self, rel: str, fd: int, base: int, where: str | None = None) -> None:
+    def check_file(self, rel: str, fd: int | PositionalSource, base: int, where: str | None = None) -> None:
         """Verify every chunk of the file ``rel`` (a reader of all its bytes), read chunk by chunk.
 
         Raises:
@@ -192,10 +182,10 @@ class SpanCheck:
         buf = memoryview(bytearray(min(fc.chunk, fc.size)))
         for i in range(len(fc.hexes) // 64):
             a, b = fc.bounds(i)
-            _pread_into(fd, buf[: b - a], base + a, rel)
+            read_at(fd, buf[: b - a], base + a, rel)
             self.check(rel, fd, base, a, buf[: b - a], where)
 
-    def check(self, rel: str, fd: int, base: int, start: int, data: memoryview | bytes,
+    def check(self, rel: str, fd: int | PositionalSource, base: int, start: int, data: memoryview | bytes,
               where: str | None = None) -> None:
         """Verify every chunk covering ``data``, the bytes at ``start`` of the file ``rel``.
 
@@ -223,7 +213,7 @@ class SpanCheck:
                     h.update(view[lo - start: hi - start])
                 else:  # the part of the chunk outside the span: read here
                     extra = memoryview(bytearray(hi - lo))
-                    _pread_into(fd, extra, base + lo, rel)
+                    read_at(fd, extra, base + lo, rel)
                     h.update(extra)
             self.hashed, self.chunks = self.hashed + (b - a), self.chunks + 1
             if h.hexdigest() != fc.digest(i):

@@ -56,8 +56,22 @@ def map_shards(torch: ModuleType, shards: list[Shard], timeline: Timeline) -> li
     out = []
     with timeline.stage("map"):
         for s in shards:
+            if not isinstance(s.fd, int):
+                raise TypeError(f"{s.label}: a streamed file cannot be mapped")  # the caller reads it instead
             mm = mmap.mmap(s.fd, s.size, access=mmap.ACCESS_COPY, offset=s.base)
             out.append((torch.frombuffer(mm, dtype=torch.uint8), len(s.head)))
+    return out
+
+
+def fetch_on_use(torch: ModuleType, shards: list[Shard], timeline: Timeline) -> list[tuple[torch.Tensor, int]]:
+    """Per streamed shard an empty private buffer of its size, for :mod:`.proven` to fill a chunk
+    at a time when first used (untouched pages take no memory); the header in place now."""
+    out = []
+    with timeline.stage("map"):
+        for s in shards:
+            buf, _ = _anonymous(torch, s.size, False)
+            buf[: len(s.head)] = torch.frombuffer(bytearray(s.head), dtype=torch.uint8)
+            out.append((buf, len(s.head)))
     return out
 
 
@@ -72,7 +86,8 @@ def read_shards(torch: ModuleType, shards: list[Shard], readers: int, timeline: 
         made = [_anonymous(torch, s.data_size, hugepages) for s in shards]
         box["hugepages"] = sum(applied for _, applied in made)
         out = [(b, 0) for b, _ in made]
-        read_into([Read(s.fd, s.data_start, host_view(b)) for s, (b, _) in zip(shards, out, strict=True)], readers)
+        read_into([Read(s.fd, s.data_start, host_view(b), s.label)
+                   for s, (b, _) in zip(shards, out, strict=True)], readers)
         box["bytes"] = sum(s.data_size for s in shards)
     return out
 

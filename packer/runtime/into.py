@@ -61,7 +61,7 @@ def into_cpu(torch: ModuleType, shards: list[Shard], targets: dict[str, list[tor
             for name, code, _, begin, end in s.tensors:
                 ts = targets.get(name, [])
                 if ts and ts[0].dtype == torch_dtype(code, name)[0] and ts[0].is_contiguous():
-                    reads.append(Read(s.fd, s.data_start + begin, host_view(ts[0].detach())))
+                    reads.append(Read(s.fd, s.data_start + begin, host_view(ts[0].detach()), s.label))
                     box["bytes"] += end - begin
                     rest += [(t, ts[0]) for t in ts[1:] if t.data_ptr() != ts[0].data_ptr()]
                 elif ts:

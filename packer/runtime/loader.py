@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,9 @@ from .components import all_loaders, component_loader
 from .empty import init_empty
 from .env import WARM_ENV, ArtifactMismatchError, torch_dtype
 from .loading import Loader
-from .reading import entry_kind, inside, loads_json, sha256_regular
+from .reading import entry_kind, inside, loads_json, read_bytes, sha256_regular
+from .registry import is_ref
+from .remote import stream_ref
 from .settings import RuntimeSettings, setting
 from .shards import pread_exact
 from .timeline import TIMELINE, Timeline, import_torch
@@ -96,6 +99,8 @@ class Build:
         settings = self.settings()
         base = root or settings.artifacts or self.home
         key = (str(base), settings.weights_dir)
+        if key not in self._loaders and (is_ref(base) or stream_ref(Path(base)) is not None):
+            self._loaders[key] = self._streamed(str(base), settings)
         if key not in self._loaders:
             if entry_kind(base) != "dir":  # an explicit root that holds no build: never a fall back
                 named = "root=" if root else "PACKER_ARTIFACTS"
@@ -108,6 +113,29 @@ class Build:
             self._loaders[key] = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None,
                                         settings=settings)
         return self._loaders[key]
+
+    def _streamed(self, base: str, settings: RuntimeSettings) -> Loader:
+        """The loader of a build streamed from a registry: ``base`` an ``oci://`` reference (its
+        small files fetched into a new private directory) or a directory ``packer stream`` made."""
+        from .remote import RemoteImage
+
+        if is_ref(base):
+            image = RemoteImage.fetch(base)
+            where = image.materialize()
+        else:
+            where = Path(base)
+            image = RemoteImage.fetch(str(stream_ref(where)))
+        shipped = where / "manifest.json"
+        if shipped.is_file():  # the image's own artifact manifest: another build is one clear line
+            theirs, ours = loads_json(read_bytes(shipped, "json"), str(shipped)).get("files"), self.manifest()["files"]
+            if not isinstance(theirs, dict) or any(theirs.get(rel) != entry for rel, entry in ours.items()):
+                raise ArtifactMismatchError(f"{image.ref}: the image holds another build than this loader's "
+                                            "(its manifest.json pins other files)")
+        if settings.require_signature:
+            from .signature import require_signature
+
+            require_signature(self.manifest(), where, settings.require_signature)
+        return Loader(self.manifest(), where, settings=settings, remote=image)
 
     def warmup_inputs(self, device: str = "cuda") -> list[dict[str, torch.Tensor]]:
         """Zero-filled example inputs from the recipe's ``[runtime] warmup`` shapes, one per entry."""
@@ -130,7 +158,8 @@ class Build:
 
         hashed, chunks = release()
         if chunks:
-            self.loader(root).timeline.add("verify chunks", 0.0, 0.0, hashed, chunks=chunks)
+            now = time.perf_counter()  # a count, not a span: the proofs ran inside the engine's copies
+            self.loader(root).timeline.add("verify chunks", now, now, hashed, chunks=chunks)
         return hashed
 
     def load_into(self, module: torch.nn.Module, *, device: str | None = None, strict: bool = True,
@@ -173,11 +202,16 @@ class Build:
         """A Hugging Face model directory of this build (links, no copies) for serving engines.
 
         ``transformers``, ``vllm serve``, TGI's ``--model-id`` and SGLang's ``--model-path`` read
-        it as is. ``out``: where to make it (default beside the extracted bundle).
+        it as is. ``out``: where to make it (default beside the extracted bundle). For a build
+        streamed from a registry (``root="oci://..."``) it is the directory of its small files,
+        with no weight byte, which ``vllm serve DIR --load-format packer`` streams from.
         """
         from .hf import hf_model_dir
 
-        return hf_model_dir(self.loader(root), root=out)
+        loader = self.loader(root)
+        if loader.remote is not None:
+            return loader.root
+        return hf_model_dir(loader, root=out)
 
     def prepare(self, *, prefetch: bool = False, root: str | Path | None = None) -> dict[str, Any]:
         """Everything before CUDA (headers, bundle, config; optionally the page cache), done once."""

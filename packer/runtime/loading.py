@@ -24,12 +24,12 @@ from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_
 from .bundle_cache import cache_root, cached
 from .chunks import FileChunks, SpanCheck, parse_table, rank_name, table_in_tree
 from .cpu import map_shards, prefetch_files, read_shards
-from .env import ArtifactMismatchError
+from .env import ArtifactMismatchError, torch_dtype
 from .place import FilePlace, place_of
 from .reading import check_rel, open_regular, read_bytes
 from .served import check_extracted
 from .settings import RuntimeSettings
-from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, sha256_fd, shard_tensors
+from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, read_header, sha256_fd, shard_tensors
 from .timeline import TIMELINE, Timeline, import_torch
 
 # The ring, its engines and the copy-into paths are imported where they are used: the stub
@@ -43,7 +43,11 @@ if TYPE_CHECKING:
 
     from .engines import CopyEngine
     from .layout import Layout
+    from .remote import RemoteImage
     from .ring import Chunk, RingStats, Segment
+
+
+STREAM_READERS = 16  # benchmarks/stream_load.py: 2 readers took 2.8x the time of 16 for 1 GB on loopback
 
 
 class Loader:
@@ -54,6 +58,9 @@ class Loader:
         root: artifact root; weight files resolve under ``weights_dir`` when given.
         weights_dir: directory that holds the ``model*.safetensors`` files (mounted weights).
         timeline: where stage timings go (the process-wide one by default).
+        remote: the registry image a streamed load reads the weight files from (``root`` then
+            holds its small files, :meth:`~.remote.RemoteImage.materialize`); every chunk read is
+            proven by the chunk table, so ``verify`` costs nothing more.
         settings: the knobs (default: from the environment over ``manifest["runtime"]``);
             ``slots``, ``chunk`` and ``readers`` start from them and may be set per loader.
         With ``settings.require_signature`` every load checks sha256 (the signature pins
@@ -62,8 +69,10 @@ class Loader:
 
     def __init__(self, manifest: dict[str, Any], root: str | Path, *,
                  weights_dir: str | Path | None = None,
-                 timeline: Timeline | None = None, settings: RuntimeSettings | None = None) -> None:
+                 timeline: Timeline | None = None, settings: RuntimeSettings | None = None,
+                 remote: RemoteImage | None = None) -> None:
         self.manifest = manifest
+        self.remote = remote  # the image the weights stream from (:mod:`.remote`), else None
         self.root = Path(root)
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.timeline = timeline or TIMELINE
@@ -73,7 +82,8 @@ class Loader:
         self.settings = settings or RuntimeSettings.from_sources(os.environ, manifest.get("runtime"))
         self.slots = self.settings.ring_slots
         self.chunk = self.settings.chunk_bytes
-        self.readers = self.settings.readers
+        # a streamed load's readers wait on the network, not the disk: at least STREAM_READERS requests in flight
+        self.readers = self.settings.readers if remote is None else max(self.settings.readers, STREAM_READERS)
         self.make_engine: Callable[[torch.device], CopyEngine] = _make_engine  # tests slow the engine down
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
         self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
@@ -117,8 +127,8 @@ class Loader:
             ArtifactMismatchError: as :meth:`locate`.
         """
         check_rel(rel, "the manifest's files")
-        if self._plain(rel) is not None or rel not in self.manifest["files"]:
-            return None
+        if rel not in self.manifest["files"] or (self.remote is None and self._plain(rel) is not None):
+            return None  # streamed: a held file is read from the registry, whatever lies here
         if rel not in self._places:  # each entry read once, by the one rule
             self._places[rel] = place_of(rel, self.manifest["files"][rel], "the manifest")
         place = self._places[rel]
@@ -144,6 +154,13 @@ class Loader:
         with self.timeline.stage("headers") as box:
             try:
                 for rel in w["files"]:
+                    place = self.held(rel) if self.remote is not None else None
+                    if place is not None and self.remote is not None:
+                        src = self.remote.source(place, self.chunk_table().get(rel), rank_name())
+                        shards.append(read_header(rel, self.root / rel, src, place.size, w["tensors"],
+                                                  base=place.offset, label=src.label))
+                        box["bytes"] += len(shards[-1].head)
+                        continue
                     path, base = self.locate(rel)
                     shards.append(open_shard(rel, path, files[rel], w["tensors"], random_access=random_access,
                                              base=base, label=self.root / rel if base else None))
@@ -210,9 +227,13 @@ class Loader:
 
     def _verify_shards(self, shards: list[Shard]) -> None:
         """Every byte of ``shards``: chunk by chunk with the build's chunk table (a changed byte
-        named by its chunk), else each file's sha256."""
+        named by its chunk), else each file's sha256. Streamed shards are proven as they are
+        read (:class:`~.remote.RemoteFile`): nothing is read here for them."""
         from concurrent.futures import ThreadPoolExecutor
 
+        shards = [s for s in shards if not s.remote]
+        if not shards:
+            return
         table = self.chunk_table()
         if table and all(s.rel in table for s in shards):
             with self.timeline.stage("verify chunks") as box, ThreadPoolExecutor(self.readers) as ex:
@@ -264,25 +285,36 @@ class Loader:
         dev = self._device(torch, device)
         verify = verify or bool(self.settings.require_signature)
         use_ring = dev.type != "cpu" if pipeline is None else pipeline
+        streamed = self.remote is not None
+        before, started = self.remote.stats.fetched if self.remote is not None else 0, time.perf_counter()
         shards = self.open_shards(verify=verify)
         try:
-            check = self._proof_on_use(verify and proven and dtype is None and not copy and not use_ring)
+            check = self._proof_on_use((verify or streamed) and proven and dtype is None and not copy and not use_ring)
             if dev.type == "cpu" and check is not None:
                 out = self._proven(torch, shards, check)
             elif dev.type == "cpu" and not use_ring:
                 if verify:
                     self._verify_shards(shards)
                 bufs = (read_shards(torch, shards, self.readers, self.timeline, hugepages=self.settings.hugepages)
-                        if copy else map_shards(torch, shards, self.timeline))
+                        if copy or streamed else map_shards(torch, shards, self.timeline))
                 out = self._tensors(torch, shards, bufs, dtype)
             else:
                 out = self._ringed(torch, dev, shards, verify, dtype)
         finally:
             for s in shards:
                 s.close()
+        self._record_stream(before, started)
         if self.auto_flush:
             self.timeline.flush()
         return out
+
+    def _record_stream(self, before: int, started: float) -> None:
+        """A streamed load's ``fetch`` line: the bytes it fetched (every one proven) since ``started``."""
+        if self.remote is not None and self.remote.stats.fetched > before:
+            st = self.remote.stats
+            self.timeline.add("fetch (registry, proven)", started, time.perf_counter(), st.fetched - before,
+                              chunks=st.chunks,
+                              requests=self.remote.registry.requests, resumed=self.remote.registry.resumed)
 
     def _proof_on_use(self, wanted: bool) -> SpanCheck | None:
         """The check of a load whose chunks are proven on use, if ``wanted`` and the build has a table."""
@@ -293,7 +325,19 @@ class Loader:
     def _proven(self, torch: ModuleType, shards: list[Shard], check: SpanCheck) -> dict[str, torch.Tensor]:
         from .proven import prove_mapped
 
-        bufs = map_shards(torch, shards, self.timeline)
+        if self.remote is not None:  # nothing to map: buffers whose chunks are fetched when first used
+            from .cpu import fetch_on_use
+            from .engines import host_view
+
+            bufs = fetch_on_use(torch, shards, self.timeline)
+            for s, (buf, base) in zip(shards, bufs, strict=True):  # what _tensors copies (misaligned) is read now
+                view = host_view(buf)
+                for e in s.tensors:
+                    at = base + e.begin
+                    if e.end > e.begin and ((buf.data_ptr() + at) % CPU_ALIGN or at % torch_dtype(e.code, e.name)[1]):
+                        s.fd.read_at(view[at: base + e.end], s.base + at)  # type: ignore[union-attr]
+        else:
+            bufs = map_shards(torch, shards, self.timeline)
         return prove_mapped(torch, shards, bufs, self._tensors(torch, shards, bufs, None), self.chunk_table(), check)
 
     def _device(self, torch: ModuleType, device: str) -> torch.device:
@@ -321,7 +365,8 @@ class Loader:
         with self.timeline.stage("device alloc", sum(x.nbytes for x in layouts)):
             bufs = [engine.device_buffer(x.nbytes) for x in layouts]
         segs = _segments(shards, layouts, bufs)
-        hashers = {i: hashlib.sha256(s.head) for i, s in enumerate(shards)} if verify else None
+        hashers = ({i: hashlib.sha256(s.head) for i, s in enumerate(shards)}
+                   if verify and not any(s.remote for s in shards) else None)  # streamed: proven as read
         self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, hashers)
         if hashers is not None:
             for i, s in enumerate(shards):

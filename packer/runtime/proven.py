@@ -16,10 +16,12 @@ torch is imported only here, when such a load runs.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from .chunks import FileChunks, SpanCheck
 from .env import ArtifactMismatchError
+from .reading import PositionalSource
 
 if TYPE_CHECKING:
     from .shards import Shard
@@ -38,23 +40,46 @@ METADATA = frozenset({"shape", "dtype", "device", "size", "dim", "ndim", "numel"
 
 
 class _Mapped:
-    """One shard's mapping: where it starts in memory, its file's chunks, which are proven."""
+    """One shard's mapping: where it starts in memory, its file's chunks, which are proven.
 
-    def __init__(self, shard: Shard, start: int, view: memoryview, chunks: FileChunks, check: SpanCheck) -> None:
-        self.rel, self.label, self.start, self.view = shard.rel, shard.label, start, view
+    A streamed shard (:mod:`.remote`) has no mapping: its buffer starts empty and a chunk is
+    fetched from the registry, proven as it arrives, when first used (the buffer is held
+    weakly: a mapping whose tensors are gone is dropped).
+    """
+
+    def __init__(self, shard: Shard, buf: Any, chunks: FileChunks, check: SpanCheck) -> None:
+        self.rel, self.label, self.start = shard.rel, shard.label, buf.data_ptr()
         self.chunks, self.check = chunks, check
+        self.source: PositionalSource | None = None if isinstance(shard.fd, int) else shard.fd
+        self.base = shard.base
+        self.buf = weakref.ref(buf) if self.source is not None else (lambda b=buf: b)
         self.proven: set[int] = set()
         self.lock = threading.Lock()
 
     def prove(self, lo: int, hi: int) -> None:
-        """Prove file bytes ``lo:hi``: each covering chunk not proven yet, hashed from the mapping."""
+        """Prove file bytes ``lo:hi``: each covering chunk not proven yet, hashed from the mapping
+        (streamed: fetched, consecutive chunks in one read, proven by the source)."""
         with self.lock:
-            for i in self.chunks.cover(lo, hi):
-                if i in self.proven:
-                    continue
-                a, b = self.chunks.bounds(i)
-                self.check.check(self.rel, -1, 0, a, self.view[a:b], self.label)  # the whole chunk: nothing read
-                self.proven.add(i)
+            todo = [i for i in self.chunks.cover(lo, hi) if i not in self.proven]
+            buf = self.buf()
+            if not todo or buf is None:
+                return
+            view = memoryview(buf.numpy())
+            if self.source is None:
+                for i in todo:
+                    a, b = self.chunks.bounds(i)
+                    self.check.check(self.rel, -1, 0, a, view[a:b], self.label)  # the whole chunk: nothing read
+            else:
+                runs = [[todo[0], todo[0] + 1]]
+                for i in todo[1:]:
+                    if i == runs[-1][1]:
+                        runs[-1][1] = i + 1
+                    else:
+                        runs.append([i, i + 1])
+                for first, last in runs:
+                    a, b = self.chunks.bounds(first)[0], self.chunks.bounds(last - 1)[1]
+                    self.source.read_at(view[a:b], self.base + a)
+            self.proven.update(todo)
 
 
 _MAPPINGS: dict[int, _Mapped] = {}  # untyped storage address -> its mapping
@@ -149,7 +174,7 @@ def prove_mapped(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], t
     for s, (buf, _) in zip(shards, bufs, strict=True):
         if s.rel not in table:
             raise ArtifactMismatchError(f"{s.rel}: the chunk table holds no digests of it")
-        mapped = _Mapped(s, buf.data_ptr(), memoryview(buf.numpy()), table[s.rel], check)
+        mapped = _Mapped(s, buf, table[s.rel], check)
         _MAPPINGS[buf.untyped_storage().data_ptr()] = mapped
         mapped.prove(0, len(s.head))
         for e in s.tensors:
@@ -165,7 +190,12 @@ def prove_mapped(torch: Any, shards: list[Shard], bufs: list[tuple[Any, int]], t
 
 def release() -> tuple[int, int]:
     """Forget every mapping (the tensors keep theirs alive as long as they live) and return
-    ``(bytes hashed, chunks proven)`` since the last release: for the caller's report."""
-    checks = {id(m.check): m.check for m in _MAPPINGS.values()}
-    _MAPPINGS.clear()
+    ``(bytes hashed, chunks proven)`` since the last release: for the caller's report.
+
+    A streamed mapping whose buffer lives is kept: its unfetched chunks still arrive, proven,
+    when first used (after the release they would otherwise be zeros)."""
+    checks = {id(m.check): m.check for m in _MAPPINGS.values() if m.source is None}
+    for key, m in list(_MAPPINGS.items()):
+        if m.source is None or m.buf() is None:
+            del _MAPPINGS[key]
     return sum(c.hashed for c in checks.values()), sum(c.chunks for c in checks.values())

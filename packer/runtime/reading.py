@@ -27,7 +27,7 @@ import os
 import re
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Protocol
 
 from .env import ArtifactMismatchError
 
@@ -85,6 +85,32 @@ def open_regular(path: str | os.PathLike[str]) -> int:
         os.close(fd)
         raise ArtifactMismatchError(f"{_where(path)}: {_kind(mode)}; expected a regular file")
     return fd
+
+
+class PositionalSource(Protocol):
+    """Bytes read at a position from somewhere else than an open file (a registry blob,
+    :class:`~packer.runtime.remote.RemoteFile`): each read is all of it, proven, or raises."""
+
+    def read_at(self, view: memoryview, at: int) -> None: ...
+
+
+def read_at(src: int | PositionalSource, view: memoryview, at: int, where: str) -> None:
+    """Fill ``view`` with the bytes at offset ``at`` of ``src``: an open file's descriptor
+    (``os.preadv`` until full; it releases the GIL), or a :class:`PositionalSource`.
+
+    Raises:
+        ArtifactMismatchError: the file ends before ``at + len(view)`` (``<where>: truncated at
+            byte N``); what a source raises.
+    """
+    if not isinstance(src, int):
+        src.read_at(view, at)
+        return
+    got = 0
+    while got < len(view):
+        n = os.preadv(src, [view[got:]], at + got)
+        if n <= 0:
+            raise ArtifactMismatchError(f"{where}: truncated at byte {at + got}")
+        got += n
 
 
 def read_fd(fd: int, size: int, where: str) -> bytes:

@@ -8,7 +8,6 @@ last copy completed. :class:`RingStats` lets tests check the buffer budget and t
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -17,7 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .engines import CopyEngine, host_view
-from .env import MAX_RING_BYTES, ArtifactMismatchError
+from .env import MAX_RING_BYTES
+from .reading import PositionalSource, read_at
 from .settings import DEFAULT_CHUNK, MIB
 from .shards import Shard
 from .timeline import Timeline
@@ -39,11 +39,13 @@ class Segment(NamedTuple):
 
 
 class Read(NamedTuple):
-    """``len(view)`` bytes at ``offset`` of the open file ``fd``, read into ``view``."""
+    """``len(view)`` bytes at ``offset`` of ``fd`` (an open file, or a remote source), read into
+    ``view``; ``where`` names the file in messages."""
 
-    fd: int
+    fd: int | PositionalSource
     offset: int
     view: memoryview
+    where: str = ""
 
 
 class Chunk:
@@ -229,7 +231,7 @@ class Readers:
     def __init__(self, threads: int, piece: int) -> None:
         threads = max(threads, 1)  # none would leave every read waiting for ever
         self.piece = piece
-        self._q: queue.SimpleQueue[tuple[Latch, int, int, memoryview] | None] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[Latch, Read] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.first: float | None = None
         self.last = 0.0
@@ -239,31 +241,26 @@ class Readers:
         for t in self._threads:
             t.start()
 
-    def submit(self, latch: Latch, fd: int, offset: int, view: memoryview) -> None:
-        """Read ``len(view)`` bytes at ``offset`` into ``view`` in pieces; ``latch`` counts them."""
-        self.submit_many(latch, [Read(fd, offset, view)])
+    def submit(self, latch: Latch, read: Read) -> None:
+        """Read ``len(read.view)`` bytes into its view in pieces; ``latch`` counts them."""
+        self.submit_many(latch, [read])
 
     def submit_many(self, latch: Latch, reads: list[Read]) -> None:
         """Queue several reads under one latch."""
-        pieces = [(fd, off + a, view[a: a + self.piece]) for fd, off, view in reads
-                  for a in range(0, len(view), self.piece)]
+        pieces = [Read(r.fd, r.offset + a, r.view[a: a + self.piece], r.where) for r in reads
+                  for a in range(0, len(r.view), self.piece)]
         latch.begin(len(pieces))
         if not pieces:
             latch.ready.set()
-        for fd, off, view in pieces:
-            self._q.put((latch, fd, off, view))
+        for r in pieces:
+            self._q.put((latch, r))
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
-            slot, fd, offset, view = item
+            slot, (fd, offset, view, where) = item
             start, error = time.perf_counter(), None
             try:
-                got = 0
-                while got < len(view):
-                    n = os.preadv(fd, [view[got:]], offset + got)
-                    if n <= 0:
-                        raise ArtifactMismatchError(f"short read at byte {offset + got}")
-                    got += n
+                read_at(fd, view, offset, where)
             except BaseException as e:  # handed to the dispatcher through the slot
                 error = e
             with self._lock:
@@ -363,7 +360,8 @@ def _drive(shards: list[Shard], todo: deque[Chunk], engine: CopyEngine, ring: li
                 stats.early_refills += 1
             free.popleft()
             c = todo.popleft()
-            pool.submit(slot, shards[c.shard].fd, c.offset, slot.view[: c.nbytes])
+            s = shards[c.shard]
+            pool.submit(slot, Read(s.fd, c.offset, slot.view[: c.nbytes], s.label))
             busy.append((slot, c))
             copying = sum(1 for s in free if not _reusable(s, engine))
             stats.max_busy = max(stats.max_busy, len(busy) + copying)

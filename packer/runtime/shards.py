@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .env import MAX_HEADER, ArtifactMismatchError, torch_dtype
-from .reading import loads_json, open_regular
+from .reading import PositionalSource, loads_json, open_regular, read_at
 from .settings import MIB
 
 if TYPE_CHECKING:
@@ -42,31 +42,36 @@ class Shard:
     its data section starts in that file, so every read is at ``data_start + begin``.
     """
 
-    def __init__(self, rel: str, path: Path, fd: int, size: int, head: bytes,
+    def __init__(self, rel: str, path: Path, fd: int | PositionalSource, size: int, head: bytes,
                  tensors: list[TensorEntry], base: int = 0, label: str | Path | None = None) -> None:
         self.rel, self.path, self.fd, self.size, self.head = rel, path, fd, size, head
         self.base = base
         self.data_start = base + len(head)
         self.data_size = size - len(head)
         self.tensors = tensors  # sorted by begin
-        self.label = os.path.abspath(label if label is not None else path)
+        self.label = str(label) if self.remote else os.path.abspath(label if label is not None else path)
 
     def check_sha256(self, got: str, want: str) -> None:
         """Raise unless ``got == want``, naming the file (and, in a layer blob, where it lies)."""
         held = f" (its bytes lie in {os.path.abspath(self.path)} at offset {self.base})" if self.base else ""
         check_sha256(self.label, got, want, held)
 
+    @property
+    def remote(self) -> bool:
+        """Whether the bytes come from a remote source (a registry blob), not an open file."""
+        return not isinstance(self.fd, int)
+
     def close(self) -> None:
-        if self.fd >= 0:
+        if isinstance(self.fd, int) and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
 
-def pread_exact(fd: int, n: int, offset: int, rel: str) -> bytes:
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise ArtifactMismatchError(f"{rel}: truncated at byte {offset + len(data)}")
-    return data
+def pread_exact(fd: int | PositionalSource, n: int, offset: int, rel: str) -> bytes:
+    """Exactly ``n`` bytes at ``offset`` of ``fd`` (an open file or a remote source)."""
+    buf = bytearray(n)
+    read_at(fd, memoryview(buf), offset, rel)
+    return bytes(buf)
 
 
 def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any], *,
@@ -96,16 +101,29 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
         if size != meta["size"] if not base else size < meta["size"]:
             raise ArtifactMismatchError(f"{where}: {size} bytes, the manifest says {meta['size']}; "
                                         "these weights are not from this build")
-        size = meta["size"]
-        n = struct.unpack("<Q", pread_exact(fd, 8, base, where))[0]
-        if n > min(size - 8, MAX_HEADER):
-            raise ArtifactMismatchError(f"{where}: header length {n} is impossible for {size} bytes")
-        raw = pread_exact(fd, n, base + 8, where)
-        tensors = _check_header(rel, raw, size - 8 - n, table, where)
-        return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors, base, label)
+        return read_header(rel, path, fd, meta["size"], table, base=base, label=label, where=where)
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_header(rel: str, path: Path, fd: int | PositionalSource, size: int, table: dict[str, Any], *,
+                base: int = 0, label: str | Path | None = None, where: str = "") -> Shard:
+    """The :class:`Shard` of the ``size`` bytes at ``base`` of ``fd`` (an open file, or a
+    remote source: :mod:`.remote`), its safetensors header read and checked against ``table``.
+
+    Raises:
+        ArtifactMismatchError: an impossible header length, or a header that differs.
+    """
+    where = where or str(label or path)
+    if size < 8:
+        raise ArtifactMismatchError(f"{where}: {size} bytes, too short for a safetensors header")
+    n = struct.unpack("<Q", pread_exact(fd, 8, base, where))[0]
+    if n > min(size - 8, MAX_HEADER):
+        raise ArtifactMismatchError(f"{where}: header length {n} is impossible for {size} bytes")
+    raw = pread_exact(fd, n, base + 8, where)
+    tensors = _check_header(rel, raw, size - 8 - n, table, where)
+    return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors, base, label)
 
 
 def _check_header(rel: str, raw: bytes, data_len: int,

@@ -29,13 +29,14 @@ manifests) hashes every file whole, so every rank reads everything.
 
 from __future__ import annotations
 
-import os
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .assign import module_slots
 from .chunks import SpanCheck, rank_name
 from .env import torch_dtype
 from .hf import hf_construct, hf_finish
+from .reading import read_at
 from .shards import Shard, TensorEntry
 from .timeline import import_torch
 
@@ -54,6 +55,8 @@ class Stored(NamedTuple):
 def _span_check(loader: Loader, shards: list[Shard]) -> SpanCheck | None:
     """The check of this rank's reads, each header checked now; None without a chunk table,
     which verifies every file whole (the one way an older build can be proven)."""
+    if loader.remote is not None:
+        return None  # streamed: each chunk is proven as it arrives (:class:`~.remote.RemoteFile`)
     check = loader.span_check(rank_name())
     whole = [s for s in shards if check is None or not check.covers(s.rel)]
     if whole:
@@ -120,6 +123,7 @@ def load_tp(loader: Loader, model: Any, dev: Any, verify: bool) -> None:
     torch = import_torch(loader.timeline)
     w = loader.manifest["weights"]
     aliases = w.get("aliases", {})
+    before, started = loader.remote.stats.fetched if loader.remote is not None else 0, time.perf_counter()
     shards = loader.open_shards(verify=verify, random_access=True)
     try:
         check = _span_check(loader, shards) if verify else None
@@ -139,13 +143,15 @@ def load_tp(loader: Loader, model: Any, dev: Any, verify: bool) -> None:
                 _put(torch, slot, local_part(torch, where[key], slot.tensor, dev, stats))
                 done.add(key)
             box["bytes"] = stats["read"]
+        now = time.perf_counter()  # counts, not spans: they ran inside the read
         if stats["sent"]:
-            loader.timeline.add("tensor parallel exchange (sent)", 0.0, 0.0, stats["sent"])
+            loader.timeline.add("tensor parallel exchange (sent)", now, now, stats["sent"])
         if check is not None:
-            loader.timeline.add("verify chunks", 0.0, 0.0, check.hashed, chunks=check.chunks)
+            loader.timeline.add("verify chunks", now, now, check.hashed, chunks=check.chunks)
     finally:
         for s in shards:
             s.close()
+    loader._record_stream(before, started)
 
 
 def _put(torch: Any, slot: Any, value: Any) -> None:
@@ -210,13 +216,8 @@ def read_rows(torch: Any, stored: Stored, first: int, last: int, stats: dict[str
         row = (e.end - e.begin) // rows if rows else 0
     buf = torch.empty((last - first) * row, dtype=torch.uint8)
     at, view = s.data_start + e.begin + first * row, memoryview(buf.numpy())
-    got = 0
-    while got < len(view):
-        n = os.preadv(s.fd, [view[got:]], at + got)
-        if n <= 0:
-            raise RuntimeError(f"{s.rel}: truncated in tensor {e.name!r}")
-        got += n
-    stats["read"] += got
+    read_at(s.fd, view, at, s.label)
+    stats["read"] += len(view)
     if check is not None and check.covers(s.rel):
         check.check(s.rel, s.fd, s.base, at - s.base, view, s.label)
     return buf.view(dt).view((last - first, *e.shape[1:]) if e.shape else ())

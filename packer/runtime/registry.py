@@ -1,0 +1,454 @@
+"""An OCI registry client for the streamed load: references, auth, TLS, ranged blob reads.
+
+What :mod:`.remote` needs from a registry (the distribution API's ``GET /v2/<repo>/manifests``
+and ``/blobs``), on the standard library alone: the runtime ships into serving images that
+hold torch and nothing else, so a client library (``requests``, ``oras``) would be a new
+dependency of every one of them for four requests. What such libraries get right is kept:
+
+* **References**: ``oci://HOST[:PORT]/REPO[:TAG][@sha256:HEX]``, the distribution project's
+  grammar (:data:`REF`, shared with ``packer push``); a tag is resolved once, and the digest
+  reported.
+* **Auth** as users have it: anonymous; HTTP Basic; the token flow (a ``401`` with
+  ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` → a token from the realm,
+  with the credentials when there are some), refreshed once when a token expires mid-load.
+  Credentials come from the first auth file holding the registry (``PACKER_REGISTRY_AUTH``,
+  ``REGISTRY_AUTH_FILE``, ``$XDG_RUNTIME_DIR/containers/auth.json``,
+  ``~/.config/containers/auth.json``, ``$DOCKER_CONFIG/config.json``,
+  ``~/.docker/config.json``: a Kubernetes ``dockerconfigjson`` pull secret mounted as a file is
+  one), by ``host/repo`` prefix then host, as podman and skopeo look them up. Credential helpers
+  are not run (no program named by a file runs here).
+* **TLS** with the system's CAs plus ``PACKER_REGISTRY_CA`` (a PEM file) and the registry's
+  own folder of ``/etc/containers/certs.d/HOST[:PORT]/*.crt`` or ``/etc/docker/certs.d/...``;
+  plain HTTP only for hosts listed in ``PACKER_REGISTRY_INSECURE`` (``host:port,...``).
+* **Redirects** (a blob served from object storage): followed, at most 5, the credentials
+  dropped when the host changes.
+* **Ranged reads** that resume: :meth:`Registry.read_range` reads into the caller's buffer
+  and re-asks from the byte it reached when the connection drops (5 tries); a registry that
+  answers a ``Range`` request with the whole blob gets a one-line :class:`RegistryError`.
+
+Every byte read here is proven by the caller (a digest it pins); nothing here is trusted.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import hashlib
+import http.client
+import os
+import re
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .env import ArtifactMismatchError
+from .reading import loads_json, read_bytes
+
+SCHEME = "oci://"
+_DOMAIN_PART = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
+_HOST = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9A-Fa-f:.]+\])"
+DOMAIN = rf"{_HOST}(?::[0-9]{{1,5}})?"
+COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+TAG = r"[\w][\w.-]{0,127}"
+DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+# the distribution project's reference grammar (reference/regexp.go) with the host required
+REF = re.compile(rf"(?P<domain>{DOMAIN})/(?P<path>{COMPONENT}(?:/{COMPONENT})*)"
+                 rf"(?::(?P<tag>{TAG}))?(?:@(?P<digest>{DIGEST}))?", re.ASCII)
+MAX_NAME = 255  # the distribution's limit on host/repository
+_SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
+MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
+                  "application/vnd.docker.distribution.manifest.v2+json")
+MAX_DOC = 4 * 2**20  # a manifest or config: far above any image's
+TRIES = 5  # attempts of one ranged read (the first and the resumes after a dropped connection)
+TIMEOUT = float(os.environ.get("PACKER_REGISTRY_TIMEOUT", "60") or 60)  # seconds per socket operation
+
+
+class RegistryError(ArtifactMismatchError):
+    """The registry cannot serve the streamed load: one line naming the reference and why."""
+
+
+@dataclass(frozen=True)
+class OciRef:
+    """A parsed ``oci://`` reference: ``host`` (with its port), ``repo``, ``tag`` and/or ``digest``."""
+
+    host: str
+    repo: str
+    tag: str | None
+    digest: str | None
+
+    def __str__(self) -> str:
+        at = f"@{self.digest}" if self.digest else ""
+        return f"{SCHEME}{self.host}/{self.repo}{':' + self.tag if self.tag and not at else ''}{at}"
+
+
+def is_ref(text: object) -> bool:
+    """Whether ``text`` is meant as a registry reference (``oci://...``), well formed or not."""
+    return isinstance(text, str) and text.startswith(SCHEME)
+
+
+def parse_ref(text: str) -> OciRef:
+    """``oci://HOST[:PORT]/REPO[:TAG][@sha256:HEX]`` as an :class:`OciRef`.
+
+    Raises:
+        RegistryError: not that grammar, no tag nor digest, a digest other than sha256, or a
+            name over 255 characters.
+    """
+    body = text[len(SCHEME):] if is_ref(text) else ""
+    m = REF.fullmatch(body)
+    shown = repr(text)[:100]
+    if m is None:
+        raise RegistryError(f"{shown} is not a registry reference; expected "
+                            "oci://HOST[:PORT]/REPO@sha256:<64 hex> (or :TAG, resolved once)")
+    digest = m.group("digest")
+    if digest is not None and not _SHA256.fullmatch(digest):
+        raise RegistryError(f"{shown}: only sha256 digests (64 lowercase hex digits) are taken")
+    if digest is None and m.group("tag") is None:
+        raise RegistryError(f"{shown}: name the image by digest (@sha256:...) or by tag (:TAG)")
+    if len(f"{m.group('domain')}/{m.group('path')}") > MAX_NAME:
+        raise RegistryError(f"{shown}: the repository name is longer than {MAX_NAME} characters")
+    return OciRef(m.group("domain"), m.group("path"), m.group("tag"), digest)
+
+
+# ---------------------------------------------------------------------------------------
+# credentials and TLS
+
+
+def _auth_files() -> list[Path]:
+    env, home = os.environ, Path.home()
+    named = [env.get("PACKER_REGISTRY_AUTH"), env.get("REGISTRY_AUTH_FILE")]
+    if env.get("XDG_RUNTIME_DIR"):
+        named.append(str(Path(env["XDG_RUNTIME_DIR"]) / "containers" / "auth.json"))
+    named.append(str(home / ".config" / "containers" / "auth.json"))
+    named.append(str(Path(env.get("DOCKER_CONFIG") or home / ".docker") / "config.json"))
+    return [Path(p) for p in named if p]
+
+
+def _entry_keys(ref: OciRef) -> list[str]:
+    """Auth-file keys for ``ref``, most specific first: ``host/a/b``, ``host/a``, ``host``."""
+    parts = ref.repo.split("/")
+    keys = [f"{ref.host}/{'/'.join(parts[:i])}" for i in range(len(parts), 0, -1)] + [ref.host]
+    return keys + [f"https://{ref.host}", f"http://{ref.host}", f"https://{ref.host}/v1/", f"https://{ref.host}/v2/"]
+
+
+def credentials(ref: OciRef) -> tuple[str, str] | None:
+    """``(user, password)`` for ``ref`` from the first auth file that names its registry.
+
+    Raises:
+        RegistryError: an auth file that names the registry but cannot be read, or whose
+            entry is not ``{"auth": base64("user:password")}``.
+    """
+    for path in _auth_files():
+        try:
+            doc = loads_json(read_bytes(path, "json"), str(path))
+        except (OSError, ArtifactMismatchError) as e:
+            if isinstance(e, FileNotFoundError) or not path.exists():
+                continue
+            raise RegistryError(f"{path}: not an auth file ({e})") from None
+        auths = doc.get("auths") if isinstance(doc, dict) else None
+        if not isinstance(auths, dict):
+            raise RegistryError(f"{path}: not an auth file (JSON with \"auths\")")
+        for key in _entry_keys(ref):
+            if key in auths:
+                return _decode_entry(path, key, auths[key])
+    return None
+
+
+def _decode_entry(path: Path, key: str, entry: Any) -> tuple[str, str]:
+    try:
+        if entry.get("username") is not None:
+            return str(entry["username"]), str(entry.get("password", ""))
+        user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
+    except (AttributeError, KeyError, TypeError, ValueError):
+        user, sep, password = "", "", ""
+    if not sep:
+        raise RegistryError(f"{path}: auths[{key!r}] has no \"auth\" of base64 user:password "
+                            "(credential helpers and identity tokens are not used by the streamed load)")
+    return user, password
+
+
+def tls_context(host: str) -> ssl.SSLContext:
+    """The system's CAs, plus ``PACKER_REGISTRY_CA`` and the registry's certs.d folder."""
+    ctx = ssl.create_default_context()
+    extra = [os.environ.get("PACKER_REGISTRY_CA") or ""]
+    for base in ("/etc/containers/certs.d", "/etc/docker/certs.d"):
+        extra += sorted(glob.glob(os.path.join(base, glob.escape(host), "*.crt")))
+    for ca in filter(None, extra):
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except (OSError, ssl.SSLError) as e:
+            raise RegistryError(f"{ca}: cannot be read as a PEM CA bundle ({e})") from None
+    return ctx
+
+
+def plain_http(host: str) -> bool:
+    """Whether ``host`` is listed in ``PACKER_REGISTRY_INSECURE`` (plain HTTP, no TLS)."""
+    listed = (os.environ.get("PACKER_REGISTRY_INSECURE") or "").replace(" ", "").split(",")
+    return host in listed
+
+
+# ---------------------------------------------------------------------------------------
+# the client
+
+
+def _challenge(header: str) -> tuple[str, dict[str, str]]:
+    """``(scheme, params)`` of a ``WWW-Authenticate`` header (RFC 7235, one challenge)."""
+    scheme, _, rest = header.strip().partition(" ")
+    params = {k.lower(): v for k, v in re.findall(r'(\w+)="([^"]*)"', rest)}
+    params.update({k.lower(): v for k, v in re.findall(r'(\w+)=([^",\s]+)', rest) if k.lower() not in params})
+    return scheme.lower(), params
+
+
+class _Response:
+    """A response whose status was taken: its headers and a body to read (or drain)."""
+
+    def __init__(self, resp: http.client.HTTPResponse, conn: http.client.HTTPConnection) -> None:
+        self.resp, self.conn, self.status = resp, conn, resp.status
+
+    def header(self, name: str) -> str:
+        return self.resp.getheader(name) or ""
+
+    def read(self, cap: int) -> bytes:
+        data = self.resp.read(cap + 1)
+        if len(data) > cap:
+            self.conn.close()
+            raise RegistryError(f"a registry answer over {cap} bytes")
+        return data
+
+
+class Registry:
+    """One repository of one registry: its connections (one per thread and origin) and its token.
+
+    Args:
+        ref: the image reference (its ``host`` and ``repo``).
+        auth: ``(user, password)``, else looked up in the auth files (:func:`credentials`).
+    """
+
+    def __init__(self, ref: OciRef, auth: tuple[str, str] | None = None) -> None:
+        self.ref = ref
+        self.base = f"{'http' if plain_http(ref.host) else 'https'}://{ref.host}"
+        self._auth = auth if auth is not None else credentials(ref)
+        self._header: str | None = None  # the Authorization this repository takes
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._ctx: ssl.SSLContext | None = None
+        self.requests = 0  # HTTP requests made (redirects and token requests included)
+        self.resumed = 0  # ranged reads re-asked after a dropped connection
+
+    # -- connections
+
+    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        conns: dict[tuple[str, str], http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        key = (scheme, netloc)
+        if key not in conns:
+            if scheme == "https":
+                if self._ctx is None:
+                    self._ctx = tls_context(self.ref.host)
+                conns[key] = http.client.HTTPSConnection(netloc, timeout=TIMEOUT, context=self._ctx)
+            else:
+                conns[key] = http.client.HTTPConnection(netloc, timeout=TIMEOUT)
+        return conns[key]
+
+    def _drop(self, scheme: str, netloc: str) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop((scheme, netloc), None)
+        if conn is not None:
+            conn.close()
+
+    def _send(self, url: str, headers: dict[str, str]) -> _Response:
+        """One GET of ``url``; a stale kept-alive connection is reopened once."""
+        u = urllib.parse.urlsplit(url)
+        path = u.path + (f"?{u.query}" if u.query else "")
+        for attempt in (0, 1):
+            conn = self._conn(u.scheme, u.netloc)
+            try:
+                self.requests += 1
+                conn.request("GET", path, headers=headers)
+                return _Response(conn.getresponse(), conn)
+            except ssl.SSLCertVerificationError as e:
+                self._drop(u.scheme, u.netloc)
+                raise RegistryError(f"{self.ref}: TLS certificate of {u.netloc} not trusted ({e.verify_message}); "
+                                    "give its CA in PACKER_REGISTRY_CA or /etc/containers/certs.d/"
+                                    f"{self.ref.host}/ca.crt") from None
+            except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
+                self._drop(u.scheme, u.netloc)
+                if attempt:
+                    hint = ("; a plain-HTTP registry is listed in PACKER_REGISTRY_INSECURE"
+                            if isinstance(e, ssl.SSLError) else "")
+                    raise RegistryError(f"{self.ref}: cannot reach {u.netloc} ({e}){hint}") from None
+        raise AssertionError("unreachable")
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> _Response:
+        """``GET base+path`` with the repository's auth, following redirects (5 at most).
+
+        Returns:
+            a response of status 200 or 206 whose body is still to be read.
+
+        Raises:
+            RegistryError: another status (its code and reason), or no credentials where the
+                registry asks for them.
+        """
+        url, hops, renewed = self.base + path, 0, False
+        while True:
+            same = urllib.parse.urlsplit(url).netloc == self.ref.host
+            sent = dict(headers or {})
+            if same and self._header:
+                sent["Authorization"] = self._header
+            resp = self._send(url, sent)
+            if resp.status in (200, 206):
+                return resp
+            body = resp.read(64 * 1024)  # drained: the connection is reused
+            if resp.status in (301, 302, 303, 307, 308) and hops < 5:
+                url, hops = urllib.parse.urljoin(url, resp.header("Location")), hops + 1
+                continue
+            if resp.status == 401 and same and not renewed:
+                self._authorize(resp.header("WWW-Authenticate"))
+                renewed = True
+                continue
+            raise RegistryError(f"{self.ref}: GET {path} answered {resp.status} {resp.resp.reason}"
+                                f"{_why(body)}{self._advice(resp.status)}")
+
+    def _advice(self, status: int) -> str:
+        if status in (401, 403):
+            return ("; put credentials for the registry in an auth file (podman login, docker login, "
+                    "or a pull secret's .dockerconfigjson in PACKER_REGISTRY_AUTH)" if self._auth is None
+                    else "; the credentials found for it are refused")
+        return ""
+
+    def _authorize(self, header: str) -> None:
+        scheme, params = _challenge(header)
+        basic = "Basic " + base64.b64encode(":".join(self._auth).encode()).decode() if self._auth else None
+        if scheme == "basic":
+            if basic is None:
+                raise RegistryError(f"{self.ref}: the registry asks for credentials{self._advice(401)}")
+            with self._lock:
+                self._header = basic
+            return
+        if scheme != "bearer" or not params.get("realm"):
+            raise RegistryError(f"{self.ref}: the registry asks for {header[:80]!r}, "
+                                "neither Basic nor a Bearer token challenge")
+        query = {"scope": params.get("scope") or f"repository:{self.ref.repo}:pull"}
+        if params.get("service"):
+            query["service"] = params["service"]
+        realm = params["realm"]
+        url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
+        if not urllib.parse.urlsplit(url).scheme.startswith("http"):
+            raise RegistryError(f"{self.ref}: token realm {realm[:80]!r} is not an http(s) address")
+        resp = self._send(url, {"Authorization": basic} if basic else {})
+        body = resp.read(MAX_DOC)
+        if resp.status != 200:
+            raise RegistryError(f"{self.ref}: the token server {urllib.parse.urlsplit(url).netloc} answered "
+                                f"{resp.status}{_why(body)}{self._advice(401)}")
+        try:
+            doc = loads_json(body, "the token server's answer")
+            token = doc.get("token") or doc.get("access_token")
+        except (ArtifactMismatchError, AttributeError):
+            token = None
+        if not isinstance(token, str) or not token or any(c in token for c in "\r\n"):
+            raise RegistryError(f"{self.ref}: the token server's answer holds no token")
+        with self._lock:
+            self._header = f"Bearer {token}"
+
+    # -- documents and blobs
+
+    def manifest(self) -> tuple[bytes, str]:
+        """The image manifest's bytes and digest: proven against the reference's digest, or
+        the tag resolved (its digest computed here from the bytes).
+
+        Raises:
+            RegistryError: not an image manifest (an index: name the platform's manifest by
+                digest), over 4 MiB, or bytes whose sha256 is not the pinned digest.
+        """
+        which = self.ref.digest or self.ref.tag
+        resp = self.get(f"/v2/{self.ref.repo}/manifests/{which}", {"Accept": ", ".join(MANIFEST_TYPES)})
+        data = resp.read(MAX_DOC)
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if self.ref.digest and digest != self.ref.digest:
+            raise RegistryError(f"{self.ref}: the registry's manifest has digest {digest}; not the pinned image")
+        media = resp.header("Content-Type").split(";")[0].strip()
+        if media not in MANIFEST_TYPES:
+            raise RegistryError(f"{self.ref}: a {media or 'document'} of no known type, not an image manifest "
+                                "(for an index, name the platform's manifest by its digest)")
+        return data, digest
+
+    def blob(self, digest: str, size: int) -> bytes:
+        """A whole small blob (config, compressed layer) of ``size`` bytes, proven by its digest."""
+        data = self.get(f"/v2/{self.ref.repo}/blobs/{digest}").read(size)
+        if len(data) != size or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+            raise RegistryError(f"{self.ref}: blob {digest} as served ({len(data)} bytes) is not the one the "
+                                "image manifest pins; the registry's copy is corrupt")
+        return data
+
+    def read_range(self, digest: str, at: int, view: memoryview, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Bytes ``at:at+len(view)`` of blob ``digest`` into ``view``, resumed after a drop.
+
+        Raises:
+            RegistryError: the registry ignores ``Range`` (answers 200 with the whole blob),
+                answers another range, or the connection drops 5 times.
+        """
+        got, tries = 0, 0
+        path = f"/v2/{self.ref.repo}/blobs/{digest}"
+        while got < len(view):
+            first = at + got
+            try:
+                resp = self.get(path, {"Range": f"bytes={first}-{at + len(view) - 1}"})
+                if resp.status != 206:
+                    resp.conn.close()
+                    self._drop_all()
+                    raise RegistryError(f"{self.ref}: the registry answered a Range request for blob {digest[:19]}... "
+                                        "with the whole blob (HTTP 200): it cannot stream; pull the image "
+                                        "(skopeo copy --preserve-digests) and load it from disk, or set "
+                                        "PACKER_STREAM_WHOLE=1 to fetch whole blobs into memory")
+                span = resp.header("Content-Range")
+                if not span.startswith(f"bytes {first}-"):
+                    raise RegistryError(f"{self.ref}: asked bytes {first}- of blob {digest[:19]}..., "
+                                        f"the registry sent {span[:60]!r}")
+                while got < len(view):
+                    n = resp.resp.readinto(view[got:])
+                    if not n:
+                        raise http.client.IncompleteRead(b"")
+                    got += n
+                    if on_bytes is not None:
+                        on_bytes(n)
+            except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
+                if isinstance(e, RegistryError):
+                    raise
+                self._drop_all()
+                tries += 1
+                if tries >= TRIES:
+                    raise RegistryError(f"{self.ref}: blob {digest[:19]}... dropped {tries} times at byte "
+                                        f"{at + got} ({type(e).__name__}); giving up") from None
+                self.resumed += 1
+                time.sleep(0.05 * tries)
+
+    def read_whole(self, digest: str, size: int) -> bytearray:
+        """A whole weight blob into memory (``PACKER_STREAM_WHOLE=1``), proven by its digest."""
+        buf = bytearray(size)
+        resp = self.get(f"/v2/{self.ref.repo}/blobs/{digest}")
+        view, got, h = memoryview(buf), 0, hashlib.sha256()
+        while got < size:
+            n = resp.resp.readinto(view[got:])
+            if not n:
+                break
+            h.update(view[got: got + n])
+            got += n
+        if got != size or "sha256:" + h.hexdigest() != digest:
+            raise RegistryError(f"{self.ref}: blob {digest} as served is not the one the image manifest pins")
+        return buf
+
+    def _drop_all(self) -> None:
+        for conn in self._local.__dict__.pop("conns", {}).values():
+            conn.close()
+
+
+def _why(body: bytes) -> str:
+    """The registry's own error code, when its body is the distribution's error document."""
+    try:
+        errors = loads_json(body, "the registry's error").get("errors") or []
+        code = str(errors[0].get("code", ""))[:40]
+    except (ArtifactMismatchError, AttributeError, IndexError, TypeError):
+        return ""
+    return f" ({code})" if re.fullmatch(r"[A-Z_]+", code) else ""

@@ -1,0 +1,64 @@
+"""``packer stream``: a model directory whose weights stream from a registry.
+
+The build side's door to :mod:`packer.runtime.remote`: the image's small files (config,
+tokenizer, chunk table, loader) are fetched, each layer proven by its digest, into a new
+directory with ``packer-stream.json``; its ``packer_loader.py`` (and the vLLM load format,
+which runs it) then reads every weight from the registry, chunk by chunk, proven.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from packer.errors import ImageError, UsageError
+from packer.fsutil import remove_tree
+from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.registry import is_ref
+from packer.runtime.remote import RemoteImage
+
+
+def lay_out(ref: str, dest: Path | None = None) -> tuple[Path, str]:
+    """Fetch the small files of the image ``ref`` into ``dest`` (default: a new private directory).
+
+    Args:
+        ref: ``oci://HOST[:PORT]/REPO@sha256:<hex>`` (or ``:TAG``, resolved once and reported).
+        dest: a directory that does not exist or is empty; nothing is left in it on failure.
+
+    Returns:
+        ``(the directory, the digest-pinned reference its weights stream from)``.
+
+    Raises:
+        UsageError: ``ref`` is no ``oci://`` reference, or ``dest`` is not empty (exit code 2).
+        ImageError: the registry or the image refused (one line: reference and reason).
+    """
+    if not is_ref(ref):
+        raise UsageError(f"stream: {ref[:100]!r} is not an oci:// reference; expected oci://HOST/REPO@sha256:<hex>")
+    made = dest is not None and not dest.exists()
+    if dest is not None and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"stream: {dest} exists and is not an empty directory")
+    try:
+        image = RemoteImage.fetch(ref)
+        where = image.materialize(dest)
+    except BaseException as e:
+        if dest is not None:
+            _clean(dest, made)
+        if isinstance(e, ArtifactMismatchError):
+            raise ImageError(f"stream: {e}") from None
+        raise
+    return where, str(image.ref)
+
+
+def _clean(dest: Path, made: bool) -> None:
+    """Leave ``dest`` as it was: gone if this call made it, else empty (a cleanup error never
+    replaces the error behind it)."""
+    if made:
+        remove_tree(dest, ignore_errors=True)
+        return
+    for child in list(dest.iterdir()) if dest.is_dir() else []:
+        if child.is_dir() and not child.is_symlink():
+            remove_tree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(child)

@@ -1,0 +1,382 @@
+"""The streamed load (packer/runtime/remote.py, registry.py): a build's weights read from its image
+in a real registry (Debian's docker-registry on loopback), every chunk proven as it arrives.
+
+One open registry holds the pushed builds; the registries behind htpasswd (over TLS with the
+test's own CA) and behind a token server serve the same storage directory, so a build is
+pushed once.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from packer.oci.push import push
+from packer.runtime.registry import RegistryError, parse_ref
+from tests.built import build_dir
+from tests.hf_fixtures import llama
+from tests.registry_fixtures import LoopbackCA, Proxy, TokenServer, blob_file, docker_registry, htpasswd_line
+from tests.test_chunks import _ranks
+from tests.test_tp import WIDE
+
+REPO = Path(__file__).resolve().parents[1]
+WEIGHTS = "weights/model.safetensors"
+CHUNK = 32 * 1024
+pytestmark = pytest.mark.skipif(shutil.which("skopeo") is None, reason="tool: skopeo is not installed")
+
+
+@dataclass
+class Pushed:
+    """The open registry, its storage, and the builds pushed to it: ``{name: (OUT, digest)}``."""
+
+    address: str
+    data: Path
+    builds: dict[str, tuple[Path, str]]
+
+    def ref(self, name: str, address: str | None = None) -> str:
+        return f"oci://{address or self.address}/models/{name}@{self.builds[name][1]}"
+
+
+def stub(out: Path) -> Any:
+    """The emitted ``packer_loader.py`` of ``out``, imported under a name of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"packer_loader_{uuid.uuid4().hex[:8]}", out / "packer_loader.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pushed]:
+    tmp = tmp_path_factory.mktemp("stream")
+    llama(tmp / "hf", **{**WIDE, "tied": False})  # 4 layers of width 512: 6.8 MB in bf16
+    builds = {"plain": build_dir(tmp / "hf", tmp / "plain", weights={"chunk_size": "32KiB"}),
+              "sharded": build_dir(tmp / "hf", tmp / "sharded",
+                                   weights={"chunk_size": "32KiB", "max_shard_size": "2MB"})}
+    assert len(json.loads((tmp / "sharded/manifest.json").read_bytes())["weights"]["files"]) >= 3
+    with docker_registry(tmp / "registry") as address:
+        digests = {name: push(tmp / name, f"{address}/models/{name}:1", tls_verify=False)[f"{address}/models/{name}:1"]
+                   for name in builds}
+        yield Pushed(address, tmp / "registry" / "registry-data", {n: (tmp / n, d) for n, d in digests.items()})
+
+
+@pytest.fixture(autouse=True)
+def _streaming_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Plain HTTP for loopback registries, no auth file of the machine's, a private temp dir."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for var in ("PACKER_REGISTRY_INSECURE", "REGISTRY_AUTH_FILE", "XDG_RUNTIME_DIR", "DOCKER_CONFIG",
+                "PACKER_REGISTRY_AUTH", "PACKER_REGISTRY_CA", "PACKER_STREAM_WHOLE", "PACKER_ARTIFACTS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    return tmp_path / "tmp"
+
+
+def insecure(monkeypatch: pytest.MonkeyPatch, *addresses: str) -> None:
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", ",".join(addresses))
+
+
+def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in key order."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].contiguous()
+        h.update(f"{k}{t.dtype}{list(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def stage(pl: Any, name: str) -> dict[str, Any]:
+    return [s for s in pl.report() if s["stage"] == name][-1]
+
+
+def test_a_streamed_load_is_bitwise_the_local_build_and_writes_no_weight_byte(
+        pushed: Pushed, monkeypatch: pytest.MonkeyPatch, _streaming_env: Path) -> None:
+    insecure(monkeypatch, pushed.address)
+    out, _ = pushed.builds["plain"]
+    pl = stub(out)
+    local = pl.load_weights("cpu", root=out)
+    streamed = pl.load_weights("cpu", root=pushed.ref("plain"))
+    assert equal(streamed, local)
+    fetched = stage(pl, "fetch (registry, proven)")
+    size = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]["size"]
+    assert size <= fetched["bytes"] <= size + 2 * CHUNK  # each byte once (and an edge chunk at most)
+    ringed = pl.load_weights("cpu", root=pushed.ref("plain"), pipeline=True)  # the CUDA path's scheduling
+    assert equal(ringed, local)
+    # nothing of the weights on disk: the small files only, in one private directory
+    (made,) = list(_streaming_env.iterdir())
+    files = [p for p in made.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) < size / 4
+    assert not any(p.suffix == ".safetensors" for p in files)
+    assert (made / "config.json").is_file() and (made / "packer_loader.py").is_file()
+    assert oct(made.stat().st_mode & 0o777) == "0o700"
+
+
+def test_from_pretrained_streams_the_same_model(pushed: Pushed, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    insecure(monkeypatch, pushed.address)
+    out, _ = pushed.builds["plain"]
+    pl = stub(out)
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    with torch.no_grad():
+        want = pl.from_pretrained(AutoModelForCausalLM, device="cpu", root=out)(ids).logits
+        got = pl.from_pretrained(AutoModelForCausalLM, device="cpu", root=pushed.ref("plain"))(ids).logits
+        # load_into a module built without memory: its parameters filled from the registry
+        from transformers import AutoConfig
+
+        with pl.init_empty(dtype=torch.bfloat16):
+            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pl.bundle_dir(root=out)))
+        pl.load_into(module, root=pushed.ref("plain"), device="cpu")
+        into = module.eval()(ids).logits
+    assert torch.equal(got, want)
+    assert torch.equal(into, want)
+    assert pl.model_dir(root=pushed.ref("plain")).joinpath("packer-stream.json").is_file()
+
+
+def test_a_sharded_build_streams_bitwise(pushed: Pushed, monkeypatch: pytest.MonkeyPatch) -> None:
+    insecure(monkeypatch, pushed.address)
+    out, _ = pushed.builds["sharded"]
+    pl = stub(out)
+    assert equal(pl.load_weights("cpu", root=pushed.ref("sharded")), pl.load_weights("cpu", root=out))
+
+
+def test_a_tag_is_resolved_once_and_reported(pushed: Pushed, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    insecure(monkeypatch, pushed.address)
+    out, digest = pushed.builds["plain"]
+    pl = stub(out)
+    assert equal(pl.load_weights("cpu", root=f"oci://{pushed.address}/models/plain:1"),
+                 pl.load_weights("cpu", root=out))
+    err = capsys.readouterr().err
+    assert f"oci://{pushed.address}/models/plain:1 resolved to {digest}; pin it: " in err
+
+
+def test_another_builds_image_is_refused_in_one_line(pushed: Pushed, monkeypatch: pytest.MonkeyPatch) -> None:
+    insecure(monkeypatch, pushed.address)
+    pl = stub(pushed.builds["plain"][0])
+    with pytest.raises(pl.ArtifactMismatchError, match="the image holds another build than this loader's") as e:
+        pl.load_weights("cpu", root=pushed.ref("sharded"))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["oci://127.0.0.1:5000/m", "oci://Host/UPPER@sha256:" + "a" * 64,
+                                  "oci://127.0.0.1:5000/m@md5:" + "a" * 32, "oci://h.example/m@sha256:" + "A" * 64])
+def test_what_is_no_pinned_reference_is_refused(text: str) -> None:
+    with pytest.raises(RegistryError) as e:
+        parse_ref(text)
+    assert "\n" not in str(e.value)
+
+
+def test_the_runtime_and_push_share_one_reference_grammar() -> None:
+    from packer.oci import registry_ref
+    from packer.runtime import registry
+
+    assert registry_ref.REF is registry.REF
+
+
+def test_a_flipped_blob_byte_in_the_registry_is_refused_in_one_line(pushed: Pushed, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    out, _ = pushed.builds["plain"]
+    entry = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]
+    blob = "sha256:" + entry["blob"].rpartition("/")[2]
+    shutil.copytree(pushed.data, tmp_path / "registry" / "registry-data")
+    at = entry["offset"] + entry["size"] // 2  # the middle of the weight file
+    data = blob_file(tmp_path / "registry" / "registry-data", blob)
+    raw = bytearray(data.read_bytes())
+    raw[at] ^= 0x01
+    data.write_bytes(raw)
+    with docker_registry(tmp_path / "registry") as address:
+        insecure(monkeypatch, address)
+        pl = stub(out)
+        with pytest.raises(pl.ArtifactMismatchError) as e:
+            pl.load_weights("cpu", root=pushed.ref("plain", address))
+    chunk = (entry["size"] // 2) // CHUNK
+    text = str(e.value)
+    assert "\n" not in text
+    assert f"{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, {(chunk + 1) * CHUNK})" in text, text
+    assert "the registry's copy is corrupt or not this build's" in text
+
+
+def test_a_dropped_connection_resumes(pushed: Pushed, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, _ = pushed.builds["plain"]
+    proxy = Proxy(pushed.address, drop_after=100_000, drops=4)
+    try:
+        insecure(monkeypatch, proxy.address)
+        pl = stub(out)
+        got = pl.load_weights("cpu", root=pushed.ref("plain", proxy.address))
+    finally:
+        proxy.close()
+    assert proxy.dropped == 4
+    assert equal(got, pl.load_weights("cpu", root=out))
+    assert stage(pl, "fetch (registry, proven)")["resumed"] >= 4
+
+
+def test_a_registry_that_ignores_range_is_one_line_or_whole_blobs(pushed: Pushed,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out, _ = pushed.builds["plain"]
+    proxy = Proxy(pushed.address, strip_range=True)
+    try:
+        insecure(monkeypatch, proxy.address)
+        pl = stub(out)
+        with pytest.raises(pl.ArtifactMismatchError) as e:
+            pl.load_weights("cpu", root=pushed.ref("plain", proxy.address))
+        assert "\n" not in str(e.value)
+        assert "with the whole blob (HTTP 200): it cannot stream; pull the image" in str(e.value)
+        assert "PACKER_STREAM_WHOLE=1" in str(e.value)
+        monkeypatch.setenv("PACKER_STREAM_WHOLE", "1")
+        pl = stub(out)
+        got = pl.load_weights("cpu", root=pushed.ref("plain", proxy.address))
+    finally:
+        proxy.close()
+    assert equal(got, pl.load_weights("cpu", root=out))
+    assert "whole into memory (PACKER_STREAM_WHOLE=1)" in capsys.readouterr().err
+
+
+def _auth_file(path: Path, host: str, user: str, password: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"auths": {host: {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}}}))
+    return path
+
+
+def test_htpasswd_over_tls_with_the_registrys_own_ca(pushed: Pushed, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    out, _ = pushed.builds["plain"]
+    ca = LoopbackCA(tmp_path / "ca")
+    (tmp_path / "registry").mkdir()
+    os.symlink(pushed.data, tmp_path / "registry" / "registry-data")  # the same storage, another front
+    with docker_registry(tmp_path / "registry", htpasswd=htpasswd_line("ci", "s3cret"), tls=ca) as address:
+        pl = stub(out)
+        ref = pushed.ref("plain", address)
+        with pytest.raises(pl.ArtifactMismatchError, match="TLS certificate of .* not trusted") as e:
+            pl.load_weights("cpu", root=ref)
+        assert "PACKER_REGISTRY_CA" in str(e.value)
+        monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
+        with pytest.raises(pl.ArtifactMismatchError, match="asks for credentials; put credentials") as e:
+            pl.load_weights("cpu", root=ref)
+        monkeypatch.setenv("REGISTRY_AUTH_FILE", str(_auth_file(tmp_path / "bad.json", address, "ci", "wrong")))
+        with pytest.raises(pl.ArtifactMismatchError, match="the credentials found for it are refused"):
+            pl.load_weights("cpu", root=ref)
+        # podman's auth file: a Kubernetes pull secret's .dockerconfigjson has the same shape
+        _auth_file(tmp_path / "xdg" / "containers" / "auth.json", address, "ci", "s3cret")
+        monkeypatch.delenv("REGISTRY_AUTH_FILE")
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+        got = pl.load_weights("cpu", root=ref)
+    assert equal(got, pl.load_weights("cpu", root=out))
+
+
+def test_a_bearer_token_registry(pushed: Pushed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, _ = pushed.builds["plain"]
+    tokens = TokenServer(tmp_path, "ci", "t0ken-pass")
+    (tmp_path / "registry").mkdir()
+    os.symlink(pushed.data, tmp_path / "registry" / "registry-data")
+    try:
+        with docker_registry(tmp_path / "registry", token=tokens) as address:
+            insecure(monkeypatch, address)
+            pl = stub(out)
+            ref = pushed.ref("plain", address)
+            with pytest.raises(pl.ArtifactMismatchError, match="the token server 127.0.0.1:[0-9]+ answered 401"):
+                pl.load_weights("cpu", root=ref)
+            monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))  # docker's config.json
+            _auth_file(tmp_path / "docker" / "config.json", address, "ci", "t0ken-pass")
+            got = pl.load_weights("cpu", root=ref)
+    finally:
+        tokens.close()
+    assert tokens.issued >= 1 and tokens.refused >= 1
+    assert equal(got, pl.load_weights("cpu", root=out))
+
+
+# --- tensor parallel: each rank fetches its share, proven ---
+
+
+def _tp_work(out: Path, tmp: Path, ref: str, address: str) -> Path:
+    for r in range(2):
+        shutil.copytree(out, tmp / f"rank{r}" / "out", symlinks=True, ignore=shutil.ignore_patterns("image"))
+    os.environ["PACKER_TEST_ROOT"], os.environ["PACKER_REGISTRY_INSECURE"] = ref, address
+    return tmp
+
+
+@pytest.fixture
+def _tp_env() -> Iterator[None]:
+    yield
+    os.environ.pop("PACKER_TEST_ROOT", None)
+
+
+def test_two_streamed_ranks_fetch_their_share(pushed: Pushed, tmp_path: Path, _tp_env: None) -> None:
+    out, _ = pushed.builds["plain"]
+    ours = _ranks(_tp_work(out, tmp_path, pushed.ref("plain"), pushed.address))
+    size = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]["size"]
+    spans = len(json.loads((out / "manifest.json").read_bytes())["weights"]["tensors"]) + 1
+    for r in range(2):
+        assert ours[r]["error"] == "", ours[r]["error"]
+        share = ours[r]["sharded"] / 2 + ours[r]["replicated"]
+        assert share <= ours[r]["hashed"] <= share + 2 * CHUNK * spans, (r, ours[r]["hashed"], share)
+        assert ours[r]["hashed"] < 0.6 * size
+        print(f"rank {r}: fetched {ours[r]['hashed']} bytes; share {share:.0f}, file {size}")
+    assert torch.equal(ours[0]["logits"], ours[1]["logits"])
+
+
+def test_a_flipped_byte_is_refused_by_the_streaming_rank_that_fetches_it(pushed: Pushed, tmp_path: Path,
+                                                                         _tp_env: None) -> None:
+    from tests.test_chunks import _rank1_offset
+
+    out, _ = pushed.builds["plain"]
+    entry = json.loads((out / "manifest.json").read_bytes())["files"][WEIGHTS]
+    shutil.copytree(pushed.data, tmp_path / "registry" / "registry-data")
+    data = blob_file(tmp_path / "registry" / "registry-data", "sha256:" + entry["blob"].rpartition("/")[2])
+    at = _rank1_offset(out, "model.layers.3.mlp.gate_proj.weight")
+    raw = bytearray(data.read_bytes())
+    raw[entry["offset"] + at] ^= 0x01
+    data.write_bytes(raw)
+    with docker_registry(tmp_path / "registry") as address:
+        ours = _ranks(_tp_work(out, tmp_path / "work", pushed.ref("plain", address), address))
+    chunk = at // CHUNK
+    assert ours[1]["error"].startswith("mismatch: "), ours[1]
+    assert f"{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, " in ours[1]["error"], ours[1]
+    assert "on rank 1 of 2; the registry's copy is corrupt" in ours[1]["error"]
+    assert not ours[0]["error"].startswith("mismatch"), ours[0]["error"]
+
+
+def test_the_stream_command_lays_out_a_model_directory(pushed: Pushed, tmp_path: Path) -> None:
+    out, _ = pushed.builds["plain"]
+    env = {**os.environ, "PACKER_REGISTRY_INSECURE": pushed.address}
+    dest = tmp_path / "model"
+    proc = subprocess.run([sys.executable, "-m", "packer", "stream", pushed.ref("plain"), "--dir", str(dest)],
+                          capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(dest)
+    assert json.loads((dest / "packer-stream.json").read_text()) == {"ref": pushed.ref("plain")}
+    assert not list(dest.glob("*.safetensors"))
+    # the directory's own loader streams (what the vLLM load format runs)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import packer_loader as pl, torch; "
+            "t = pl.load_weights('cpu'); print(sys.modules['tests.test_stream'].digest(t))")
+    got = subprocess.run([sys.executable, "-c", "import tests.test_stream; " + code, str(dest)],
+                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(REPO)}, check=False)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split()[-1] == digest(stub(out).load_weights("cpu", root=out))
+    bad = subprocess.run([sys.executable, "-m", "packer", "stream", "oci://127.0.0.1:1/m:1", "--dir",
+                          str(tmp_path / "x")], capture_output=True, text=True, env=env, check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert not (tmp_path / "x").exists()
