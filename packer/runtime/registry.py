@@ -265,7 +265,7 @@ class Registry:
         for attempt in (0, 1):
             conn = self._conn(u.scheme, u.netloc)
             try:
-                self.requests += 1
+                self._count("requests")
                 conn.request("GET", path, headers=headers)
                 return _Response(conn.getresponse(), conn)
             except ssl.SSLCertVerificationError as e:
@@ -421,7 +421,7 @@ class Registry:
                 if tries >= TRIES:
                     raise RegistryError(f"{self.ref}: blob {digest[:19]}... dropped {tries} times at byte "
                                         f"{at + got} ({type(e).__name__}); giving up") from None
-                self.resumed += 1
+                self._count("resumed")
                 time.sleep(0.05 * tries)
 
     def read_whole(self, digest: str, size: int) -> bytearray:
@@ -438,6 +438,10 @@ class Registry:
         if got != size or "sha256:" + h.hexdigest() != digest:
             raise RegistryError(f"{self.ref}: blob {digest} as served is not the one the image manifest pins")
         return buf
+
+    def _count(self, name: str) -> None:
+        with self._lock:  # reader threads count at once
+            setattr(self, name, getattr(self, name) + 1)
 
     def _drop_all(self) -> None:
         for conn in self._local.__dict__.pop("conns", {}).values():

@@ -57,7 +57,8 @@ _EDGES = 8  # verified edge chunks kept per file for the neighbouring read (8 Mi
 
 @dataclass
 class StreamStats:
-    """What a streamed load fetched: bytes off the network, bytes and chunks hashed, requests."""
+    """What a streamed load fetched: bytes off the network (resumed reads' bytes again), and the
+    bytes and chunks hashed (each chunk proven once per read that fetched it)."""
 
     fetched: int = 0
     hashed: int = 0
