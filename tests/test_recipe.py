@@ -24,7 +24,9 @@ def test_shipped_recipes_load() -> None:
     hf = load_recipe(REPO / "recipes" / "hf-model.toml")
     assert hf.source.startswith("hf://") and hf.weights.max_shard_size == 2 * 10**9
     assert hf.image.owner == "1000:0" and hf.image.env == (("HF_HUB_OFFLINE", "1"),)
-    assert hf.image.base_name == "docker.io/nvidia/cuda:12.4.1-runtime-ubuntu22.04"
+    assert hf.image.base_name == "registry.example.com/team/serving:1.0"
+    # no rule that renames a published model's names, no file list that needs a shard index
+    assert hf.weights.renames == () and hf.weights.files == ()
 
 
 @pytest.mark.parametrize(
