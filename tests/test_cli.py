@@ -40,10 +40,25 @@ def test_usage_error_exits_2(tmp_path: Path) -> None:
     assert packer("frobnicate").returncode == 2
 
 
+def test_inspect_of_a_directory_says_which_file_to_name(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "pytorch_model.bin").write_bytes(b"x")
+    proc = packer("inspect", "src", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("error: src: is a directory; inspect reads one checkpoint file, "
+                                   "e.g. src/pytorch_model.bin")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text("{}")
+    proc = packer("inspect", "out", cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "error: out: is a directory; inspect reads one file: name one of this build's weight files, "
+        "e.g. out/weights/model.safetensors")
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [(["convert", "nowhere.bin", "-o", "x"], "error: nowhere.bin: does not exist"),
-     (["inspect", "."], "error: .: is a directory; expected a file"),
+     (["inspect", "."], "error: .: is a directory; inspect reads one checkpoint file, e.g. model.safetensors"),
      (["verify", "nowhere"], "error: nowhere: does not exist"),
      (["bundle", "f.txt", "-o", "x.tar.zst"], "error: f.txt: is not a directory")],
 )
