@@ -561,7 +561,8 @@ def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python:
     from packer.warm_step import warm_output
 
     summary = warm_output(out, engine=engine, engine_args=list(engine_args), python=python, model_dir=model_dir,
-                          timeout=timeout, sign_key=sign_key)
+                          timeout=timeout, sign_key=sign_key,
+                          progress=None if ctx.json else lambda line: ctx.log(f"warm: {line}"))
     for note in summary["notes"]:
         ctx.log(f"note: {note}")
     ctx.log(warm_line(summary))
