@@ -155,7 +155,9 @@ def test_build_dry_run_prints_plan_and_writes_nothing(tmp_path: Path) -> None:
     assert layers["weights model.safetensors"]["size"] == tensor_bytes > 0
     members = {m["name"]: m for m in plan["bundle"]["members"]}
     assert "/models/tokenizer.json" in layers["model files"]["files"]
-    assert layers["model files"]["size"] == sum(m["size"] for m in members.values())
+    assert layers["model files"]["known_bytes"] == sum(m["size"] for m in members.values())
+    assert layers["model files"]["size"] is None  # the chunk table is sized when written
+    assert layers["model files"]["sized_when_written"] == ["/models/packer-chunks.json"]
     assert members["config.json"]["source"] == "config.json"  # not a scratch path that is gone after the run
     assert proc.stderr.splitlines()[0] == "note: source layout: model; components: model (., transformers)"
     assert list(tmp_path.iterdir()) == []
