@@ -26,7 +26,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 START=$(date +%s)
 # Packages the bare machine lacks travel as wheels in .whl/ (ignored by git, named in the run's
-# carry): zstandard, which cold_start.py's `packer build` needs (the README gives the download).
+# carry): zstandard, which cold_start.py's `packer build` needs (docs/how-to/gpu-check.md gives the download).
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/packer-site "$ROOT"/.whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/packer-site"

@@ -156,7 +156,8 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
     if recipe.sign_key():  # a bad key fails now, not after the weights are converted
         from packer.sign.keys import load_signing_key
 
-        load_signing_key(recipe.sign_key() or "")
+        with timer.stage("key"):  # the signing libraries' import: a stage, so the table adds up
+            load_signing_key(recipe.sign_key() or "")
     staging = make_staging(out)
     try:
         with contextlib.ExitStack() as stack:

@@ -170,18 +170,42 @@ def provenance_stage(ctx: StageContext) -> StageOutput:
 
 def _planned_files(ctx: StageContext) -> list[FileEntry]:
     """The artifact files a dry run would write; a weight file's size is its tensor bytes (the
-    header's few KB are not known before it is written), the bundle's and the loader's 0."""
+    header's few KB are not known before it is written), the runtime's files their exact sizes,
+    and the files only their writing sizes (:func:`_sized_when_written`) 0."""
     from packer.bundle import ARCHIVE_NAME
+    from packer.chunks import CHUNKS_REL
     from packer.components import artifact_files, components_of
-    from packer.stub import planned_files
+    from packer.stub import RUNTIME_DIR, planned_files, runtime_files
 
-    data: dict[str, int] = {}
+    data: dict[str, int] = {f"{RUNTIME_DIR}/{rel}": len(b) for rel, b in runtime_files().items()}
     for section in components_of(ctx.outputs["weights"].section):
         for t in section.get("tensors", {}).values():
             data[t["file"]] = max(data.get(t["file"], 0), t["data_offsets"][1])
-    names = [*artifact_files(ctx.outputs["weights"].section),
+    img = ctx.recipe.image
+    chunks = [CHUNKS_REL] if ctx.layer_digests and img.weights == "layer" and not img.single_layer else []
+    names = [*artifact_files(ctx.outputs["weights"].section), *chunks,
              *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), *planned_files()]
     return [FileEntry(p, data.get(p, 0), "") for p in names]
+
+
+def _sized_when_written(plan: dict[str, Any], planned_manifest: bytes) -> dict[str, Any]:
+    """The dry run's image plan with honest layer sizes: a layer holding a file whose size is
+    known only once it is written (the stub, with the manifest embedded; the compressed bundle;
+    the manifest; the chunk table) says so, with the bytes known so far, instead of a sum that
+    counts those files as empty (or, for the manifest, as the few entries a dry run knows)."""
+    from packer.bundle import ARCHIVE_NAME
+    from packer.chunks import CHUNKS_NAME
+    from packer.stub import LOADER_NAME
+
+    top = plan["prefix"].rstrip("/")
+    later = {f"{top}/{name}" for name in (LOADER_NAME, ARCHIVE_NAME, MANIFEST_NAME, CHUNKS_NAME)}
+    layers = []
+    for layer in plan["layers"]:
+        unsized = [f for f in layer["files"] if f in later]
+        known = layer["size"] - (len(planned_manifest) if f"{top}/{MANIFEST_NAME}" in unsized else 0)
+        layers.append({**layer, "size": None, "known_bytes": known, "sized_when_written": unsized}
+                      if unsized else layer)
+    return {**plan, "layers": layers}
 
 
 def _planned_artifact_manifest(ctx: StageContext) -> bytes:
@@ -205,9 +229,10 @@ def image_stage(ctx: StageContext) -> StageOutput:
     if ctx.dry_run:
         from packer.stub import planned_files
 
-        return build_image(ctx.staging, **common, artifact_files=_planned_files(ctx),
-                           artifact_manifest=_planned_artifact_manifest(ctx), loader_paths=planned_files(),
-                           dry_run=True)
+        manifest = _planned_artifact_manifest(ctx)
+        planned = build_image(ctx.staging, **common, artifact_files=_planned_files(ctx), artifact_manifest=manifest,
+                              loader_paths=planned_files(), dry_run=True)
+        return replace(planned, section={"plan": _sized_when_written(planned.section["plan"], manifest)})
     return build_image(ctx.staging, **common, artifact_files=ctx.artifacts(),
                        artifact_manifest=canonical_json(ctx.outputs["inputs"].section), verify=False,
                        known_digests=ctx.outputs["weights"].digests,

@@ -30,7 +30,7 @@ import click
 
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
-from packer.formats import CAST_DTYPES, MANIFEST_NAME
+from packer.formats import CAST_DTYPES, MANIFEST_NAME, WEIGHT_PATTERNS
 from packer.reading import check_regular
 from packer.show import show, show_json
 
@@ -81,7 +81,7 @@ class Ctx:
 
 class InputPath(click.ParamType):
     """A path argument that must exist: a missing or wrong-kind input is bad input (one line,
-    exit 1, as the README's exit codes say), not a usage error (click's ``exists=True``: 2)."""
+    exit 1, as docs/reference/cli.md's exit codes say), not a usage error (click's ``exists=True``: 2)."""
 
     name = "path"
 
@@ -110,8 +110,20 @@ class WeightFilePath(InputPath):
     def check(self, path: Path) -> None:
         """Checks an existing path as :class:`InputPath`; a missing one is left to the command,
         which looks for it in a build output's manifest (once) before calling it missing."""
+        if path.is_dir():
+            raise PackerError(f"{path}: is a directory; {_one_weight_file(path)}")
         if path.exists():
             super().check(path)
+
+
+def _one_weight_file(directory: Path) -> str:
+    """What to pass instead of a directory: one of its weight files."""
+    if (directory / MANIFEST_NAME).is_file():
+        return (f"inspect reads one file: name one of this build's weight files, e.g. "
+                f"{directory / 'weights' / 'model.safetensors'}")
+    found = sorted(p.name for pattern in WEIGHT_PATTERNS for p in directory.glob(pattern))[:3]
+    examples = " or ".join(str(directory / n) for n in found) or f"{directory / 'model.safetensors'}"
+    return f"inspect reads one checkpoint file, e.g. {examples}"
 
 
 def _terminated(signum: int, _frame: object) -> None:
@@ -517,6 +529,10 @@ def profile(ctx: Ctx, out: Path, device: str | None, verify_: bool) -> None:
         ctx.log(f"{'slowest imports (python -X importtime)':<44}{'self ms':>10}{'total ms':>10}")
         for imp in result["slow_imports"]:
             ctx.log(f"{imp['module']:<44}{imp['self_us'] / 1000:>10.1f}{imp['cumulative_us'] / 1000:>10.1f}")
+    ctx.log("")
+    checked = "sizes, headers, every tensor and the bundle" + (", and every file's sha256" if verify_ else "")
+    ctx.log(f"self-test passed on {result['device']}: {result['tensors']} tensors of {result['loader']} "
+            f"({checked} checked)")
     ctx.emit(result)
 
 
@@ -545,7 +561,8 @@ def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python:
     from packer.warm_step import warm_output
 
     summary = warm_output(out, engine=engine, engine_args=list(engine_args), python=python, model_dir=model_dir,
-                          timeout=timeout, sign_key=sign_key)
+                          timeout=timeout, sign_key=sign_key,
+                          progress=None if ctx.json else lambda line: ctx.log(f"warm: {line}"))
     for note in summary["notes"]:
         ctx.log(f"note: {note}")
     ctx.log(warm_line(summary))

@@ -80,7 +80,8 @@ def profile(out_dir: Path, *, device: str | None = None, verify: bool = False,
 
     Returns:
         ``{"stages": [...], "slow_imports": [top 10 by cumulative us], "returncode": 0,
-        "device": the device the self-test ran on}``.
+        "device": the device the self-test ran on, "tensors": how many it checked, "loader": the
+        stub it ran, "verified": whether every file's sha256 was checked too}``.
 
     Raises:
         LoaderError: no loader in ``out_dir``, or the self-test failed (its last stderr line).
@@ -107,6 +108,7 @@ def profile(out_dir: Path, *, device: str | None = None, verify: bool = False,
     if proc.returncode != 0:
         last = other[-1] if other else f"{loader}: self-test exited with {proc.returncode}"
         raise LoaderError(last)
-    passed = re.search(r"self-test passed \(.* on (\S+)\)$", proc.stderr, re.M)
+    passed = re.search(r"self-test passed \((\d+) tensors.* on (\S+)\)$", proc.stderr, re.M)
     return {"stages": stages, "slow_imports": imports[:TOP_IMPORTS], "returncode": proc.returncode,
-            "device": passed.group(1) if passed else None}
+            "device": passed.group(2) if passed else None, "tensors": int(passed.group(1)) if passed else None,
+            "loader": str(loader), "verified": verify}

@@ -7,6 +7,7 @@ expected, e.g. ``weights.max_shard_size: expected a size like "5GB", got 12``.
 
 from __future__ import annotations
 
+import difflib
 import posixpath
 import re
 import tomllib
@@ -389,7 +390,9 @@ def _fields(path: str, raw: Mapping[str, Any], spec: Mapping[str, Callable[[str,
     unknown = sorted(set(raw) - set(spec))
     if unknown:
         key = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise RecipeError(f"{key}: unknown key (allowed: {', '.join(sorted(spec))})")
+        close = difflib.get_close_matches(unknown[0], spec, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise RecipeError(f"{key}: unknown key (allowed: {', '.join(sorted(spec))}){hint}")
     return {k: spec[k](f"{path}.{k}" if path else k, v) for k, v in raw.items()}
 
 

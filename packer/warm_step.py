@@ -37,13 +37,16 @@ _PROBE = "from vllm.platforms import current_platform as p; print(p.device_type)
 
 def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str | None = None,
                 model_dir: Path | None = None, timeout: float = 1800.0,
-                sign_key: Path | None = None) -> dict[str, Any]:
+                sign_key: Path | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Verify, capture, sign (with ``sign_key``) and image the warm state of the build ``out``.
 
     ``out`` is verified as ``packer push`` verifies it before anything of it runs or is
     signed. The new state and its image's blobs are made in a staging directory inside
     ``out``, then renamed in (:class:`packer.warm.swap.Renames`), replacing a state of the
     same name and its warm image's blobs; a failure anywhere leaves ``out`` as it was.
+
+    ``progress``, when given, is told in one line as each step starts (the engine's run takes
+    minutes, and a command silent that long looks hung).
 
     Returns:
         :func:`packer.warm.capture.warm`'s summary, with ``signed``, ``image`` (the warm
@@ -63,6 +66,8 @@ def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str |
         from packer.sign.keys import load_signing_key, signed_bundle
 
         signer = functools.partial(signed_bundle, load_signing_key(sign_key))  # a bad key fails before the run
+    say = progress or (lambda _line: None)
+    say(f"verifying {out} against its manifest")
     try:
         verify(out)
     except VerifyError as e:
@@ -73,10 +78,14 @@ def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str |
     images: list[WarmImage] = []
 
     def keep(name: str, key: dict[str, Any], files: dict[str, Path]) -> dict[str, Any]:
+        say(f"pinning the {len(files)} files of {name}{', signing it' if signer else ''}"
+            f"{', making its image' if image else ''}")
         doc, plan = _keep(out, name, key, files, signer=signer, manifest=manifest)
         images.extend([plan] if plan else [])
         return doc
 
+    say(f"running {engine} once with {python or sys.executable}: it starts, compiles and answers one "
+        f"request (minutes; at most {timeout:.0f} s)")
     summary = warm(out, engine=engine, engine_args=engine_args, keep=keep, python=python, model_dir=model_dir,
                    timeout=timeout)
     notes = []

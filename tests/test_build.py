@@ -244,6 +244,27 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     assert top["name"] == "loader" and top["files"] == sorted(f"/models/{p}" for p in planned_files())
 
 
+def test_dry_run_layer_sizes_are_the_built_ones_or_say_they_are_not_known_yet(tmp_path: Path, demo_out: Path) -> None:
+    """A size the plan cannot know (the stub with its manifest, the compressed bundle) is not
+    counted as 0: the layer says which files are sized when written, and the bytes it knows."""
+    plan = build(demo_recipe(), tmp_path / "out", dry_run=True).manifest["image"]["plan"]["layers"]
+    built = json.loads((demo_out / "manifest.json").read_bytes())
+    sizes = {f"/models/{p}": e["size"] for p, e in built["files"].items()}
+    members = {f"/models/{m['name']}": m["size"] for m in built["bundle"]["members"]}
+    sizes |= members | {"/models/model.safetensors": sizes.get("/models/weights/model.safetensors", 0),
+                        "/models/packer-chunks.json": sizes.get("/models/weights/packer-chunks.json", 0)}
+    by_name = {la["name"]: la for la in plan}
+    assert [la["name"] for la in plan] == ["weights model.safetensors", "model files", "bundle", "loader"]
+    loader, bundle = by_name["loader"], by_name["bundle"]
+    assert loader["size"] is None and loader["sized_when_written"] == ["/models/packer_loader.py"]
+    assert loader["known_bytes"] == sum(sizes[f] for f in loader["files"] if f != "/models/packer_loader.py")
+    assert bundle["size"] is None and bundle["known_bytes"] == 0
+    assert bundle["sized_when_written"] == ["/models/bundle.tar.zst", "/models/manifest.json"]
+    files = by_name["model files"]
+    assert files["sized_when_written"] == ["/models/packer-chunks.json"]
+    assert files["known_bytes"] == sum(sizes[f] for f in files["files"] if f != "/models/packer-chunks.json")
+
+
 def test_the_image_holds_the_loader_and_its_runtime_and_it_runs(demo_out: Path, tmp_path: Path) -> None:
     from tests.oci_validate import require_tool, run
 

@@ -41,10 +41,25 @@ def test_usage_error_exits_2(tmp_path: Path) -> None:
     assert packer("frobnicate").returncode == 2
 
 
+def test_inspect_of_a_directory_says_which_file_to_name(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "pytorch_model.bin").write_bytes(b"x")
+    proc = packer("inspect", "src", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("error: src: is a directory; inspect reads one checkpoint file, "
+                                   "e.g. src/pytorch_model.bin")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text("{}")
+    proc = packer("inspect", "out", cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "error: out: is a directory; inspect reads one file: name one of this build's weight files, "
+        "e.g. out/weights/model.safetensors")
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [(["convert", "nowhere.bin", "-o", "x"], "error: nowhere.bin: does not exist"),
-     (["inspect", "."], "error: .: is a directory; expected a file"),
+     (["inspect", "."], "error: .: is a directory; inspect reads one checkpoint file, e.g. model.safetensors"),
      (["verify", "nowhere"], "error: nowhere: does not exist"),
      (["bundle", "f.txt", "-o", "x.tar.zst"], "error: f.txt: is not a directory")],
 )
@@ -141,7 +156,9 @@ def test_build_dry_run_prints_plan_and_writes_nothing(tmp_path: Path) -> None:
     assert layers["weights model.safetensors"]["size"] == tensor_bytes > 0
     members = {m["name"]: m for m in plan["bundle"]["members"]}
     assert "/models/tokenizer.json" in layers["model files"]["files"]
-    assert layers["model files"]["size"] == sum(m["size"] for m in members.values())
+    assert layers["model files"]["known_bytes"] == sum(m["size"] for m in members.values())
+    assert layers["model files"]["size"] is None  # the chunk table is sized when written
+    assert layers["model files"]["sized_when_written"] == ["/models/packer-chunks.json"]
     assert members["config.json"]["source"] == "config.json"  # not a scratch path that is gone after the run
     assert proc.stderr.splitlines()[0] == "note: source layout: model; components: model (., transformers)"
     assert list(tmp_path.iterdir()) == []

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,8 @@ def test_profile_reports_stages_and_slowest_imports(tmp_path: Path, monkeypatch:
     assert len(imports) == 10 and imports[0]["module"] == "torch"
     cum = [i["cumulative_us"] for i in imports]
     assert cum == sorted(cum, reverse=True) and all(i["self_us"] >= 0 for i in imports)
-    assert result["device"] == "cpu"
+    assert result["device"] == "cpu" and result["tensors"] == len(m["weights"]["tensors"]) and result["verified"]
+    assert result["loader"] == str(out / "packer_loader.py")
     monkeypatch.chdir(tmp_path)  # `packer profile out`, as its --help shows: a relative OUT
     assert profile(Path("out"), device="cpu")["returncode"] == 0
     # no --device: the self-test's own default (the build's cuda, cpu where CUDA is missing)
@@ -82,3 +86,27 @@ def test_parse_stderr() -> None:
                       {"stage": "total", "seconds": 0.5, "bytes": 0, "gbps": None}]
     assert [i["module"] for i in imports] == ["torch", "json.decoder", "_io"]
     assert other == ["packer_loader: self-test passed (3 tensors on cpu)"]
+
+
+def test_the_cli_says_where_it_checked_and_that_it_passed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    m = make_out(out)
+    env = {"PACKER_BUNDLE_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "packer", "profile", str(out), "--device", "cpu"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    n = len(m["weights"]["tensors"])
+    assert r.stdout.splitlines()[-1] == (f"self-test passed on cpu: {n} tensors of {out / 'packer_loader.py'} "
+                                         "(sizes, headers, every tensor and the bundle checked)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="hardware: the message is for a machine without CUDA")
+def test_cuda_asked_for_without_cuda_is_one_line_in_the_command_line_s_words(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    make_out(out)
+    with pytest.raises(LoaderError) as e:
+        profile(out, device="cuda")
+    assert str(e.value) == ("packer_loader: self-test not run: --device cuda needs CUDA, and torch sees no CUDA "
+                            "device here; run with --device cpu")

@@ -24,7 +24,9 @@ def test_shipped_recipes_load() -> None:
     hf = load_recipe(REPO / "recipes" / "hf-model.toml")
     assert hf.source.startswith("hf://") and hf.weights.max_shard_size == 2 * 10**9
     assert hf.image.owner == "1000:0" and hf.image.env == (("HF_HUB_OFFLINE", "1"),)
-    assert hf.image.base_name == "docker.io/nvidia/cuda:12.4.1-runtime-ubuntu22.04"
+    assert hf.image.base_name == "registry.example.com/team/serving:1.0"
+    # no rule that renames a published model's names, no file list that needs a shard index
+    assert hf.weights.renames == () and hf.weights.files == ()
 
 
 @pytest.mark.parametrize(
@@ -33,6 +35,11 @@ def test_shipped_recipes_load() -> None:
         ({"weights": {"max_shard_size": 12}}, 'weights.max_shard_size: expected a size like "5GB", got 12'),
         ({"weights": {"max_shard_sise": "5GB"}}, "weights.max_shard_sise: unknown key"),
         ({"colour": "red"}, "colour: unknown key"),
+        ({"weights": {"dtyp": "float16"}}, "weights.dtyp: unknown key (allowed: allow_globals, chunk_size, "
+         "components, dtype, files, key, layout, max_expansion, max_shard_size, renames, strip_prefixes, "
+         "tie_prefer, variants); did you mean 'dtype'?"),
+        ({"weight": {"dtype": "float16"}}, "weight: unknown key (allowed: bundle, image, name, runtime, sign, "
+         "source, version, warm, weights); did you mean 'weights'?"),
         ({"weights": {"dtype": "fp8"}}, "weights.dtype: expected one of"),
         ({"weights": {"renames": [{"pattern": "(", "replace": "x"}]}}, "weights.renames[0].pattern: invalid regular"),
         ({"weights": {"strip_prefixes": "module."}}, "weights.strip_prefixes: expected a list of non-empty strings"),

@@ -316,6 +316,21 @@ def test_packer_warm_keys_the_state_for_the_path_the_server_is_given(a_build: Pa
     assert verify(out)["warm_states"] == ["vllm-cpu-x86_64"]
 
 
+def test_packer_warm_says_each_step_as_it_starts(a_build: Path, tmp_path: Path) -> None:
+    """The engine's run takes minutes: a line before each step, so the command never looks hung."""
+    out = fresh(a_build, tmp_path)
+    r = packer_warm(tmp_path, out, "--", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    steps = [line for line in r.stdout.splitlines() if line.startswith("warm: ")]
+    assert steps[0] == f"warm: verifying {out} against its manifest"
+    assert steps[1].startswith("warm: running vllm once with ") and "(minutes; at most 1800 s)" in steps[1]
+    assert steps[2].startswith("warm: pinning the ")
+    assert steps[2].endswith(" files of vllm-cpu-x86_64, making its image")
+    assert r.stdout.splitlines()[-1].startswith("warm state vllm-cpu-x86_64: ")
+    quiet = packer_warm(tmp_path, out, "-q", "--", "--dtype", "float32")
+    assert quiet.returncode == 0 and quiet.stdout == "", quiet.stderr
+
+
 def test_packer_warm_refuses_a_model_dir_that_does_not_exist(a_build: Path, tmp_path: Path) -> None:
     """A server given DIR would miss a state keyed for ``DIR/model-<hash>``: refused, nothing run."""
     out = fresh(a_build, tmp_path)

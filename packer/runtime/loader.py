@@ -390,6 +390,11 @@ def main(build: Build, argv: list[str] | None = None) -> int:
             device = "cpu"  # a CPU node can still check its artifacts; a GPU node passes --device cuda
             sys.stderr.write("packer_loader: the build's device is cuda but CUDA is not available here; "
                              "checking on cpu (--device cuda makes CUDA required)\n")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():  # said as a command line says it
+            TIMELINE.flush()
+            sys.stderr.write(f"packer_loader: self-test not run: --device {device} needs CUDA, and torch sees "
+                             "no CUDA device here; run with --device cpu\n")
+            return 1
         problems = selftest(loader, device, args.verify)
     except Exception as e:  # any failure is a failed self-test, reported in one line
         TIMELINE.flush()

@@ -6,8 +6,8 @@ This file pins the build: its manifest is embedded below with the sha256 of ever
 file, and a runtime that does not match is refused before any of it runs. Needs the standard
 library and torch (zstandard for the bundle).
 
-The public functions are ``__all__``, documented in packer's README ("Using the artifacts in a
-serving container"). ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]``
+The public functions are ``__all__``, documented in packer's docs/reference/loader.md (its API
+table). ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]``
 checks a node; ``python packer_loader.py --model-dir`` prints a model directory for engines.
 """
 

@@ -1,0 +1,135 @@
+"""The reference pages in docs/reference/ against the code they describe.
+
+Each test fails both ways: something the code has that its page does not name (a new option,
+recipe key or environment variable documented nowhere), and something the page names that the
+code does not have (a removed or misspelt one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from packer import recipe as recipe_mod
+from packer.cli import main
+from packer.errors import RecipeError
+from packer.runtime import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+REF = ROOT / "docs" / "reference"
+COMMON = {"-q", "--quiet", "--json", "--debug", "-h", "--help"}
+
+
+def _sections(text: str) -> dict[str, str]:
+    """``{heading: body}`` of a page's ``## `` sections."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def _first_column(body: str) -> set[str]:
+    """The backticked names in the first cell of every table row of ``body``."""
+    names: set[str] = set()
+    for line in body.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            names |= set(re.findall(r"`([^`]+)`", line.split("|")[1]))
+    return names
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+def _options(cmd: click.Command) -> set[str]:
+    return {o for p in cmd.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
+
+
+def test_cli_page_has_a_section_for_every_command_and_no_other() -> None:
+    sections = _sections((REF / "cli.md").read_text())
+    documented = {h.removeprefix("packer ") for h in sections if h.startswith("packer ")}
+    assert isinstance(main, click.Group)
+    assert documented == set(main.commands)
+
+
+@pytest.mark.parametrize("name", sorted(main.commands) if isinstance(main, click.Group) else [])
+def test_cli_options_documented_exactly(name: str) -> None:
+    """Every option of ``packer NAME`` is in its table, and its table names no other; the
+    options every command takes live in their own section."""
+    assert isinstance(main, click.Group)
+    cmd = main.commands[name]
+    sections = _sections((REF / "cli.md").read_text())
+    documented = {n for n in _first_column(sections[f"packer {name}"]) if n.startswith("-")}
+    assert documented == _options(cmd) - COMMON
+    common = {n for n in _first_column(sections["Options every command takes"]) if n.startswith("-")}
+    assert (_options(cmd) | {"-h", "--help"}) & COMMON == common
+    usage = sections[f"packer {name}"].split("\n\n", 2)[1]
+    for arg in (p for p in cmd.params if isinstance(p, click.Argument)):
+        assert arg.name is not None and arg.name.upper() in usage, f"packer {name}: argument {arg.name}"
+
+
+# --- recipe ----------------------------------------------------------------------------------
+
+def _recipe_keys() -> set[str]:
+    keys: set[str] = set()
+    for f in dataclasses.fields(recipe_mod.Recipe):
+        if f.name == "base_dir":  # where the recipe lies, not a key
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            keys |= {f"{f.name}.{sub.name}" for sub in dataclasses.fields(default)}
+        else:
+            keys.add(f.name)
+    return keys
+
+
+def _documented_recipe_keys() -> set[str]:
+    text = (REF / "recipe.md").read_text()
+    table = text[text.index("| key | meaning | default |"):].split("\n\n", 1)[0]
+    return _first_column(table)
+
+
+def test_recipe_page_documents_every_key_and_no_other() -> None:
+    assert _documented_recipe_keys() == _recipe_keys()
+
+
+@pytest.mark.parametrize("key", sorted(_documented_recipe_keys()))
+def test_every_documented_recipe_key_is_accepted_by_the_loader(key: str) -> None:
+    """A documented key is one ``recipe_from_dict`` knows (its value may still be refused)."""
+    raw: dict[str, object] = {"name": "m", "version": "1", "source": "demo"}
+    section, _, sub = key.partition(".")
+    raw[section] = {sub: object(), **({"engine": "vllm"} if section == "warm" else {})} if sub else object()
+    try:
+        recipe_mod.recipe_from_dict(raw)
+    except RecipeError as e:
+        assert "unknown key" not in str(e), e
+
+
+# --- environment -----------------------------------------------------------------------------
+
+def _code_env_names() -> set[str]:
+    """Every environment variable name packer's code spells out, and the loader's knobs, which
+    settings.py derives from its field names (``PACKER_<FIELD>``)."""
+    names: set[str] = set()
+    for path in (ROOT / "packer").rglob("*.py"):
+        names |= set(re.findall(r"""["'](PACKER_[A-Z0-9_]+|SOURCE_DATE_EPOCH)["']""", path.read_text()))
+    fields = set(settings.RuntimeSettings._fields) - set(settings._NO_ENV)
+    return names | {f"PACKER_{f.upper()}" for f in fields}
+
+
+def _dev_env_names() -> set[str]:
+    names: set[str] = set()
+    for path in [*(ROOT / "tests").rglob("*.py"), *(ROOT / ".ci").iterdir(), ROOT / "Makefile"]:
+        if path.is_file() and path.name != Path(__file__).name:
+            names |= set(re.findall(r"PACKER_[A-Z0-9_]+", path.read_text()))
+    return names
+
+
+def test_environment_page_documents_every_variable_the_code_reads() -> None:
+    documented = _first_column((REF / "environment.md").read_text())
+    assert _code_env_names() - documented == set()
+
+
+def test_environment_page_documents_no_variable_nothing_reads() -> None:
+    documented = {n for n in _first_column((REF / "environment.md").read_text()) if n.startswith("PACKER_")}
+    assert documented - _code_env_names() - _dev_env_names() == set()
