@@ -380,3 +380,15 @@ def test_the_stream_command_lays_out_a_model_directory(pushed: Pushed, tmp_path:
                           str(tmp_path / "x")], capture_output=True, text=True, env=env, check=False)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_stream_file_planted_beside_local_weights_diverts_nothing(pushed: Pushed, tmp_path: Path) -> None:
+    """Trust by proof, not by a file beside: a build directory that holds its weights loads them,
+    whatever ``packer-stream.json`` a writer put there (no request goes out)."""
+    out, _ = pushed.builds["plain"]
+    planted = tmp_path / "out"
+    shutil.copytree(out, planted, symlinks=True)
+    (planted / "packer-stream.json").write_text(json.dumps({"ref": "oci://127.0.0.1:9/evil@sha256:" + "0" * 64}))
+    pl = stub(planted)
+    assert equal(pl.load_weights("cpu"), stub(out).load_weights("cpu", root=out))
+    assert not [s for s in pl.report() if s["stage"].startswith("fetch")]

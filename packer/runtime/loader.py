@@ -99,7 +99,7 @@ class Build:
         settings = self.settings()
         base = root or settings.artifacts or self.home
         key = (str(base), settings.weights_dir)
-        if key not in self._loaders and (is_ref(base) or stream_ref(Path(base)) is not None):
+        if key not in self._loaders and (is_ref(base) or self._streams(Path(base), settings)):
             self._loaders[key] = self._streamed(str(base), settings)
         if key not in self._loaders:
             if entry_kind(base) != "dir":  # an explicit root that holds no build: never a fall back
@@ -113,6 +113,15 @@ class Build:
             self._loaders[key] = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None,
                                         settings=settings)
         return self._loaders[key]
+
+    def _streams(self, base: Path, settings: RuntimeSettings) -> bool:
+        """Whether ``base`` is a directory ``packer stream`` made: its ``packer-stream.json`` names
+        an image, and it holds none of the weight files (a directory that has them loads them:
+        a file beside never diverts a load to the network)."""
+        if stream_ref(base) is None:
+            return False
+        local = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None, settings=settings)
+        return not any(local.locate(rel)[0].exists() for rel in self.manifest()["weights"]["files"])
 
     def _streamed(self, base: str, settings: RuntimeSettings) -> Loader:
         """The loader of a build streamed from a registry: ``base`` an ``oci://`` reference (its
