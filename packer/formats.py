@@ -90,3 +90,34 @@ def foreign_advice(path: Path) -> str | None:
     paste), or None (not one)."""
     what = foreign_weights(path.name)
     return None if what is None else what.replace(DIR, shell_word(str(path.parent)))
+
+# A weight variant (``save_pretrained(variant="fp16")``): the libraries put its name before the last
+# suffix (transformers' and diffusers' ``_add_variant``): model.fp16.safetensors, its shards
+# model.fp16-00001-of-00002.safetensors (diffusers' older ones model-00001-of-00002.fp16.safetensors)
+# and their index model.safetensors.index.fp16.json. A model published only as a variant keeps
+# those names in the model directory, so that ``from_pretrained(..., variant="fp16")`` finds it.
+_V = r"(?P<v>[A-Za-z0-9_]{1,32})"
+_SHARD = r"-\d{5}-of-\d{5}"
+_VARIANT_NAMES = (rf"\.{_V}\.(?:safetensors|bin)", rf"\.{_V}{_SHARD}\.(?:safetensors|bin)",
+                  rf"{_SHARD}\.{_V}\.(?:safetensors|bin)", rf"\.(?:safetensors|bin)\.index\.{_V}\.json")
+
+
+def variant_of(name: str, stems: tuple[str, ...]) -> str | None:
+    """The variant in the weight file or index name ``name`` of one of ``stems``
+    (``model.fp16.safetensors``, ``model.safetensors.index.fp16.json``: ``"fp16"``), or None."""
+    import re
+
+    for stem in stems:
+        for tail in _VARIANT_NAMES:
+            if (m := re.fullmatch(re.escape(stem) + tail, name)) and m["v"] not in ("safetensors", "bin", "index"):
+                return m["v"]
+    return None
+
+
+def with_variant(name: str, variant: str | None) -> str:
+    """``name`` (``model.safetensors``, ``model.safetensors.index.json``) as the libraries name its
+    ``variant``: the variant before the last suffix (``model.fp16.safetensors``)."""
+    if not variant:
+        return name
+    head, dot, last = name.rpartition(".")
+    return f"{head}.{variant}.{last}" if dot else name

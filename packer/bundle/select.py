@@ -32,7 +32,8 @@ NEVER = {
     "code": frozenset({".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll", ".exe", ".sh", ".ipynb"}),
     "pickle": frozenset({".pkl", ".pickle", ".joblib", ".dill"}),
 }
-_WEIGHTS_INDEX = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)\.index\.json$", re.I)
+# a variant's index too (model.safetensors.index.fp16.json, as save_pretrained(variant=...) names it)
+_WEIGHTS_INDEX = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)\.index(\.\w+)?\.json$", re.I)
 _VERSIONED_MODEL = re.compile(r"\.model\.v\d+$")  # Mistral's tokenizer.model.v3
 # sentence-transformers modules (1_Pooling, 2_Normalize, 2_Dense...) and diffusers components
 _MODULE_DIR = re.compile(r"^\d+_[A-Za-z]\w*$")

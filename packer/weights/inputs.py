@@ -5,7 +5,8 @@ parsed at all and hold the same tensors when a repository ships both):
 
 1. ``model.safetensors.index.json`` with its shards, 2. ``model.safetensors``,
 3. ``pytorch_model.bin.index.json`` with its shards, 4. ``pytorch_model.bin``,
-5. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
+5. the one index of a sharded variant (``model.safetensors.index.fp16.json``),
+6. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
 
 ``WeightsConfig.files`` globs (relative to the source) replace auto-detection.
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
-from packer.formats import WEIGHT_PATTERNS, foreign_advice, foreign_weights
+from packer.formats import WEIGHT_PATTERNS, foreign_advice, foreign_weights, variant_of
 from packer.fsutil import not_regular
 from packer.idents import check_rel_name, confined, link_roots
 from packer.jsonshape import STR, MapOf, Obj
@@ -101,6 +102,8 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
     for name in SINGLES[::order]:
         if _is_input(src / name):
             return InputSet(src, (src / name,))
+    if index := variant_index(src, ("model", "pytorch_model")[::order]):
+        return _from_index(src, index)
     candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if _is_input(p)})
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))
@@ -114,6 +117,17 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
                            f"an index or a single {'/'.join(WEIGHT_PATTERNS)} file)")
     names = ", ".join(p.name for p in candidates[:6])
     raise WeightsError(f"{src}: several checkpoint files ({names}); choose with weights.files")
+
+
+def variant_index(folder: Path, stems: Sequence[str]) -> Path | None:
+    """The one index of a sharded variant in ``folder`` (``model.safetensors.index.fp16.json``, what
+    ``save_pretrained(variant=...)`` writes), first stem first; None when there is none or several."""
+    for stem in stems:
+        found = sorted(p for p in folder.glob(f"{stem}.*.index.*.json")
+                       if variant_of(p.name, (stem,)) and _is_input(p)) if folder.is_dir() else []
+        if found:
+            return found[0] if len(found) == 1 else None
+    return None
 
 
 def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:

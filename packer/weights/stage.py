@@ -16,7 +16,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from packer.components import Component, SourceLayout, detect_layout, left_out, model_tree, with_variants
+from packer.components import (
+    Component,
+    SourceLayout,
+    detect_layout,
+    left_out,
+    model_tree,
+    source_variant,
+    with_variants,
+)
 from packer.formats import foreign_weights
 from packer.recipe import ImageConfig, WeightsConfig
 from packer.stage import Progress, StageOutput
@@ -54,7 +62,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
                             "verify": verify}
     if not layout.multi:  # one plain model: its layout is said too, so every build shows one
         out = convert_cli(src, staging / "weights", cfg, **opts)
-        out = replace(out, notes=(layout.describe(), *out.notes))
+        out = replace(out, section=_with_variant(out.section), notes=(layout.describe(), *out.notes))
         return out if single_file else _with_left_out(src, out, [])
     outs = [(c, convert_cli(src / c.path, staging / "weights" / c.out, _component_cfg(cfg, c), **opts))
             for c in layout.components]
@@ -81,11 +89,21 @@ def _component_cfg(cfg: WeightsConfig, c: Component) -> WeightsConfig:
     return replace(cfg, files=c.files or cfg.files)  # a plain root model keeps the recipe's files
 
 
+def _with_variant(section: dict[str, Any]) -> dict[str, Any]:
+    """A plain model's section, with the model directory's names of a model published only as a
+    variant (``variant`` and its ``tree``: ``model.fp16.safetensors``), so ``variant=`` finds it."""
+    if not (variant := source_variant(section)):
+        return section
+    section = {**section, "variant": variant}
+    return {**section, "tree": model_tree(section)}
+
+
 def _component_section(c: Component, section: dict[str, Any]) -> dict[str, Any]:
     prefix = f"{c.path}/" if c.path else ""
     inputs = [{**i, "path": prefix + i["path"]} for i in section.get("inputs", [])]
+    variant = None if c.own_stem else source_variant(section, c.library)
     return {**section, "inputs": inputs, "name": c.name, "path": c.path, "library": c.library,
-            **({"stem": c.own_stem} if c.own_stem else {})}
+            **({"stem": c.own_stem} if c.own_stem else {}), **({"variant": variant} if variant else {})}
 
 
 def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> dict[str, Any]:
