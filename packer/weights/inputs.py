@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
-from packer.formats import WEIGHT_PATTERNS, foreign_advice, foreign_weights, variant_of
+from packer.formats import WEIGHT_PATTERNS, foreign_advice, variant_of
 from packer.fsutil import not_regular
 from packer.idents import check_rel_name, confined, link_roots
 from packer.jsonshape import STR, MapOf, Obj
@@ -108,7 +108,7 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))
     if not candidates:
-        foreign = sorted(p for p in src.iterdir() if foreign_weights(p.name) and _is_input(p))
+        foreign = sorted(p for p in src.iterdir() if foreign_advice(p) and _is_input(p))  # by name: never opened
         if foreign:
             others = f" (and {len(foreign) - 1} more such file{'s' if len(foreign) > 2 else ''})" \
                 if len(foreign) > 1 else ""
