@@ -320,10 +320,11 @@ def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -
         if suffix not in WEIGHT_SUFFIXES or not _NAME.match(stem) or not (root / rel).is_file():
             raise WeightsError(f"{where}: {rel!r} is not a checkpoint file in {root} "
                                f"({'/'.join(WEIGHT_SUFFIXES)})")
-        if any(c.name == stem for c in comps):
-            raise WeightsError(f"{where}: {rel!r} would be named {stem!r}, as another component is")
         folder = str(name.parent) if str(name.parent) != "." else ""
-        comps.append(Component(stem, folder, "transformers", (name.name,), own_stem=stem))
+        label = f"{folder}/{stem}" if folder else stem  # unet/diffusion_pytorch_model.fp16 beside vae's
+        if any(c.name == label for c in comps):
+            raise WeightsError(f"{where}: {rel!r} would be named {label!r}, as another component is")
+        comps.append(Component(label, folder, "transformers", (name.name,), own_stem=stem))
     return SourceLayout(layout.kind, tuple(comps))
 
 

@@ -12,6 +12,7 @@ the source that no component read is named in a note and in the section's ``left
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,13 @@ from packer.components import (
     source_variant,
     with_variants,
 )
-from packer.formats import foreign_weights
+from packer.errors import WeightsError
+from packer.formats import SAFETENSORS_SUFFIX, foreign_weights
 from packer.recipe import ImageConfig, WeightsConfig
 from packer.stage import Progress, StageOutput
+from packer.weights.inputs import find_inputs
 
+_SHARD = re.compile(r"-\d{5}-of-\d{5}")  # a shard's name: its set beside the weights is named left out
 _EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors": {}, "aliases": {}}
 
 
@@ -68,6 +72,11 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
             for c in layout.components]
     section = _merged(layout, outs)
     notes = [layout.describe()]
+    carried = [f"{c.path}/{c.files[0]}" if c.path else c.files[0] for c in layout.components
+               if c.own_stem is not None and (f"{c.path}/{c.files[0]}" if c.path else c.files[0]) not in cfg.variants]
+    if carried:
+        notes.append(f"carried under their own names, as a library may load them beside the weights: "
+                     f"{', '.join(carried)} (weights.leave_out = [...] leaves one out)")
     notes += [f"{c.name}: {n}" for c, out in outs for n in out.notes]
     merged = StageOutput(files=tuple(f for _, out in outs for f in out.files), section=section,
                          bytes_processed=sum(out.bytes_processed for _, out in outs), notes=tuple(notes),
@@ -80,7 +89,36 @@ def _layout(src: Path, cfg: WeightsConfig, single_file: bool) -> SourceLayout:
         return detect_layout(src, "model")
     layout = detect_layout(src, "model") if cfg.files and cfg.layout == "auto" else \
         detect_layout(src, cfg.layout, cfg.components)
-    return with_variants(layout, src, cfg.variants) if cfg.variants else layout
+    variants = (*cfg.variants, *siblings(layout, src, cfg))
+    return with_variants(layout, src, variants) if variants else layout
+
+
+def siblings(layout: SourceLayout, src: Path, cfg: WeightsConfig) -> list[str]:
+    """The safetensors files beside each component's weights that no component reads
+    (``model.int8.safetensors`` beside ``model.safetensors``), as paths relative to ``src``: each is
+    carried under its own name, as a library may load it by default. Left out: those
+    ``weights.leave_out`` names, shards (a sharded set beside the weights is named left out) and
+    hidden files; pickles beside safetensors stay out as before.
+
+    Raises:
+        WeightsError: a ``weights.leave_out`` name that is no such file; as :func:`find_inputs`.
+    """
+    found, named = [], set(cfg.variants)
+    for c in layout.components:
+        folder = src / c.path
+        if c.own_stem is not None or not folder.is_dir():
+            continue
+        used = {p.name for p in find_inputs(folder, c.files or cfg.files).files}
+        for p in sorted(folder.glob(f"*{SAFETENSORS_SUFFIX}")):
+            rel = f"{c.path}/{p.name}" if c.path else p.name
+            if p.name not in used and rel not in named and not p.name.startswith(".") and not _SHARD.search(p.name) \
+                    and p.is_file():
+                found.append(rel)
+    unknown = sorted(set(cfg.leave_out) - set(found))
+    if unknown:
+        raise WeightsError(f"weights.leave_out: {unknown[0]!r} is not a safetensors file beside a component's "
+                           f"weights in {src} (those the build carries: {', '.join(found) or 'none'})")
+    return [rel for rel in found if rel not in cfg.leave_out]
 
 
 def _component_cfg(cfg: WeightsConfig, c: Component) -> WeightsConfig:
