@@ -306,7 +306,9 @@ def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -
 
     A library may load a second weight file by name beside the model's (``model.int8.safetensors``
     next to ``model.safetensors``); each variant is converted on its own, as one file named
-    ``<its stem>.safetensors`` in its folder of the model directory.
+    ``<its stem>.safetensors`` in its folder of the model directory. A sharded safetensors variant
+    is named by its index (``model.safetensors.index.fp16.json``) and becomes one file
+    (``model.fp16.safetensors``), which the libraries' ``variant=`` finds first.
 
     Raises:
         WeightsError: a name that is no relative file name, not a checkpoint file, missing, or
@@ -317,6 +319,8 @@ def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -
         where = "weights.variants"
         name = check_rel_name(rel, where=where, error=WeightsError)
         stem, suffix = name.name[: -len(name.suffix)] if name.suffix else name.name, name.suffix
+        if (index := _variant_index_stem(name.name)) is not None:  # a sharded variant: one file, its name
+            stem, suffix = index, SAFETENSORS_SUFFIX
         if suffix not in WEIGHT_SUFFIXES or not _NAME.match(stem) or not (root / rel).is_file():
             raise WeightsError(f"{where}: {rel!r} is not a checkpoint file in {root} "
                                f"({'/'.join(WEIGHT_SUFFIXES)})")
@@ -326,6 +330,14 @@ def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -
             raise WeightsError(f"{where}: {rel!r} would be named {label!r}, as another component is")
         comps.append(Component(label, folder, "transformers", (name.name,), own_stem=stem))
     return SourceLayout(layout.kind, tuple(comps))
+
+
+def _variant_index_stem(name: str) -> str | None:
+    """``model.fp16`` for the index of a sharded safetensors variant (``model.safetensors.index.fp16.json``)."""
+    for stem in dict.fromkeys(STEMS.values()):
+        if name.startswith(f"{stem}{SAFETENSORS_SUFFIX}.index.") and (v := variant_of(name, (stem,))):
+            return f"{stem}.{v}"
+    return None
 
 
 def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:

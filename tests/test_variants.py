@@ -103,3 +103,30 @@ def test_a_diffusers_pipeline_saved_as_a_variant_loads_with_variant(tmp_path: Pa
                  generator=torch.Generator().manual_seed(0)).images
 
     assert (image(md) == image(src)).all()
+
+
+def test_a_sharded_variant_beside_the_weights_is_carried_as_one_file(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    model.to(torch.float16).save_pretrained(src, variant="fp16", max_shard_size="20KB")
+    assert (src / "model.safetensors.index.fp16.json").is_file()
+    out = tmp_path / "out"
+    result = build_dir(src, out)
+    assert result.manifest["weights"].get("left_out", []) == []
+    md = import_loader(out).model_dir()
+    assert {"model.safetensors", "model.fp16.safetensors"} <= files_of(md)
+    ids = torch.tensor([[1, 5, 9, 33, 2]])
+    for variant in (None, "fp16"):
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(src, variant=variant)(ids).logits
+            got = AutoModelForCausalLM.from_pretrained(md, variant=variant)(ids).logits
+        assert torch.equal(got, want)
+    left = build_dir(src, tmp_path / "left", dry_run=True,
+                     weights={"leave_out": ["model.safetensors.index.fp16.json"]})
+    assert "model.safetensors.index.fp16.json" not in str(left.manifest["weights"].get("tree", []))

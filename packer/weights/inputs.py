@@ -18,6 +18,7 @@ named by the recipe or the command line is taken as named.
 
 from __future__ import annotations
 
+import re
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from packer.reading import JSON_DOC, read_json
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")
 MAX_INDEX_BYTES = JSON_DOC.max_bytes  # real indexes are kilobytes to a few MB; this bounds the JSON parse
+_VARIANT_INDEX = re.compile(r"\.index\.[A-Za-z0-9_]{1,32}\.json$")  # model.safetensors.index.fp16.json
 _INDEX = Obj({"weight_map": MapOf(STR, expected="an object of tensor name -> shard file name")})
 
 
@@ -137,7 +139,7 @@ def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
         if not matches:
             raise WeightsError(f"{src}: weights.files pattern {pattern!r} matches no file")
         found.update(matches)
-    index = [p for p in found if p.name.endswith(".index.json")]
+    index = [p for p in found if p.name.endswith(".index.json") or _VARIANT_INDEX.search(p.name)]
     if len(index) == 1 and len(found) == 1:
         return _from_index(src, index[0])
     if index:

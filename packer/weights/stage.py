@@ -27,7 +27,7 @@ from packer.components import (
     with_variants,
 )
 from packer.errors import WeightsError
-from packer.formats import SAFETENSORS_SUFFIX, foreign_weights
+from packer.formats import SAFETENSORS_SUFFIX, foreign_weights, variant_of
 from packer.recipe import ImageConfig, WeightsConfig
 from packer.stage import Progress, StageOutput
 from packer.weights.inputs import find_inputs
@@ -95,10 +95,10 @@ def _layout(src: Path, cfg: WeightsConfig, single_file: bool) -> SourceLayout:
 
 def siblings(layout: SourceLayout, src: Path, cfg: WeightsConfig) -> list[str]:
     """The safetensors files beside each component's weights that no component reads
-    (``model.int8.safetensors`` beside ``model.safetensors``), as paths relative to ``src``: each is
-    carried under its own name, as a library may load it by default. Left out: those
-    ``weights.leave_out`` names, shards (a sharded set beside the weights is named left out) and
-    hidden files; pickles beside safetensors stay out as before.
+    (``model.int8.safetensors`` beside ``model.safetensors``; the index of a sharded variant,
+    ``model.safetensors.index.fp16.json``), as paths relative to ``src``: each is carried under its
+    own name, as a library may load it by default. Left out: those ``weights.leave_out`` names,
+    shards no variant index names and hidden files; pickles beside safetensors stay out as before.
 
     Raises:
         WeightsError: a ``weights.leave_out`` name that is no such file; as :func:`find_inputs`.
@@ -108,8 +108,11 @@ def siblings(layout: SourceLayout, src: Path, cfg: WeightsConfig) -> list[str]:
         folder = src / c.path
         if c.own_stem is not None or not folder.is_dir():
             continue
-        used = {p.name for p in find_inputs(folder, c.files or cfg.files).files}
-        for p in sorted(folder.glob(f"*{SAFETENSORS_SUFFIX}")):
+        inputs = find_inputs(folder, c.files or cfg.files)
+        used = {p.name for p in (*inputs.files, *([inputs.index] if inputs.index else []))}
+        indexes = [p for p in folder.glob(f"*{SAFETENSORS_SUFFIX}.index.*.json")
+                   if variant_of(p.name, (p.name.split(".")[0],))]
+        for p in sorted([*folder.glob(f"*{SAFETENSORS_SUFFIX}"), *indexes]):
             rel = f"{c.path}/{p.name}" if c.path else p.name
             if p.name not in used and rel not in named and not p.name.startswith(".") and not _SHARD.search(p.name) \
                     and p.is_file():
