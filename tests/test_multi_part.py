@@ -164,6 +164,8 @@ def test_weight_variants_are_kept_under_their_own_names(tmp_path: Path) -> None:
     assert plain.manifest["weights"]["tree"] == [
         ["model.int8.safetensors", "weights/variants/model.int8/model.safetensors"],
         ["model.safetensors", "weights/model.safetensors"]]
+    chosen = build_dir(src, tmp_path / "chosen", dry_run=True, weights={"files": ["model.int8.safetensors"]})
+    assert chosen.manifest["weights"]["left_out"] == ["model.safetensors"]  # the model's own name: never a variant
     plan = build_dir(src, tmp_path / "plan", dry_run=True, weights={"variants": ["model.int8.safetensors"]})
     assert ("source layout: model; components: model (., transformers), model.int8 (., transformers, "
             "as model.int8.safetensors)") in plan.notes

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.components import (
+    STEMS,
     Component,
     SourceLayout,
     detect_layout,
@@ -32,7 +33,7 @@ from packer.recipe import ImageConfig, WeightsConfig
 from packer.stage import Progress, StageOutput
 from packer.weights.inputs import find_inputs
 
-_SHARD = re.compile(r"-\d{5}-of-\d{5}")  # a shard's name: its set beside the weights is named left out
+_SHARD = re.compile(r"-\d{5}-of-\d{5}")  # a shard: carried through its variant's index, or named left out
 _EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors": {}, "aliases": {}}
 
 
@@ -114,8 +115,9 @@ def siblings(layout: SourceLayout, src: Path, cfg: WeightsConfig) -> list[str]:
                    if variant_of(p.name, (p.name.split(".")[0],))]
         for p in sorted([*folder.glob(f"*{SAFETENSORS_SUFFIX}"), *indexes]):
             rel = f"{c.path}/{p.name}" if c.path else p.name
+            own = p.name == STEMS.get(c.library, "model") + SAFETENSORS_SUFFIX  # the model's own name, not chosen
             if p.name not in used and rel not in named and not p.name.startswith(".") and not _SHARD.search(p.name) \
-                    and p.is_file():
+                    and not own and p.is_file():
                 found.append(rel)
     unknown = sorted(set(cfg.leave_out) - set(found))
     if unknown:
