@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, foreign_weights
+from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, foreign_weights, variant_of, with_variant
 from packer.idents import check_rel_name, shown
 from packer.reading import JSON_DOC, MARKER, parse_json, read_bytes, read_json
 
@@ -138,6 +138,11 @@ def checkpoint_of(folder: Path, stem: str) -> tuple[str, ...]:
         for name in (f"{base}{suffix}.index.json", base + suffix):
             if (folder / name).is_file():
                 return (name,)
+    for base in dict.fromkeys((stem, pickle_stem)):  # a sharded variant alone: its index (one only)
+        indexes = sorted(p.name for p in folder.glob(f"{base}.*.index.*.json")
+                         if p.is_file() and variant_of(p.name, (base,))) if folder.is_dir() else []
+        if len(indexes) == 1:
+            return (indexes[0],)
     found = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES) \
         if folder.is_dir() else []
     return (found[0],) if len(found) == 1 else ()
@@ -301,7 +306,9 @@ def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -
 
     A library may load a second weight file by name beside the model's (``model.int8.safetensors``
     next to ``model.safetensors``); each variant is converted on its own, as one file named
-    ``<its stem>.safetensors`` in its folder of the model directory.
+    ``<its stem>.safetensors`` in its folder of the model directory. A sharded safetensors variant
+    is named by its index (``model.safetensors.index.fp16.json``) and becomes one file
+    (``model.fp16.safetensors``), which the libraries' ``variant=`` finds first.
 
     Raises:
         WeightsError: a name that is no relative file name, not a checkpoint file, missing, or
@@ -312,14 +319,25 @@ def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -
         where = "weights.variants"
         name = check_rel_name(rel, where=where, error=WeightsError)
         stem, suffix = name.name[: -len(name.suffix)] if name.suffix else name.name, name.suffix
+        if (index := _variant_index_stem(name.name)) is not None:  # a sharded variant: one file, its name
+            stem, suffix = index, SAFETENSORS_SUFFIX
         if suffix not in WEIGHT_SUFFIXES or not _NAME.match(stem) or not (root / rel).is_file():
             raise WeightsError(f"{where}: {rel!r} is not a checkpoint file in {root} "
                                f"({'/'.join(WEIGHT_SUFFIXES)})")
-        if any(c.name == stem for c in comps):
-            raise WeightsError(f"{where}: {rel!r} would be named {stem!r}, as another component is")
         folder = str(name.parent) if str(name.parent) != "." else ""
-        comps.append(Component(stem, folder, "transformers", (name.name,), own_stem=stem))
+        label = f"{folder}/{stem}" if folder else stem  # unet/diffusion_pytorch_model.fp16 beside vae's
+        if any(c.name == label for c in comps):
+            raise WeightsError(f"{where}: {rel!r} would be named {label!r}, as another component is")
+        comps.append(Component(label, folder, "transformers", (name.name,), own_stem=stem))
     return SourceLayout(layout.kind, tuple(comps))
+
+
+def _variant_index_stem(name: str) -> str | None:
+    """``model.fp16`` for the index of a sharded safetensors variant (``model.safetensors.index.fp16.json``)."""
+    for stem in dict.fromkeys(STEMS.values()):
+        if name.startswith(f"{stem}{SAFETENSORS_SUFFIX}.index.") and (v := variant_of(name, (stem,))):
+            return f"{stem}.{v}"
+    return None
 
 
 def _checkpoints(root: Path, depth: int = 0) -> Iterator[Path]:
@@ -345,6 +363,17 @@ def left_out(root: Path, used: set[str]) -> list[str]:
     return [rel for p in _checkpoints(root) if (rel := p.relative_to(root).as_posix()) not in used]
 
 
+def source_variant(section: dict[str, Any], library: str = "transformers") -> str | None:
+    """The variant a component's source was published as alone (its index or single file named
+    ``<stem>.<variant>...``, as ``save_pretrained(variant=...)`` writes it), or None."""
+    stem = STEMS.get(library, "model")
+    stems = (stem, "pytorch_model") if stem == "model" else (stem,)
+    inputs = section.get("inputs", [])
+    named = [i for i in inputs if i.get("format") == "index"] or inputs
+    found = {variant_of(Path(i["path"]).name, stems) for i in named}
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
 def _renamed(name: str, stem: str) -> str:
     """A shard or index name under the library's stem: ``model.safetensors`` -> ``<stem>.safetensors``."""
     return stem + name[len("model"):] if name.startswith("model.") else name
@@ -358,7 +387,8 @@ def model_tree(section: dict[str, Any]) -> list[list[str]]:
 
     Returns:
         sorted pairs; shards keep their names (the index names them), the single file and the
-        index take the component library's stem.
+        index take the component library's stem and the source's variant (``variant``:
+        ``model.fp16.safetensors``, ``model.safetensors.index.fp16.json``).
     """
     if "tree" in section:
         return [list(p) for p in section["tree"]]
@@ -366,8 +396,11 @@ def model_tree(section: dict[str, Any]) -> list[list[str]]:
     for comp in components_of(section):
         base = comp.get("path", "")
         stem = comp.get("stem") or STEMS.get(comp.get("library", "transformers"), "model")
+        variant = comp.get("variant")
         for rel in [*comp["files"], *([comp["index"]] if comp.get("index") else [])]:
             name = _renamed(Path(rel).name, stem)
+            if variant and (rel == comp.get("index") or len(comp["files"]) == 1):  # shards: the index names them
+                name = with_variant(name, variant)
             pairs.append([f"{base}/{name}" if base else name, rel])
     return sorted(pairs)
 

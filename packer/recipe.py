@@ -67,6 +67,9 @@ class WeightsConfig:
     # weight files a library loads by name beside the model's ("model.int8.safetensors"): each
     # converted on its own and kept under its own name
     variants: tuple[str, ...] = ()
+    # safetensors files beside a component's weights that the build leaves out: by default each one
+    # ("model.int8.safetensors") is carried under its own name, as a library may load it by default
+    leave_out: tuple[str, ...] = ()
     # expanded views are written out: the output may be this many times the input storages' bytes + 1 GiB
     max_expansion: float = 4.0
     # chunk digests (packer.runtime.chunks): each weight file hashed per chunk of this many bytes
@@ -432,7 +435,7 @@ _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
     "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
-    "max_expansion": _ratio, "variants": _str_list, "chunk_size": _chunk_size,
+    "max_expansion": _ratio, "variants": _str_list, "leave_out": _str_list, "chunk_size": _chunk_size,
 }
 _BUNDLE = {"include": _str_list, "exclude": _str_list, "remote_code": _bool}
 _IMAGE = {

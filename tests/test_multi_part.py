@@ -155,8 +155,17 @@ def test_weight_variants_are_kept_under_their_own_names(tmp_path: Path) -> None:
     int8 = {"w": torch.randint(-128, 127, (4, 4), dtype=torch.int8), "scale": torch.rand(4)}
     save_file(full, src / "model.safetensors")
     save_file(int8, src / "model.int8.safetensors")
-    plain = build_dir(src, tmp_path / "plain", dry_run=True)
-    assert plain.manifest["weights"]["left_out"] == ["model.int8.safetensors"]
+    left = build_dir(src, tmp_path / "left", dry_run=True, weights={"leave_out": ["model.int8.safetensors"]})
+    assert left.manifest["weights"]["left_out"] == ["model.int8.safetensors"]
+    plain = build_dir(src, tmp_path / "plain", dry_run=True)  # a sibling safetensors file is carried by default
+    assert plain.manifest["weights"].get("left_out", []) == []
+    assert ("carried under their own names, as a library may load them beside the weights: model.int8.safetensors "
+            "(weights.leave_out = [...] leaves one out)") in plain.notes
+    assert plain.manifest["weights"]["tree"] == [
+        ["model.int8.safetensors", "weights/variants/model.int8/model.safetensors"],
+        ["model.safetensors", "weights/model.safetensors"]]
+    chosen = build_dir(src, tmp_path / "chosen", dry_run=True, weights={"files": ["model.int8.safetensors"]})
+    assert chosen.manifest["weights"]["left_out"] == ["model.safetensors"]  # the model's own name: never a variant
     plan = build_dir(src, tmp_path / "plan", dry_run=True, weights={"variants": ["model.int8.safetensors"]})
     assert ("source layout: model; components: model (., transformers), model.int8 (., transformers, "
             "as model.int8.safetensors)") in plan.notes
@@ -182,3 +191,36 @@ def test_weight_variants_are_kept_under_their_own_names(tmp_path: Path) -> None:
     for bad, reason in (("../x.safetensors", "not a relative file name"), ("config.json", "not a checkpoint file")):
         with pytest.raises(WeightsError, match=reason):
             build_dir(src, tmp_path / "bad", dry_run=True, weights={"variants": [bad]})
+    with pytest.raises(WeightsError, match="weights.leave_out: 'model.fp8.safetensors' is not a safetensors file "
+                                           "beside a component's weights"):
+        build_dir(src, tmp_path / "bad", dry_run=True, weights={"leave_out": ["model.fp8.safetensors"]})
+
+
+def test_sibling_safetensors_of_a_pipeline_component_are_carried(tmp_path: Path) -> None:
+    """A diffusers pipeline published with fp16 files beside each component's weights: both load
+    from ``model_dir()`` (the default and ``variant="fp16"``), each file once."""
+    pytest.importorskip("diffusers")
+    from diffusers import StableDiffusionPipeline
+
+    from tests.component_fixtures import diffusers_pipeline
+
+    pipe = diffusers_pipeline(tmp_path / "as-pickles")
+    src = tmp_path / "sd"
+    pipe.save_pretrained(src)
+    pipe.to(torch.float16).save_pretrained(src, variant="fp16")
+    out = tmp_path / "out"
+    result = build_dir(src, out)
+    assert result.manifest["weights"].get("left_out", []) == []
+    assert len([f for f in result.manifest["files"] if f.endswith(".safetensors")]) == 6  # three components, twice
+    md = import_loader(out).model_dir()
+    assert {"unet/diffusion_pytorch_model.safetensors", "unet/diffusion_pytorch_model.fp16.safetensors",
+            "text_encoder/model.safetensors", "text_encoder/model.fp16.safetensors"} <= files_of(md)
+    unets = []
+    for variant in (None, "fp16"):
+        want = StableDiffusionPipeline.from_pretrained(src, variant=variant)
+        got = StableDiffusionPipeline.from_pretrained(md, variant=variant)
+        for name in ("unet", "vae", "text_encoder"):
+            want_sd, got_sd = getattr(want, name).state_dict(), getattr(got, name).state_dict()
+            assert set(got_sd) == set(want_sd) and all(torch.equal(got_sd[k], v) for k, v in want_sd.items())
+        unets.append(got.unet.conv_in.weight)
+    assert not torch.equal(*unets) and torch.equal(unets[1], unets[0].half().float())  # fp16 read: its own file

@@ -36,7 +36,7 @@ def test_shipped_recipes_load() -> None:
         ({"weights": {"max_shard_sise": "5GB"}}, "weights.max_shard_sise: unknown key"),
         ({"colour": "red"}, "colour: unknown key"),
         ({"weights": {"dtyp": "float16"}}, "weights.dtyp: unknown key (allowed: allow_globals, chunk_size, "
-         "components, dtype, files, key, layout, max_expansion, max_shard_size, renames, strip_prefixes, "
+         "components, dtype, files, key, layout, leave_out, max_expansion, max_shard_size, renames, strip_prefixes, "
          "tie_prefer, variants); did you mean 'dtype'?"),
         ({"weight": {"dtype": "float16"}}, "weight: unknown key (allowed: bundle, image, name, runtime, sign, "
          "source, version, warm, weights); did you mean 'weights'?"),
@@ -122,7 +122,8 @@ EVERY_STRING = {
                 "renames": [{"pattern": "a", "replace": "b"}], "dtype": "float16", "max_shard_size": "5GB",
                 "chunk_size": "1MiB",
                 "tie_prefer": ["lm_head.weight"], "allow_globals": ["m.C"], "layout": "auto",
-                "components": ["unet"], "variants": ["model.int8.safetensors"]},
+                "components": ["unet"], "variants": ["model.int8.safetensors"],
+                "leave_out": ["model.fp8.safetensors"]},
     "bundle": {"include": ["*.json"], "exclude": ["x.json"]},
     "image": {"base": "oci:/srv/base:v1", "base_name": "docker.io/library/debian:12", "prefix": "/models",
               "compression": "gzip", "owner": "0:0", "weights": "layer", "platform": "linux/amd64", "tag": "t",

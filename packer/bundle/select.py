@@ -32,7 +32,8 @@ NEVER = {
     "code": frozenset({".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll", ".exe", ".sh", ".ipynb"}),
     "pickle": frozenset({".pkl", ".pickle", ".joblib", ".dill"}),
 }
-_WEIGHTS_INDEX = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)\.index\.json$", re.I)
+# a variant's index too (model.safetensors.index.fp16.json, as save_pretrained(variant=...) names it)
+_WEIGHTS_INDEX = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)\.index(\.\w+)?\.json$", re.I)
 _VERSIONED_MODEL = re.compile(r"\.model\.v\d+$")  # Mistral's tokenizer.model.v3
 # sentence-transformers modules (1_Pooling, 2_Normalize, 2_Dense...) and diffusers components
 _MODULE_DIR = re.compile(r"^\d+_[A-Za-z]\w*$")
@@ -41,7 +42,10 @@ KNOWN_DIRS = frozenset({"tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder
                         "text_encoder_3", "scheduler", "feature_extractor", "image_processor", "processor",
                         "unet", "vae", "transformer", "prior", "decoder",
                         # more diffusers pipeline components (model_index.json names them)
-                        "image_encoder", "safety_checker", "controlnet", "transformer_2", "vqvae", "movq"})
+                        "image_encoder", "safety_checker", "controlnet", "transformer_2", "vqvae", "movq",
+                        # transformers' named chat templates (chat_template={"tool_use": ...}): <name>.jinja
+                        "additional_chat_templates"})
+FOLDER = "a folder the default rules do not enter"  # the reason a sub-folder is named, not walked
 
 
 def glob_regex(pattern: str) -> re.Pattern[str]:
@@ -106,8 +110,10 @@ def _inside(path: Path, roots: tuple[Path, ...], rel: str) -> Path:
     return confined(path, roots, error=BundleError, what=f"symlink {rel!r}")
 
 
-def _walk(src: Path, roots: tuple[Path, ...], deep: bool, folders: frozenset[str]) -> Iterator[tuple[str, Path]]:
-    """Yield (relative name, path) of non-directories; descend into sub-folders as the rules need."""
+def _walk(src: Path, roots: tuple[Path, ...], deep: bool,
+          folders: frozenset[str]) -> Iterator[tuple[str, Path | None]]:
+    """Yield (relative name, path) of non-directories; descend into sub-folders as the rules need,
+    and yield ``("<folder>/", None)`` for each other (not hidden) one."""
     stack, seen = [("", src)], set()
     while stack:
         rel_dir, path = stack.pop()
@@ -125,6 +131,8 @@ def _walk(src: Path, roots: tuple[Path, ...], deep: bool, folders: frozenset[str
                 if deep and e.name.startswith("."):
                     continue
                 stack.append((rel, Path(e.path)))
+            elif not e.name.startswith("."):  # named, so that what a library might read is not dropped unsaid
+                yield rel + "/", None
 
 
 def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = None) -> BundlePlan:
@@ -163,6 +171,9 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
     wanted = remote_code(src, roots=roots) if src.is_dir() else None
     code = frozenset(wanted.files) if wanted and cfg.remote_code else frozenset()
     for rel, path in _walk(src, roots, deep=bool(include), folders=folders):
+        if path is None:
+            skipped.append((rel, FOLDER))
+            continue
         if reason := _select(rel, include, exclude, folders, code):
             skipped.append((rel, reason))
             continue

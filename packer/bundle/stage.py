@@ -49,12 +49,19 @@ def _code_notes(plan: BundlePlan) -> list[str]:
 
 
 def _notes(plan: BundlePlan) -> tuple[str, ...]:
+    """One note per reason a file was left out, naming the files and the recipe key that carries
+    them: a file a library reads (a processor config, a chat template) is never dropped unsaid."""
     by_reason: dict[str, list[str]] = {}
     for name, reason in plan.skipped:
         if not reason.startswith("weights"):  # the weights stage converts those: no news
             by_reason.setdefault(reason, []).append(name)
-    skipped = [f"bundle: skipped ({reason}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
-               for reason, names in sorted(by_reason.items())]
+    skipped = []
+    for reason, names in sorted(by_reason.items()):
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        globs = ", ".join(f'"{n}**"' if n.endswith("/") else f'"{n}"' for n in names[:3])
+        way = "" if reason.endswith("(never bundled)") or reason.startswith("excluded by") else \
+            f"; bundle.include = [{globs}{', ...' if len(names) > 3 else ''}] carries them"
+        skipped.append(f"bundle: skipped ({reason}): {shown}{way}")
     return tuple(_code_notes(plan) + skipped)
 
 

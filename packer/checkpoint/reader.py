@@ -9,7 +9,6 @@ integer arithmetic before it becomes a :class:`TensorRecord`.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -24,7 +23,7 @@ from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safete
 from packer.checkpoint.torch_zip import load_torch_zip
 from packer.checkpoint.tree import TensorRef, children, named_walk, tensor_counts
 from packer.errors import CheckpointError
-from packer.formats import CTRANSLATE2
+from packer.formats import HEAD_BYTES, foreign_advice
 from packer.reading import open_regular
 
 _I64 = 2**63
@@ -46,26 +45,7 @@ def _detect(f: BinaryIO, path: Path, size: int) -> str:
         f.seek(257)
         if f.read(5) == b"ustar":
             raise CheckpointError(f"{path}: tar-based torch checkpoint (torch < 0.4) not supported")
-    f.seek(0)
-    spec = _ctranslate2_spec(f.read(72))
-    if spec is not None:
-        raise CheckpointError(f"{path}: {CTRANSLATE2.format(spec=spec)}")
     raise CheckpointError(f"{path}: not a torch zip, legacy torch or safetensors file (first bytes {head[:8]!r})")
-
-
-_SPEC = re.compile(rb"[A-Za-z][A-Za-z0-9_]{0,60}Spec")
-
-
-def _ctranslate2_spec(head: bytes) -> str | None:
-    """The model spec a CTranslate2 ``model.bin`` starts with (binary version, then its
-    length-prefixed, NUL-ended spec name), or None."""
-    if len(head) < 8:
-        return None
-    version, n = int.from_bytes(head[:4], "little"), int.from_bytes(head[4:6], "little")
-    name = head[6:6 + n]
-    if not (1 <= version <= 64 and len(name) == n and name.endswith(b"\0") and _SPEC.fullmatch(name[:-1])):
-        return None
-    return name[:-1].decode("ascii")
 
 
 def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = (),
@@ -83,6 +63,10 @@ def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = (),
             if offset + held > size:
                 raise CheckpointError(f"{path}: {size} bytes, too short for {held} bytes at offset {offset}")
             return "safetensors", read_safetensors(f, path, held, offset=offset)
+        head = f.read(HEAD_BYTES)
+        if what := foreign_advice(path, head):  # the answer build, convert and inspect all give
+            raise CheckpointError(f"{path}: {what}")
+        f.seek(0)
         fmt = _detect(f, path, size)
         if fmt == "safetensors":
             return fmt, read_safetensors(f, path, size)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .components import component_dir
 from .empty import init_empty
 from .env import torch_dtype
+from .hf_convert import conversion_table, load_converted
 from .hf_keys import check_result, loading_info, prefix_map
 from .timeline import import_torch
 
@@ -55,7 +56,9 @@ def hf_from_pretrained(loader: Loader, model_class: Any, *, device: str = "cuda"
 
     transformers' loading rules hold (:mod:`packer.runtime.hf_keys`): the base-model prefix
     is added or stripped (a task checkpoint loads into its base model and back), unexpected
-    keys are reported, missing parameters raise.
+    keys are reported, missing parameters raise. Where the model's own conversion table
+    changes the checkpoint's names (legacy ``gamma``/``beta``, per-expert MoE weights),
+    transformers' own conversion loads the tensors (:mod:`packer.runtime.hf_convert`).
 
     Args:
         loader: the :class:`Loader` of the build (its bundle holds ``config.json``).
@@ -85,13 +88,20 @@ def hf_from_pretrained(loader: Loader, model_class: Any, *, device: str = "cuda"
                                 strict=strict, output_loading_info=output_loading_info)
     model, bundle = hf_construct(loader, model_class, dtype)
     w = loader.manifest["weights"]
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    rule = prefix_map(model, names, [*w["tensors"], *w.get("aliases", {})])
-    result = loader.load_into(model, device=device, strict=False, verify=verify, key=rule)
-    if rule is not None:
-        result.notes.append(rule.describe())
+    stored = [*w["tensors"], *w.get("aliases", {})]
+    if (table := conversion_table(model, stored)) is not None:  # transformers converts these names on load
+        result = load_converted(loader, model, table, device=device, verify=verify, dtype=dtype)
+    else:
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+        rule = prefix_map(model, names, stored)
+        result = loader.load_into(model, device=device, strict=False, verify=verify, key=rule)
+        if rule is not None:
+            result.notes.append(rule.describe())
     model.tie_weights()
+    if table is not None:  # a parameter tied to a loaded one is not missing (transformers does not say so)
+        tied = {n for n, t in model.named_parameters(remove_duplicate=False) if t.device.type != "meta"}
+        result.missing[:] = [k for k in result.missing if k not in tied]
     check_result(model, result, strict=strict)
     hf_finish(model, bundle)
     return (model, loading_info(result)) if output_loading_info else model

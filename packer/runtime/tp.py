@@ -36,6 +36,7 @@ from .assign import module_slots
 from .chunks import SpanCheck, rank_name
 from .env import torch_dtype
 from .hf import hf_construct, hf_finish
+from .hf_convert import REFUSE, conversion_table
 from .reading import read_at
 from .shards import Shard, TensorEntry
 from .timeline import import_torch
@@ -103,6 +104,10 @@ def tp_from_pretrained(loader: Loader, model_class: Any, *, device: str, dtype: 
 
     with initialization.no_tie_weights():  # as transformers builds it: the plan names both ends of a tie
         model, bundle = hf_construct(loader, model_class, dtype)
+    w = loader.manifest["weights"]
+    if conversion_table(model, [*w["tensors"], *w.get("aliases", {})]) is not None:  # each rank reads its slices
+        raise RuntimeError(REFUSE.format(name=type(model).__name__, why="under tp_plan, a checkpoint whose names "
+                                         "transformers converts on load (legacy names, per-expert MoE weights)"))
     model = type(model).maybe_distribute_model(model, config, mesh)
     with torch.no_grad():
         load_tp(loader, model, torch.device(device), verify)

@@ -5,7 +5,8 @@ parsed at all and hold the same tensors when a repository ships both):
 
 1. ``model.safetensors.index.json`` with its shards, 2. ``model.safetensors``,
 3. ``pytorch_model.bin.index.json`` with its shards, 4. ``pytorch_model.bin``,
-5. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
+5. the one index of a sharded variant (``model.safetensors.index.fp16.json``),
+6. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
 
 ``WeightsConfig.files`` globs (relative to the source) replace auto-detection.
 
@@ -17,13 +18,14 @@ named by the recipe or the command line is taken as named.
 
 from __future__ import annotations
 
+import re
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
-from packer.formats import WEIGHT_PATTERNS, foreign_advice, foreign_weights
+from packer.formats import WEIGHT_PATTERNS, foreign_advice, variant_of
 from packer.fsutil import not_regular
 from packer.idents import check_rel_name, confined, link_roots
 from packer.jsonshape import STR, MapOf, Obj
@@ -32,6 +34,7 @@ from packer.reading import JSON_DOC, read_json
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")
 MAX_INDEX_BYTES = JSON_DOC.max_bytes  # real indexes are kilobytes to a few MB; this bounds the JSON parse
+_VARIANT_INDEX = re.compile(r"\.index\.[A-Za-z0-9_]{1,32}\.json$")  # model.safetensors.index.fp16.json
 _INDEX = Obj({"weight_map": MapOf(STR, expected="an object of tensor name -> shard file name")})
 
 
@@ -101,11 +104,13 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
     for name in SINGLES[::order]:
         if _is_input(src / name):
             return InputSet(src, (src / name,))
+    if index := variant_index(src, ("model", "pytorch_model")[::order]):
+        return _from_index(src, index)
     candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if _is_input(p)})
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))
     if not candidates:
-        foreign = sorted(p for p in src.iterdir() if foreign_weights(p.name) and _is_input(p))
+        foreign = sorted(p for p in src.iterdir() if foreign_advice(p) and _is_input(p))  # by name: never opened
         if foreign:
             others = f" (and {len(foreign) - 1} more such file{'s' if len(foreign) > 2 else ''})" \
                 if len(foreign) > 1 else ""
@@ -116,6 +121,17 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
     raise WeightsError(f"{src}: several checkpoint files ({names}); choose with weights.files")
 
 
+def variant_index(folder: Path, stems: Sequence[str]) -> Path | None:
+    """The one index of a sharded variant in ``folder`` (``model.safetensors.index.fp16.json``, what
+    ``save_pretrained(variant=...)`` writes), first stem first; None when there is none or several."""
+    for stem in stems:
+        found = sorted(p for p in folder.glob(f"{stem}.*.index.*.json")
+                       if variant_of(p.name, (stem,)) and _is_input(p)) if folder.is_dir() else []
+        if found:
+            return found[0] if len(found) == 1 else None
+    return None
+
+
 def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
     found: set[Path] = set()
     for pattern in globs:
@@ -123,7 +139,7 @@ def _from_globs(src: Path, globs: Sequence[str]) -> InputSet:
         if not matches:
             raise WeightsError(f"{src}: weights.files pattern {pattern!r} matches no file")
         found.update(matches)
-    index = [p for p in found if p.name.endswith(".index.json")]
+    index = [p for p in found if p.name.endswith(".index.json") or _VARIANT_INDEX.search(p.name)]
     if len(index) == 1 and len(found) == 1:
         return _from_index(src, index[0])
     if index:

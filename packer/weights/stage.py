@@ -12,15 +12,28 @@ the source that no component read is named in a note and in the section's ``left
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from packer.components import Component, SourceLayout, detect_layout, left_out, model_tree, with_variants
-from packer.formats import foreign_weights
+from packer.components import (
+    STEMS,
+    Component,
+    SourceLayout,
+    detect_layout,
+    left_out,
+    model_tree,
+    source_variant,
+    with_variants,
+)
+from packer.errors import WeightsError
+from packer.formats import SAFETENSORS_SUFFIX, foreign_weights, variant_of
 from packer.recipe import ImageConfig, WeightsConfig
 from packer.stage import Progress, StageOutput
+from packer.weights.inputs import find_inputs
 
+_SHARD = re.compile(r"-\d{5}-of-\d{5}")  # a shard: carried through its variant's index, or named left out
 _EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors": {}, "aliases": {}}
 
 
@@ -54,12 +67,17 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
                             "verify": verify}
     if not layout.multi:  # one plain model: its layout is said too, so every build shows one
         out = convert_cli(src, staging / "weights", cfg, **opts)
-        out = replace(out, notes=(layout.describe(), *out.notes))
+        out = replace(out, section=_with_variant(out.section), notes=(layout.describe(), *out.notes))
         return out if single_file else _with_left_out(src, out, [])
     outs = [(c, convert_cli(src / c.path, staging / "weights" / c.out, _component_cfg(cfg, c), **opts))
             for c in layout.components]
     section = _merged(layout, outs)
     notes = [layout.describe()]
+    carried = [f"{c.path}/{c.files[0]}" if c.path else c.files[0] for c in layout.components
+               if c.own_stem is not None and (f"{c.path}/{c.files[0]}" if c.path else c.files[0]) not in cfg.variants]
+    if carried:
+        notes.append(f"carried under their own names, as a library may load them beside the weights: "
+                     f"{', '.join(carried)} (weights.leave_out = [...] leaves one out)")
     notes += [f"{c.name}: {n}" for c, out in outs for n in out.notes]
     merged = StageOutput(files=tuple(f for _, out in outs for f in out.files), section=section,
                          bytes_processed=sum(out.bytes_processed for _, out in outs), notes=tuple(notes),
@@ -72,7 +90,40 @@ def _layout(src: Path, cfg: WeightsConfig, single_file: bool) -> SourceLayout:
         return detect_layout(src, "model")
     layout = detect_layout(src, "model") if cfg.files and cfg.layout == "auto" else \
         detect_layout(src, cfg.layout, cfg.components)
-    return with_variants(layout, src, cfg.variants) if cfg.variants else layout
+    variants = (*cfg.variants, *siblings(layout, src, cfg))
+    return with_variants(layout, src, variants) if variants else layout
+
+
+def siblings(layout: SourceLayout, src: Path, cfg: WeightsConfig) -> list[str]:
+    """The safetensors files beside each component's weights that no component reads
+    (``model.int8.safetensors`` beside ``model.safetensors``; the index of a sharded variant,
+    ``model.safetensors.index.fp16.json``), as paths relative to ``src``: each is carried under its
+    own name, as a library may load it by default. Left out: those ``weights.leave_out`` names,
+    shards no variant index names and hidden files; pickles beside safetensors stay out as before.
+
+    Raises:
+        WeightsError: a ``weights.leave_out`` name that is no such file; as :func:`find_inputs`.
+    """
+    found, named = [], set(cfg.variants)
+    for c in layout.components:
+        folder = src / c.path
+        if c.own_stem is not None or not folder.is_dir():
+            continue
+        inputs = find_inputs(folder, c.files or cfg.files)
+        used = {p.name for p in (*inputs.files, *([inputs.index] if inputs.index else []))}
+        indexes = [p for p in folder.glob(f"*{SAFETENSORS_SUFFIX}.index.*.json")
+                   if variant_of(p.name, (p.name.split(".")[0],))]
+        for p in sorted([*folder.glob(f"*{SAFETENSORS_SUFFIX}"), *indexes]):
+            rel = f"{c.path}/{p.name}" if c.path else p.name
+            own = p.name == STEMS.get(c.library, "model") + SAFETENSORS_SUFFIX  # the model's own name, not chosen
+            if p.name not in used and rel not in named and not p.name.startswith(".") and not _SHARD.search(p.name) \
+                    and not own and p.is_file():
+                found.append(rel)
+    unknown = sorted(set(cfg.leave_out) - set(found))
+    if unknown:
+        raise WeightsError(f"weights.leave_out: {unknown[0]!r} is not a safetensors file beside a component's "
+                           f"weights in {src} (those the build carries: {', '.join(found) or 'none'})")
+    return [rel for rel in found if rel not in cfg.leave_out]
 
 
 def _component_cfg(cfg: WeightsConfig, c: Component) -> WeightsConfig:
@@ -81,11 +132,21 @@ def _component_cfg(cfg: WeightsConfig, c: Component) -> WeightsConfig:
     return replace(cfg, files=c.files or cfg.files)  # a plain root model keeps the recipe's files
 
 
+def _with_variant(section: dict[str, Any]) -> dict[str, Any]:
+    """A plain model's section, with the model directory's names of a model published only as a
+    variant (``variant`` and its ``tree``: ``model.fp16.safetensors``), so ``variant=`` finds it."""
+    if not (variant := source_variant(section)):
+        return section
+    section = {**section, "variant": variant}
+    return {**section, "tree": model_tree(section)}
+
+
 def _component_section(c: Component, section: dict[str, Any]) -> dict[str, Any]:
     prefix = f"{c.path}/" if c.path else ""
     inputs = [{**i, "path": prefix + i["path"]} for i in section.get("inputs", [])]
+    variant = None if c.own_stem else source_variant(section, c.library)
     return {**section, "inputs": inputs, "name": c.name, "path": c.path, "library": c.library,
-            **({"stem": c.own_stem} if c.own_stem else {})}
+            **({"stem": c.own_stem} if c.own_stem else {}), **({"variant": variant} if variant else {})}
 
 
 def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> dict[str, Any]:
