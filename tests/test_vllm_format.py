@@ -196,6 +196,18 @@ def vllm_python() -> Path:
     return py
 
 
+_OWN: dict[tuple[bool, str | None], list[list[int]]] = {}
+
+
+def vllm_own_ids(tmp: Path, model_dir: Path, *, tied: bool, shard: str | None) -> list[list[int]]:
+    """vLLM's own loader's token ids for the ``llama(tied=, shard=, **VLLM_LLAMA)`` weights in
+    ``model_dir``, run once per session (the weights are seeded: every such directory holds the
+    same bytes)."""
+    if (tied, shard) not in _OWN:
+        _OWN[(tied, shard)] = generate(tmp, model_dir, "auto")[0]
+    return _OWN[(tied, shard)]
+
+
 def generate(tmp: Path, model_dir: Path, load_format: str, tp: int = 1,
              extra: dict[str, object] | None = None) -> tuple[list[list[int]], str]:
     """Greedy token ids from vLLM in a fresh process, and its whole output."""
@@ -218,7 +230,7 @@ def test_token_ids_equal_vllm_default_loader(tmp_path: Path, tied: bool, shard: 
     out, d = build(tmp_path, tied=tied, shard=shard)
     if shard:
         assert len(list(d.glob("model-*.safetensors"))) >= 2
-    want, _ = generate(tmp_path, d, "auto")
+    want = vllm_own_ids(tmp_path, d, tied=tied, shard=shard)
     extra = {"verify": True} if shard else {}
     got, log = generate(tmp_path, d, "packer", extra=extra)
     assert got == want and all(len(ids) == 8 for ids in got)
@@ -318,7 +330,7 @@ def build_signed(tmp: Path) -> tuple[Path, Path, Path]:
 def test_signed_serves_only_the_signed_model_dir(tmp_path: Path) -> None:
     """Under PACKER_REQUIRE_SIGNATURE vLLM's own reads (config, tokenizer) are of signed bytes."""
     out, d, pub = build_signed(tmp_path)
-    want, _ = generate(tmp_path, d, "auto")
+    want = vllm_own_ids(tmp_path, d, tied=True, shard=None)  # llama(**VLLM_LLAMA): tied
     signed_env = {**env(tmp_path), "PACKER_REQUIRE_SIGNATURE": str(pub)}
     args = [str(vllm_python()), str(REPO / "tests" / "vllm_generate.py"), "DIR", "packer", "1", json.dumps(PROMPTS)]
     r = subprocess.run([*args[:2], str(d), *args[3:]], capture_output=True, text=True, env=signed_env, timeout=900,
@@ -366,7 +378,7 @@ def test_a_model_streamed_from_a_registry_serves_the_same_tokens(tmp_path: Path)
     from tests.registry_fixtures import docker_registry
 
     out, d = packer_build(tmp_path)
-    want, _ = generate(tmp_path, d, "auto")
+    want = vllm_own_ids(tmp_path, d, tied=False, shard=None)
     with docker_registry(tmp_path / "registry") as address:
         digest = push(out, f"{address}/models/m:1", tls_verify=False)[f"{address}/models/m:1"]
         streamed = tmp_path / "streamed"
