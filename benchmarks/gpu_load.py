@@ -199,7 +199,7 @@ def transfer_probe(reps: int) -> list[float]:
 def read_probe(path: Path, readers: int, slots: int, reps: int) -> list[float]:
     """GB/s of the loader's reader threads filling pinned slots from ``path`` (no copy)."""
     from packer.runtime.engines import host_view
-    from packer.runtime.ring import Latch, Readers
+    from packer.runtime.ring import Latch, Read, Readers
 
     bufs = [pinned(CHUNK) for _ in range(slots)]
     views = [host_view(b) for b, _, _ in bufs]
@@ -214,7 +214,7 @@ def read_probe(path: Path, readers: int, slots: int, reps: int) -> list[float]:
             for i, off in enumerate(range(0, size, CHUNK)):
                 k = i % slots
                 latches[k].wait()
-                pool.submit(latches[k], fd, off, views[k][: min(CHUNK, size - off)])
+                pool.submit(latches[k], Read(fd, off, views[k][: min(CHUNK, size - off)]))
             for latch in latches:
                 latch.wait()
             out.append(size / 1e9 / (time.perf_counter() - start))

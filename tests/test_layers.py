@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # those below it, never one above. "packer.oci.*" covers every module inside packer.oci.
     ("entry points", ("packer.__main__", "packer.cli")),
     ("orchestration", ("packer.build", "packer.build_stages", "packer.publish", "packer.verify",
-                       "packer.profile", "packer.push", "packer.warm_step")),
+                       "packer.profile", "packer.push", "packer.stream", "packer.warm_step")),
     # every stage in a folder of its own (test_each_stage_has_its_own_folder)
     ("stages", ("packer.weights", "packer.weights.*", "packer.bundle", "packer.bundle.*", "packer.stub",
                 "packer.stub.*", "packer.oci", "packer.oci.*", "packer.sign", "packer.sign.*")),
