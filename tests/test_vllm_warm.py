@@ -277,13 +277,17 @@ def test_an_unsigned_state_is_refused_where_a_signature_is_required(warmed: dict
 def compiler_wrappers(tmp: Path) -> tuple[Path, Path]:
     """A folder to put first on PATH whose C and C++ compilers log each command line, then run the
     real one: ``(folder, log)``. Inductor finds its compiler on PATH (``g++``), and its compile
-    workers inherit the environment, so every compile a start runs is a line in the log."""
+    workers inherit the environment, so every compile a start runs is a line in the log. The real
+    compiler runs under the name it was called by: ``g++ -v`` prints it (``COLLECT_GCC``), and
+    Inductor keys its ISA probes on that output, so a wrapper that showed its own path would make
+    a hit compile the probe it already has."""
     folder, log = tmp / "compilers", tmp / "compilers.log"
     folder.mkdir()
     for name in ("g++", "gcc", "c++", "cc", "clang", "clang++"):
         real = shutil.which(name)
         if real:
-            (folder / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\nexec {real} "$@"\n')
+            (folder / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\n'
+                                       f'PATH="${{PATH//{folder}:/}}" exec -a {name} {real} "$@"\n')
             (folder / name).chmod(0o755)
     return folder, log
 
