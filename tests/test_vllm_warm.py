@@ -299,16 +299,31 @@ def compiles(log: Path) -> list[str]:
     return [x for x in lines if {"-c", "-o"} & set(x.split())]
 
 
+@pytest.fixture()
+def short_tmpdir() -> Iterator[Any]:
+    """``new(name)``: a new, empty TMPDIR with a short path (vLLM binds ZeroMQ sockets in it, and a
+    socket path holds at most 107 bytes: pytest's own folders are too deep); removed afterwards."""
+    made: list[str] = []
+
+    def new(name: str) -> Path:
+        made.append(tempfile.mkdtemp(prefix=f"pk-{name}-", dir="/tmp"))
+        return Path(made[-1])
+
+    yield new
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.vllm
-def test_a_hit_compiles_nothing_at_the_first_logprobs_request(warmed: dict[str, Any], tmp_path: Path) -> None:
+def test_a_hit_compiles_nothing_at_the_first_logprobs_request(warmed: dict[str, Any], tmp_path: Path,
+                                                              short_tmpdir: Any) -> None:
     # a fresh pod: empty engine caches (serve), a new TMPDIR, and a log of every compiler run;
     # the first request asks for logprobs, which vLLM's sampler answers with a @torch.compile kernel
     # (batched_count_greater_than) that packer warm's request mix compiled into the state
     folder, log = compiler_wrappers(tmp_path)
     fresh = {"PATH": f"{folder}:{os.environ['PATH']}"}
     one = [PROMPTS[0]]
-    tmpdir = tmp_path / "tmp-hit"
-    tmpdir.mkdir()
+    tmpdir = short_tmpdir("hit")
     got, out, _ = serve(warmed["tmp"], warmed["model_dir"], prompts=one, sampling={"logprobs": 5},
                         TMPDIR=str(tmpdir), **fresh)
     assert out.count(LINE) == 1 and HIT in out and "Directly load AOT compilation" in out, out[-3000:]
@@ -316,8 +331,7 @@ def test_a_hit_compiles_nothing_at_the_first_logprobs_request(warmed: dict[str, 
     answer = json.loads(next(x for x in out.splitlines() if x.startswith('{"ids": ')))
     assert answer["logprobs"][0] >= 5, answer  # the logprobs path ran
     # the wrapper sees compiles where there are some: the same request, the state switched off
-    tmpdir = tmp_path / "tmp-cold"
-    tmpdir.mkdir()
+    tmpdir = short_tmpdir("cold")
     cold, out, _ = serve(warmed["tmp"], warmed["model_dir"], prompts=one, sampling={"logprobs": 5},
                          TMPDIR=str(tmpdir), PACKER_WARM="off", **fresh)
     assert LINE not in out and compiles(log), out[-3000:]

@@ -189,3 +189,23 @@ def test_a_changed_byte_in_any_root_refuses_the_state(warmed: dict[str, Any], de
         f.write_bytes(data)
     assert plan is None and not any(gate.CACHE_ENV[r] in os.environ for r in ROOTS)
     assert said.startswith(f"packer: warm state: miss (refused: {f}: sha256 "), said
+
+
+def test_packer_warm_sends_the_mix_it_is_given(warmed: dict[str, Any], tmp_path: Path) -> None:
+    subprocess.run(["cp", "-a", str(warmed["out"]), str(tmp_path / "out")], check=True)
+    mix = [{"prompt_tokens": 3, "logprobs": 2}, {"n": 3, "temperature": 0.5}]
+    (tmp_path / "mix.json").write_text(json.dumps(mix))
+    (tmp_path / "bad.json").write_text(json.dumps([{"logprobs": -1}]))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PACKER_BUNDLE_CACHE": str(tmp_path / "bundle"),
+           "STAND_IN_SAW": str(tmp_path / "saw.json")}
+    warm = [sys.executable, "-m", "packer", "warm", str(tmp_path / "out"), "--python", str(stand_in(tmp_path))]
+    r = subprocess.run([*warm, "--requests", str(tmp_path / "bad.json")], capture_output=True, text=True,
+                       timeout=300, check=False, env=env)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --requests {tmp_path / 'bad.json'}[0].logprobs: expected an integer from 0 to 2147483648, "
+        "got int -1"], r.stderr
+    r = subprocess.run([*warm, "--requests", str(tmp_path / "mix.json")], capture_output=True, text=True,
+                       timeout=300, check=False, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(json.loads((tmp_path / "saw.json").read_text())["requests"]) == mix
+    assert load_state(tmp_path / "out" / "warm" / warmed["state"].name)["key"]["requests"] == mix

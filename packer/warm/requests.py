@@ -32,7 +32,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from packer.errors import UsageError
+from packer.reading import Kind, parse_json, read_bytes
 
 # each key, what its value must be (in words) and the check
 _INT_MIN: dict[str, int] = {"prompt_tokens": 1, "max_tokens": 1, "n": 1, "logprobs": 0, "prompt_logprobs": 0,
@@ -44,6 +48,7 @@ _FLOAT_RANGE: dict[str, tuple[float, float, bool]] = {  # (low, high, low includ
 KEYS = (*_INT_MIN, *_FLOAT_RANGE)
 MAX_REQUESTS = 64
 MAX_PROMPT_TOKENS = 1 << 20
+REQUESTS_FILE = Kind("request mix", 1 << 20, 8)
 
 DEFAULT_REQUESTS: tuple[dict[str, Any], ...] = (
     {"prompt_tokens": 16, "max_tokens": 4, "logprobs": 5},  # first: a server's first logprobs request
@@ -76,6 +81,17 @@ def check_requests(value: Any, *, where: str, error: Callable[[str], Exception])
     if len(value) > MAX_REQUESTS:
         raise error(f"{where}: {len(value)} requests; at most {MAX_REQUESTS} (each one is a request at warm time)")
     return tuple(_one(f"{where}[{i}]", item, error) for i, item in enumerate(value))
+
+
+def load_requests(path: Path) -> tuple[dict[str, Any], ...]:
+    """The request mix in the JSON file ``path`` (``packer warm --requests``): a list of request tables.
+
+    Raises:
+        UsageError: unreadable, not JSON, or not a mix (the message names the file and the place).
+    """
+    raw = read_bytes(path, REQUESTS_FILE, error=UsageError, what="the request mix")
+    return check_requests(parse_json(raw, REQUESTS_FILE, where=str(path), error=UsageError),
+                          where=f"--requests {path}", error=UsageError)
 
 
 def _one(where: str, item: Any, error: Callable[[str], Exception]) -> dict[str, Any]:
