@@ -26,7 +26,7 @@ to the first request answered, the CPU seconds of every process of the start's s
 compiler runs that compiled or linked. Every warm run must print the hit line and load vLLM's
 AOT artifact; token ids are compared across all runs.
 
-Usage: .venv/bin/python benchmarks/vllm_warm.py [--rounds 3] [--layers 4] [--rewarm]
+Usage: .venv/bin/python benchmarks/vllm_warm.py [--rounds 3] [--layers 4] [--width 1024] [--rewarm]
        [--contenders cold,warm,warm-fork,warm-inproc]
 """
 
@@ -180,13 +180,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1024, help="hidden size of the generated Llama (1024, or 256 ...)")
     ap.add_argument("--rewarm", action="store_true")
     ap.add_argument("--contenders", default="cold,warm", help=f"comma-separated, of {', '.join(CONTENDERS)}")
     args = ap.parse_args()
     who_all = args.contenders.split(",")
     if not who_all or any(w not in CONTENDERS for w in who_all) or "cold" not in who_all:
         raise SystemExit(f"--contenders: a list of {', '.join(CONTENDERS)} with cold among them")
-    model_dir = make_model(args.layers)
+    model_dir = make_model(args.layers, args.width)
     out = warm_state(model_dir, args.rewarm)
     for line in roots_held(out):
         print(f"root: {line}")
@@ -204,9 +205,9 @@ def main() -> int:
     hits = all(r["hit"] for r in warm) and not any(r["hit"] for r in results["cold"])
     logprobs = all(int(r["logprobs"]) >= 5 for rs in results.values() for r in rs)  # type: ignore[call-overload]
     size = sum(p.stat().st_size for p in (out / "warm").rglob("*") if p.is_file())
-    print(f"model dir {model_dir} ({args.layers} layers), warm state {size / 1e6:.1f} MB, {args.rounds} rounds, "
-          f"{os.cpu_count()} cores; token ids equal: {same}; hit line and AOT load in every warm run: {hits}; "
-          f"logprobs in every answer: {logprobs}")
+    print(f"model dir {model_dir} ({args.layers} layers, width {args.width}), warm state {size / 1e6:.1f} MB, "
+          f"{args.rounds} rounds, {os.cpu_count()} cores; token ids equal: {same}; hit line and AOT load in every "
+          f"warm run: {hits}; logprobs in every answer: {logprobs}")
     print("| (min / median / max) | " + " | ".join(who_all) + " |")
     print("|---|" + "---|" * len(who_all))
     for key, label in (("ready", "process start → engine ready, s"), ("first", "process start → first answer, s"),
