@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_startup import REPO, VENV, env, make_model  # noqa: E402
+from vllm_startup import REPO, VENV, build_out, env, make_model  # noqa: E402
 
 ARGS = ["--load-format", "packer", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2"]
 CHILD = """
@@ -68,9 +68,8 @@ HIT = "packer: warm state: hit ("
 AOT = "Directly load AOT compilation from path"
 
 
-def warm_state(model_dir: Path, rewarm: bool) -> Path:
-    """The build behind ``model_dir``, warmed once with ``packer warm`` (the engine arguments above)."""
-    out = Path(os.path.realpath(next(model_dir.glob("*.safetensors")))).parent.parent
+def warm_state(model_dir: Path, out: Path, rewarm: bool) -> Path:
+    """The build ``out`` behind ``model_dir``, warmed once with ``packer warm`` (the engine arguments above)."""
     if rewarm or not list((out / "warm").glob("vllm-*")):
         r = subprocess.run([sys.executable, "-m", "packer", "warm", str(out), "--python", str(VENV / "bin" / "python"),
                             "--model-dir", str(model_dir), "--json", "--", *ARGS],
@@ -188,7 +187,7 @@ def main() -> int:
     if not who_all or any(w not in CONTENDERS for w in who_all) or "cold" not in who_all:
         raise SystemExit(f"--contenders: a list of {', '.join(CONTENDERS)} with cold among them")
     model_dir = make_model(args.layers, args.width)
-    out = warm_state(model_dir, args.rewarm)
+    out = warm_state(model_dir, build_out(args.layers, args.width), args.rewarm)
     for line in roots_held(out):
         print(f"root: {line}")
     results: dict[str, list[dict[str, object]]] = {w: [] for w in who_all}
