@@ -33,7 +33,7 @@ from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
 from packer.warm.key import STATE_ENV, state_name
 from packer.warm.pins import ROOTS, WARM_DIR, collect
-from packer.warm.requests import DEFAULT_REQUESTS
+from packer.warm.requests import DEFAULT_REQUESTS, check_requests
 
 ENGINES = ("vllm",)
 RUNNER = "packer.adapters.vllm_warm_run"
@@ -112,8 +112,10 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
 
     Raises:
         WarmStateError: the engine's run failed (its log's end in the message), or recorded no key.
+        UsageError: ``requests`` is not a request mix.
     """
     python = python or sys.executable
+    requests = check_requests(list(requests), where="the warm request mix", error=UsageError)
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="packer-warm-run-"))
     try:
