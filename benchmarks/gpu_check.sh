@@ -97,17 +97,21 @@ elif [ -f benchmarks/cold_start.py ]; then
     COLD=$?
 fi
 
-# The warm state on the first GPU: `packer warm` of a small Llama, then fresh vLLM starts with empty
-# engine caches, cold (state off) against warm (the state checked and used); the hit line and vLLM's
-# AOT load must show in the warm start. Needs vLLM in $VLLM_PREFIX (default: $PY's prefix), which a
-# bare GPU machine lacks: then it says so and counts as skipped.
+# The warm state on the first GPU: `packer warm` of a small Llama (its request mix: logprobs, sampling,
+# penalties, a short and a long prompt), then what each cache root of the state holds ("root: ..."
+# lines: vLLM, Inductor, Triton, FlashInfer, DeepGEMM, TileLang, CuTe DSL, the CUDA driver's JIT cache;
+# files, bytes, the library and version keyed; the roots nothing wrote), then fresh vLLM starts with
+# empty engine caches, cold (state off) against warm (the state checked and used), each asking for
+# logprobs, compiler runs counted; the hit line and vLLM's AOT load must show in the warm start. Needs
+# vLLM in $VLLM_PREFIX (default: $PY's prefix), which a bare GPU machine lacks: then it says so and
+# counts as skipped.
 WARM="skipped: no vLLM importable"
 VLLM_PREFIX="${VLLM_PREFIX:-$("$PY" -c 'import sys; print(sys.prefix)')}"
 if [ -x "$VLLM_PREFIX/bin/python" ] && "$VLLM_PREFIX/bin/python" -c "import vllm" 2>/dev/null \
         && "$PY" -c "import zstandard, click" 2>/dev/null; then
     say "vllm_warm.py on cuda ($(left) s left)"
     PACKER_VLLM_VENV="$VLLM_PREFIX" timeout "$(left)" "$PY" benchmarks/vllm_warm.py --rounds 1 --layers 2 --rewarm \
-        2>&1 | tee "$OUT/warm.txt"
+        --contenders cold,warm 2>&1 | tee "$OUT/warm.txt"
     WARM=$?
 else
     say "warm step skipped: no vLLM (and zstandard, click) importable here"

@@ -42,9 +42,14 @@ WEIGHTS = {"auto": re.compile(r"Loading weights took ([0-9.]+) seconds"),
            "packer": re.compile(r"tensors \(aliases included\) of .* in ([0-9.]+) s")}
 
 
-def make_model(layers: int) -> Path:
-    """The model directory of a packer build of a generated Llama (cached)."""
-    work = WORK / f"layers{layers}"
+def build_out(layers: int, width: int = 1024) -> Path:
+    """Where :func:`make_model` puts the packer build (OUT) of that model."""
+    return WORK / (f"layers{layers}" if width == 1024 else f"layers{layers}-width{width}") / "out"
+
+
+def make_model(layers: int, width: int = 1024) -> Path:
+    """The model directory of a packer build of a generated Llama (cached); ``width`` 1024 or a smaller one."""
+    work = build_out(layers, width).parent
     link = work / "model_dir.txt"
     if link.is_file() and Path(link.read_text()).is_dir():
         return Path(link.read_text())
@@ -52,16 +57,17 @@ def make_model(layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(REPO))
-    from packer.stub import emit_loader
-    from tests.hf_fixtures import packer_artifacts, word_tokenizer
+    from tests.built import build_dir
+    from tests.hf_fixtures import word_tokenizer
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=256,
+    heads = max(width // 64, 1)  # head size 64, as the 1024-wide model's 16 heads
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=width, intermediate_size=width * 11 // 4, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=256,
                       tie_word_embeddings=True, dtype="bfloat16")
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(work / "hf")
     word_tokenizer(work / "hf", 32000)
-    emit_loader(work / "out", packer_artifacts(work / "hf", work / "out"))
+    build_dir(work / "hf", work / "out")  # a packer build (manifest.json): packer warm verifies it first
     r = subprocess.run([sys.executable, str(work / "out" / "packer_loader.py"), "--model-dir"], env=env(),
                        capture_output=True, text=True, check=True)
     link.write_text(r.stdout.strip())

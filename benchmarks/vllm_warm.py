@@ -1,23 +1,33 @@
-"""vLLM's start in compile mode: its default cold start against packer's warm state.
+"""vLLM's start in compile mode: its default cold start against packer's warm state, and start options.
 
 Uses the generated bf16 Llama and packer build of benchmarks/vllm_startup.py (``--layers``),
-warms it once with ``packer warm`` (kept under benchmarks/_work/; ``--rewarm`` makes it again),
-then starts, interleaved and in turn first, one fresh process per contender and round:
+warms it once with ``packer warm`` (its default request mix; kept under benchmarks/_work/;
+``--rewarm`` makes it again) and prints what each cache root of the state holds, then starts,
+interleaved and each contender in turn first, one fresh process per contender and round:
 ``LLM(MODEL_DIR, load_format="packer", dtype="float32", max_model_len=128, max_num_seqs=2)`` in
-compile mode (no ``enforce_eager``) and one greedy request, in the vLLM virtual environment
-($PACKER_VLLM_VENV). Every process gets new, empty engine caches (``VLLM_CACHE_ROOT``,
-``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, and a new ``TMPDIR``, where Inductor keeps
-its precompiled headers), so only what packer ships can help:
+compile mode (no ``enforce_eager``) and one greedy request **that asks for logprobs** (5), in
+the vLLM virtual environment ($PACKER_VLLM_VENV). Every process gets new, empty engine caches
+(``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, and a new ``TMPDIR``,
+where Inductor keeps its precompiled headers), so only what packer ships can help, and a
+folder first on ``PATH`` whose C/C++ compilers log each run (the compiles are counted):
 
 * ``cold``: vLLM's default cold start, the warm state switched off (``PACKER_WARM=off``);
-* ``warm``: packer's warm state, which the plugin checks and points vLLM at.
+* ``warm``: packer's warm state, which the plugin checks and points vLLM at;
+* ``warm-fork``: the same with ``VLLM_WORKER_MULTIPROC_METHOD=fork`` (the installed vLLM's
+  other worker start method);
+* ``warm-inproc``: the same with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core in the
+  caller's process: one process fewer importing torch and vLLM).
+
+Neither variable enters vLLM's compile hash, so all warm contenders hit the same state.
 
 Reported (min / median / max over rounds): seconds from process start to the engine ready and
-to the first request answered, and the CPU seconds of every process of the start's session
-(sampled from /proc every 0.2 s; the machine may be shared: trust the ratios). Every warm run
-must print the hit line and load vLLM's AOT artifact; token ids are compared across all runs.
+to the first request answered, the CPU seconds of every process of the start's session
+(sampled from /proc every 0.2 s; the machine may be shared: trust the ratios), and the
+compiler runs that compiled or linked. Every warm run must print the hit line and load vLLM's
+AOT artifact; token ids are compared across all runs.
 
-Usage: .venv/bin/python benchmarks/vllm_warm.py [--rounds 3] [--layers 4] [--rewarm]
+Usage: .venv/bin/python benchmarks/vllm_warm.py [--rounds 3] [--layers 4] [--width 1024] [--rewarm]
+       [--contenders cold,warm,warm-fork,warm-inproc]
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_startup import REPO, VENV, env, make_model  # noqa: E402
+from vllm_startup import REPO, VENV, build_out, env, make_model  # noqa: E402
 
 ARGS = ["--load-format", "packer", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2"]
 CHILD = """
@@ -43,19 +53,23 @@ def main():
     from vllm import LLM, SamplingParams
     llm = LLM(sys.argv[1], load_format="packer", dtype="float32", max_model_len=128, max_num_seqs=2)
     ready = time.time()
-    out = llm.generate([{"prompt_token_ids": list(range(2, 34))}], SamplingParams(temperature=0, max_tokens=8),
-                       use_tqdm=False)
-    print(json.dumps({"ready": ready, "first": time.time(), "ids": list(out[0].outputs[0].token_ids)}), flush=True)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+    out = llm.generate([{"prompt_token_ids": list(range(2, 34))}], params, use_tqdm=False)
+    o = out[0].outputs[0]
+    print(json.dumps({"ready": ready, "first": time.time(), "ids": list(o.token_ids),
+                      "logprobs": len((o.logprobs or [{}])[0])}), flush=True)
 if __name__ == "__main__":
     main()
 """
+CONTENDERS = {"cold": {"PACKER_WARM": "off"}, "warm": {}, "warm-fork": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"},
+              "warm-inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+COMPILERS = ("g++", "gcc", "c++", "cc", "clang", "clang++")
 HIT = "packer: warm state: hit ("
 AOT = "Directly load AOT compilation from path"
 
 
-def warm_state(model_dir: Path, rewarm: bool) -> Path:
-    """The build behind ``model_dir``, warmed once with ``packer warm`` (the engine arguments above)."""
-    out = Path(os.path.realpath(next(model_dir.glob("*.safetensors")))).parent.parent
+def warm_state(model_dir: Path, out: Path, rewarm: bool) -> Path:
+    """The build ``out`` behind ``model_dir``, warmed once with ``packer warm`` (the engine arguments above)."""
     if rewarm or not list((out / "warm").glob("vllm-*")):
         r = subprocess.run([sys.executable, "-m", "packer", "warm", str(out), "--python", str(VENV / "bin" / "python"),
                             "--model-dir", str(model_dir), "--json", "--", *ARGS],
@@ -67,12 +81,48 @@ def warm_state(model_dir: Path, rewarm: bool) -> Path:
     return out
 
 
+def roots_held(out: Path) -> list[str]:
+    """One line per cache root of each warm state of ``out``: files, bytes, the library and version keyed."""
+    from packer.warm.pins import load_state, state_dirs
+
+    lines = []
+    for state in state_dirs(out):
+        doc = load_state(state)
+        libraries = doc["key"].get("roots") or {}
+        for root in doc["roots"]:
+            pins = [p for rel, p in doc["files"].items() if rel.startswith(f"{root}/")]
+            lines.append(f"{state.name} {root}: {len(pins)} files, {sum(p['size'] for p in pins)} bytes "
+                         f"({libraries.get(root, 'no library keyed')})")
+        absent = sorted(set(libraries) - set(doc["roots"]))
+        lines.append(f"{state.name}: absent roots (nothing written): {', '.join(absent) or 'none'}")
+    return lines
+
+
+def compiler_wrappers(folder: Path, log: Path) -> None:
+    """C/C++ compilers in ``folder`` (first on PATH) that log each command line, then run the real one
+    under the name it was called by (``g++ -v`` prints it, and Inductor keys its ISA probes on that)."""
+    folder.mkdir()
+    for name in COMPILERS:
+        real = shutil.which(name)
+        if real:
+            (folder / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\n'
+                                       f'PATH="${{PATH//{folder}:/}}" exec -a {name} {real} "$@"\n')
+            (folder / name).chmod(0o755)
+
+
+def compile_runs(log: Path) -> int:
+    """Compiler runs that compiled or linked (``-c``/``-o``), not version probes."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(1 for x in lines if {"-c", "-o"} & set(x.split()))
+
+
 def run(model_dir: Path, contender: str) -> dict[str, object]:
     caches = Path(tempfile.mkdtemp(prefix="vllm-warm-bench-"))
     (caches / "tmp").mkdir()  # Inductor keeps its precompiled headers under $TMPDIR: fresh, as in a new pod
+    compiler_wrappers(caches / "bin", caches / "compilers.log")
     extra = {"VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
              "TRITON_CACHE_DIR": str(caches / "triton"), "TMPDIR": str(caches / "tmp"), "PYTHONPATH": str(REPO),
-             **({"PACKER_WARM": "off"} if contender == "cold" else {})}
+             "PATH": f"{caches / 'bin'}:{os.environ.get('PATH', '')}", **CONTENDERS[contender]}
     start = time.time()
     logs = caches / "log"
     try:
@@ -83,14 +133,16 @@ def run(model_dir: Path, contender: str) -> dict[str, object]:
             cpu = session_cpu(proc)
             f.seek(0)
             log = f.read()
+        compiles = compile_runs(caches / "compilers.log")
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     if proc.returncode != 0:
         raise SystemExit(f"{contender}: vLLM failed:\n{log[-3000:]}")
     res = json.loads(next(x for x in log.splitlines() if x.startswith('{"ready"')))
+    line = next((x for x in log.splitlines() if x.startswith("packer: warm state:")), "")
     return {"ready": res["ready"] - start, "first": res["first"] - start, "cpu": cpu, "ids": res["ids"],
-            "hit": log.count(HIT) == 1 and AOT in log, "line": next((x for x in log.splitlines()
-                                                                     if x.startswith("packer: warm state:")), "")}
+            "compiles": compiles, "logprobs": res["logprobs"], "hit": log.count(HIT) == 1 and AOT in log,
+            "line": line}
 
 
 def session_cpu(proc: subprocess.Popen[str], every: float = 0.2, timeout: float = 1200) -> float:
@@ -127,31 +179,46 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1024, help="hidden size of the generated Llama (1024, or 256 ...)")
     ap.add_argument("--rewarm", action="store_true")
+    ap.add_argument("--contenders", default="cold,warm", help=f"comma-separated, of {', '.join(CONTENDERS)}")
     args = ap.parse_args()
-    model_dir = make_model(args.layers)
-    out = warm_state(model_dir, args.rewarm)
-    results: dict[str, list[dict[str, object]]] = {"cold": [], "warm": []}
+    who_all = args.contenders.split(",")
+    if not who_all or any(w not in CONTENDERS for w in who_all) or "cold" not in who_all:
+        raise SystemExit(f"--contenders: a list of {', '.join(CONTENDERS)} with cold among them")
+    model_dir = make_model(args.layers, args.width)
+    out = warm_state(model_dir, build_out(args.layers, args.width), args.rewarm)
+    for line in roots_held(out):
+        print(f"root: {line}")
+    results: dict[str, list[dict[str, object]]] = {w: [] for w in who_all}
     for i in range(args.rounds):
-        for who in (["cold", "warm"] if i % 2 == 0 else ["warm", "cold"]):
+        order = who_all[i % len(who_all):] + who_all[:i % len(who_all)]  # each contender in turn first
+        for who in order:
             results[who].append(run(model_dir, who))
             last = results[who][-1]
-            print(f"round {i + 1} {who}: first answer {last['first']:.1f} s, {last['cpu']:.1f} CPU-s  {last['line']}",
-                  file=sys.stderr)
+            print(f"round {i + 1} {who}: first answer {last['first']:.1f} s, {last['cpu']:.1f} CPU-s, "
+                  f"{last['compiles']} compiles  {last['line']}", file=sys.stderr)
     ids = [r["ids"] for rs in results.values() for r in rs]
     same = all(x == ids[0] for x in ids)
-    hits = all(r["hit"] for r in results["warm"]) and not any(r["hit"] for r in results["cold"])
+    warm = [r for w, rs in results.items() if w != "cold" for r in rs]
+    hits = all(r["hit"] for r in warm) and not any(r["hit"] for r in results["cold"])
+    logprobs = all(int(r["logprobs"]) >= 5 for rs in results.values() for r in rs)  # type: ignore[call-overload]
     size = sum(p.stat().st_size for p in (out / "warm").rglob("*") if p.is_file())
-    print(f"model dir {model_dir} ({args.layers} layers), warm state {size / 1e6:.1f} MB, {args.rounds} rounds, "
-          f"{os.cpu_count()} cores; token ids equal: {same}; hit line and AOT load in every warm run: {hits}")
-    print(f"{'(min / median / max)':34} {'cold (vLLM default)':>22} {'warm (packer)':>22} {'ratio':>7}")
-    for key, label in (("ready", "process start -> engine ready, s"), ("first", "process start -> first answer, s"),
-                       ("cpu", "CPU seconds, all its processes")):
-        cold = [float(r[key]) for r in results["cold"]]  # type: ignore[arg-type]
-        warm = [float(r[key]) for r in results["warm"]]  # type: ignore[arg-type]
-        ratio = statistics.median(warm) / statistics.median(cold)
-        print(f"{label:34} {stats(cold):>22} {stats(warm):>22} {ratio:6.2f}x")
-    return 0 if same and hits else 1
+    print(f"model dir {model_dir} ({args.layers} layers, width {args.width}), warm state {size / 1e6:.1f} MB, "
+          f"{args.rounds} rounds, {os.cpu_count()} cores; token ids equal: {same}; hit line and AOT load in every "
+          f"warm run: {hits}; logprobs in every answer: {logprobs}")
+    print("| (min / median / max) | " + " | ".join(who_all) + " |")
+    print("|---|" + "---|" * len(who_all))
+    for key, label in (("ready", "process start → engine ready, s"), ("first", "process start → first answer, s"),
+                       ("cpu", "CPU seconds, all its processes"), ("compiles", "compiler runs (compile or link)")):
+        cold = statistics.median(float(r[key]) for r in results["cold"])  # type: ignore[arg-type]
+        cells = []
+        for w in who_all:
+            values = [float(r[key]) for r in results[w]]  # type: ignore[arg-type]
+            ratio = f" ({statistics.median(values) / cold:.2f}×)" if w != "cold" and cold and key != "compiles" else ""
+            cells.append(stats(values).replace("  ", " ").strip() + ratio)
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    return 0 if same and hits and logprobs else 1
 
 
 if __name__ == "__main__":

@@ -548,9 +548,12 @@ def profile(ctx: Ctx, out: Path, device: str | None, verify_: bool) -> None:
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), metavar="KEY",
               help="PEM EC private key (the build's): sign the state (state.sig), which PACKER_REQUIRE_SIGNATURE "
                    "requires.")
+@click.option("--requests", "requests_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="JSON list of the requests to send, as the recipe's warm.requests (default: logprobs, sampling, "
+                   "penalties, a short and a long prompt).")
 @_common
 def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python: str | None,
-         model_dir: Path | None, timeout: float, sign_key: Path | None) -> None:
+         model_dir: Path | None, timeout: float, sign_key: Path | None, requests_file: Path | None) -> None:
     """Run the engine once against OUT and ship its start-up state in OUT/warm/ (after --: its flags).
 
     \b
@@ -558,10 +561,12 @@ def warm(ctx: Ctx, out: Path, engine_args: tuple[str, ...], engine: str, python:
       packer warm dist --engine vllm -- --dtype bfloat16 --max-model-len 4096
       packer warm dist --python /opt/vllm/bin/python --model-dir /models -- --max-num-seqs 8
     """
+    from packer.warm.requests import load_requests
     from packer.warm_step import warm_output
 
+    requests = load_requests(requests_file) if requests_file is not None else None
     summary = warm_output(out, engine=engine, engine_args=list(engine_args), python=python, model_dir=model_dir,
-                          timeout=timeout, sign_key=sign_key,
+                          timeout=timeout, sign_key=sign_key, requests=requests,
                           progress=None if ctx.json else lambda line: ctx.log(f"warm: {line}"))
     for note in summary["notes"]:
         ctx.log(f"note: {note}")

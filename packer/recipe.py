@@ -20,6 +20,7 @@ from packer.errors import RecipeError
 from packer.formats import CAST_DTYPES, LAYOUTS
 from packer.fsutil import open_regular
 from packer.show import show
+from packer.warm.requests import check_requests
 
 DTYPES = tuple(CAST_DTYPES)
 COMPRESSIONS = ("gzip", "zstd", "none")
@@ -147,6 +148,8 @@ class WarmConfig:
     model_dir: str | None = None  # the model directory the server will use (it enters the key)
     device: str | None = None  # "cpu" or "cuda": the device kind this build warms for
     python: str | None = None  # the engine's interpreter (default: packer's)
+    # the request mix of the warm run (packer.warm.requests; None: its DEFAULT_REQUESTS)
+    requests: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -454,8 +457,12 @@ def _engine_args(path: str, v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _warm_requests(path: str, v: Any) -> tuple[dict[str, Any], ...]:
+    return check_requests(v, where=path, error=RecipeError)
+
+
 _WARM = {"engine": _choice(("vllm",)), "args": _engine_args, "model_dir": _abs_path,
-         "device": _choice(("cpu", "cuda")), "python": _str}
+         "device": _choice(("cpu", "cuda")), "python": _str, "requests": _warm_requests}
 
 
 def _warm_table(path: str, v: Any) -> WarmConfig:

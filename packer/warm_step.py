@@ -30,6 +30,7 @@ from packer.show import show
 from packer.verify import verify
 from packer.warm.capture import check_request, warm
 from packer.warm.pins import WARM_DIR, plain_dir, plain_file, write_state
+from packer.warm.requests import DEFAULT_REQUESTS
 from packer.warm.swap import Renames
 
 _PROBE = "from vllm.platforms import current_platform as p; print(p.device_type)"
@@ -37,7 +38,8 @@ _PROBE = "from vllm.platforms import current_platform as p; print(p.device_type)
 
 def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str | None = None,
                 model_dir: Path | None = None, timeout: float = 1800.0,
-                sign_key: Path | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                sign_key: Path | None = None, progress: Callable[[str], None] | None = None,
+                requests: tuple[dict[str, Any], ...] | None = None) -> dict[str, Any]:
     """Verify, capture, sign (with ``sign_key``) and image the warm state of the build ``out``.
 
     ``out`` is verified as ``packer push`` verifies it before anything of it runs or is
@@ -47,6 +49,9 @@ def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str |
 
     ``progress``, when given, is told in one line as each step starts (the engine's run takes
     minutes, and a command silent that long looks hung).
+
+    Args:
+        requests: the request mix of the engine's run (:mod:`packer.warm.requests`); None: the default.
 
     Returns:
         :func:`packer.warm.capture.warm`'s summary, with ``signed``, ``image`` (the warm
@@ -84,10 +89,10 @@ def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str |
         images.extend([plan] if plan else [])
         return doc
 
-    say(f"running {engine} once with {python or sys.executable}: it starts, compiles and answers one "
-        f"request (minutes; at most {timeout:.0f} s)")
+    say(f"running {engine} once with {python or sys.executable}: it starts, compiles and answers its "
+        f"request mix (minutes; at most {timeout:.0f} s)")
     summary = warm(out, engine=engine, engine_args=engine_args, keep=keep, python=python, model_dir=model_dir,
-                   timeout=timeout)
+                   timeout=timeout, requests=DEFAULT_REQUESTS if requests is None else requests)
     notes = []
     if manifest.get("signature") and signer is None:
         notes.append(f"{summary['state']} is unsigned: under PACKER_REQUIRE_SIGNATURE the plugin refuses it "
@@ -194,7 +199,7 @@ def warm_after_build(out: Path, recipe: Recipe, *, timeout: float = 1800.0) -> t
     except UsageError as e:  # the recipe's, not a flag given on the command line
         raise RecipeError(f"the recipe's [warm] table (warm.args, warm.model_dir): {e}") from e
     summary = warm_output(out, engine=cfg.engine, engine_args=list(cfg.args), python=python, model_dir=model_dir,
-                          timeout=timeout, sign_key=recipe.sign_key())
+                          timeout=timeout, sign_key=recipe.sign_key(), requests=cfg.requests)
     return summary, list(summary["notes"])
 
 

@@ -131,7 +131,8 @@ EVERY_STRING = {
               "env": {"A": "1"}},
     "runtime": {"device": "cuda", "warmup": [{"name": "input_ids", "shape": [1], "dtype": "int64"}]},
     "sign": {"key": "k.pem"},
-    "warm": {"engine": "vllm", "args": ["--dtype"], "model_dir": "/models", "device": "cpu", "python": "/opt/py"},
+    "warm": {"engine": "vllm", "args": ["--dtype"], "model_dir": "/models", "device": "cpu", "python": "/opt/py",
+             "requests": [{"prompt_tokens": 8, "logprobs": 2}]},
 }
 
 
@@ -240,3 +241,27 @@ def test_paths_are_clean_so_docker_records_them_unchanged(key: str, path: str) -
     recipe_from_dict({**BASE, "image": {"prefix": "/models/"}})  # a trailing '/' is dropped from a prefix
     with pytest.raises(RecipeError, match=r"^image\.workdir: expected an absolute path, clean"):
         recipe_from_dict({**BASE, "image": {"workdir": "/srv/"}})  # but WORKDIR would drop it too
+
+
+def test_warm_requests_are_validated_with_key_paths() -> None:
+    from packer.warm.requests import DEFAULT_REQUESTS
+
+    assert recipe_from_dict({**BASE, "warm": {"engine": "vllm"}}).warm.requests is None  # the default mix
+    mix = [{"prompt_tokens": 8, "max_tokens": 2, "logprobs": 5}, {"n": 2, "temperature": 0.7, "top_p": 0.9}]
+    got = recipe_from_dict({**BASE, "warm": {"engine": "vllm", "requests": mix}})
+    assert got.warm.requests == tuple(mix)
+    assert "warm" not in got.normalised()
+    assert DEFAULT_REQUESTS[0].get("logprobs") and any(r.get("n", 1) > 1 for r in DEFAULT_REQUESTS)
+    for bad, said in [
+        ([], "warm.requests: expected a non-empty list of request tables"),
+        ({"logprobs": 1}, "warm.requests: expected a non-empty list"),
+        (["x"], "warm.requests[0]: expected a table"),
+        ([{"logprobs": True}], "warm.requests[0].logprobs: expected an integer from 0"),
+        ([{}, {"top_p": 1.5}], "warm.requests[1].top_p: expected a number in (0, 1], got float 1.5"),
+        ([{"temperature": float("nan")}], "warm.requests[0].temperature: expected a number in [0, 100]"),
+        ([{"top_k": 0}], "warm.requests[0].top_k: expected -1 (off) or a positive integer"),
+        ([{"prompt": "hi"}], "warm.requests[0].prompt: unknown key (allowed: frequency_penalty, "),
+        ([{}] * 65, "warm.requests: 65 requests; at most 64"),
+    ]:
+        with pytest.raises(RecipeError, match=re.escape(said)):
+            recipe_from_dict({**BASE, "warm": {"engine": "vllm", "requests": bad}})

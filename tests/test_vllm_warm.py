@@ -26,6 +26,7 @@ import pytest
 from packer.adapters import gate, vllm_format, vllm_warm
 from packer.errors import EngineAdapterError, WarmStateError
 from packer.warm.pins import collect, write_state
+from packer.warm.requests import DEFAULT_REQUESTS
 from tests.built import build_dir
 from tests.hf_fixtures import VLLM_LLAMA, llama
 from tests.test_vllm_format import vllm_python
@@ -152,11 +153,12 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 
 def serve(tmp: Path, model_dir: Path, max_len: int = 64, load_format: str = "packer",
+          prompts: list[list[int]] = PROMPTS, sampling: dict[str, Any] | None = None,
           **env: str) -> tuple[list[list[int]], str, Path]:
     """Greedy token ids from a fresh vLLM process in compile mode, its whole output, its cache folders."""
     caches = Path(tempfile.mkdtemp(prefix="caches-", dir=tmp))
     args = [str(vllm_python()), str(REPO / "tests" / "vllm_warm_generate.py"), str(model_dir), str(max_len),
-            json.dumps(PROMPTS), load_format]
+            json.dumps(prompts), load_format, json.dumps(sampling or {})]
     r = subprocess.run(args, capture_output=True, text=True, env=engine_env(tmp, caches, **env), timeout=900,
                        check=False)
     log = r.stdout + r.stderr
@@ -187,7 +189,9 @@ def test_packer_warm_captures_a_pinned_keyed_state(warmed: dict[str, Any]) -> No
     assert key["model_path"] == str(warmed["model_dir"]) and key["engine_version"].startswith("0.32")
     assert key["engine_args"]["max_model_len"] == 64 and key["config"]["all"]
     assert "VLLM_USE_AOT_COMPILE" in key["env"] or key["env"]
-    assert key["state_env"] == {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
+    assert key["state_env"] == {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0", "TRITON_CACHE_AUTOTUNING": "1"}
+    assert key["roots"]["vllm"].startswith("vllm 0.32") and key["roots"]["inductor"].startswith("torch ")
+    assert key["requests"] == [dict(r) for r in DEFAULT_REQUESTS] and summary["requests"] == len(DEFAULT_REQUESTS)
     assert summary["signed"] and (state / "state.sig").is_file()
     assert summary["image"]["tag"] == f"m:1-warm-{summary['name']}"
     assert (warmed["model_dir"] / "warm" / summary["name"] / "state.sig").is_file()
@@ -268,3 +272,67 @@ def test_an_unsigned_state_is_refused_where_a_signature_is_required(warmed: dict
     assert lines == [f"{MISS}refused: {state / 'state.sig'}: missing; the state is unsigned (sign it with packer "
                      "warm --sign-key, the key that signed the build))"], log[-3000:]
     assert all(len(ids) == 8 for ids in got)
+
+
+def compiler_wrappers(tmp: Path) -> tuple[Path, Path]:
+    """A folder to put first on PATH whose C and C++ compilers log each command line, then run the
+    real one: ``(folder, log)``. Inductor finds its compiler on PATH (``g++``), and its compile
+    workers inherit the environment, so every compile a start runs is a line in the log. The real
+    compiler runs under the name it was called by: ``g++ -v`` prints it (``COLLECT_GCC``), and
+    Inductor keys its ISA probes on that output, so a wrapper that showed its own path would make
+    a hit compile the probe it already has."""
+    folder, log = tmp / "compilers", tmp / "compilers.log"
+    folder.mkdir()
+    for name in ("g++", "gcc", "c++", "cc", "clang", "clang++"):
+        real = shutil.which(name)
+        if real:
+            (folder / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\n'
+                                       f'PATH="${{PATH//{folder}:/}}" exec -a {name} {real} "$@"\n')
+            (folder / name).chmod(0o755)
+    return folder, log
+
+
+def compiles(log: Path) -> list[str]:
+    """The compiler runs in ``log`` that compile or link (``-c``/``-o``): not the version probes
+    (``g++ --version``, ``-v``) Inductor runs to key its cache, which a hit runs too."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [x for x in lines if {"-c", "-o"} & set(x.split())]
+
+
+@pytest.fixture()
+def short_tmpdir() -> Iterator[Any]:
+    """``new(name)``: a new, empty TMPDIR with a short path (vLLM binds ZeroMQ sockets in it, and a
+    socket path holds at most 107 bytes: pytest's own folders are too deep); removed afterwards."""
+    made: list[str] = []
+
+    def new(name: str) -> Path:
+        made.append(tempfile.mkdtemp(prefix=f"pk-{name}-", dir="/tmp"))
+        return Path(made[-1])
+
+    yield new
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.vllm
+def test_a_hit_compiles_nothing_at_the_first_logprobs_request(warmed: dict[str, Any], tmp_path: Path,
+                                                              short_tmpdir: Any) -> None:
+    # a fresh pod: empty engine caches (serve), a new TMPDIR, and a log of every compiler run;
+    # the first request asks for logprobs, which vLLM's sampler answers with a @torch.compile kernel
+    # (batched_count_greater_than) that packer warm's request mix compiled into the state
+    folder, log = compiler_wrappers(tmp_path)
+    fresh = {"PATH": f"{folder}:{os.environ['PATH']}"}
+    one = [PROMPTS[0]]
+    tmpdir = short_tmpdir("hit")
+    got, out, _ = serve(warmed["tmp"], warmed["model_dir"], prompts=one, sampling={"logprobs": 5},
+                        TMPDIR=str(tmpdir), **fresh)
+    assert out.count(LINE) == 1 and HIT in out and "Directly load AOT compilation" in out, out[-3000:]
+    assert compiles(log) == [], compiles(log)[:5]
+    answer = json.loads(next(x for x in out.splitlines() if x.startswith('{"ids": ')))
+    assert answer["logprobs"][0] >= 5, answer  # the logprobs path ran
+    # the wrapper sees compiles where there are some: the same request, the state switched off
+    tmpdir = short_tmpdir("cold")
+    cold, out, _ = serve(warmed["tmp"], warmed["model_dir"], prompts=one, sampling={"logprobs": 5},
+                         TMPDIR=str(tmpdir), PACKER_WARM="off", **fresh)
+    assert LINE not in out and compiles(log), out[-3000:]
+    assert got == cold and len(got[0]) == 8

@@ -54,8 +54,12 @@ from packer.warm.trust import build_digest, check_signature
 RUNTIME_DIR = "packer_runtime"  # the stub's runtime folder (packer.stub.RUNTIME_DIR)
 STUB_MODULE = "packer_loader"
 LOAD_FORMAT = "packer"  # vLLM's --load-format that serves a packer build through its loader
-# each root of a warm state, and the engine's variable that names its cache directory
-CACHE_ENV = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
+# each root of a warm state (packer.warm.pins.ROOTS), and the variable that names its cache directory:
+# vLLM's, Inductor's, Triton's, FlashInfer's JIT (its workspace base), DeepGEMM's JIT, TileLang's,
+# CuTe DSL's and the CUDA driver's JIT cache (PTX compiled for this GPU)
+CACHE_ENV = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR",
+             "flashinfer": "FLASHINFER_WORKSPACE_BASE", "deepgemm": "DG_JIT_CACHE_DIR",
+             "tilelang": "TILELANG_CACHE_DIR", "cutedsl": "CUTE_DSL_CACHE_DIR", "cuda": "CUDA_CACHE_PATH"}
 
 
 def required_key() -> str:

@@ -11,9 +11,10 @@ inspected or compiled:
    the state's recorded key (:mod:`packer.warm.key`); if they match, the state passes the trust
    gate (:mod:`packer.adapters.gate`: a build whose stub its ``manifest.json`` pins, the state's
    signature where one is required, each file copied against its pin into a private directory),
-   and only then do ``VLLM_CACHE_ROOT`` (and Inductor's and Triton's cache directories, where
-   the state has them) point there: vLLM's ``modelinfos`` and compile cache are read from checked
-   bytes;
+   and only then do ``VLLM_CACHE_ROOT`` (and every other cache root the state has: Inductor's,
+   Triton's, the GPU kernel libraries', :data:`packer.adapters.gate.CACHE_ENV`) point there: vLLM's
+   ``modelinfos`` and compile cache are read from checked bytes. The key's first part includes
+   the library and version of each root the state holds (:mod:`packer.warm.roots`);
 2. after it, vLLM's own hash of the configuration is compared, and one line goes to stderr:
    ``packer: warm state: hit (...)`` or ``packer: warm state: miss (<the part that differs>)``.
    On a miss every variable step 1 changed is put back (and the copy removed) before the engine
@@ -57,8 +58,9 @@ from packer.fsutil import atomic_write_bytes, canonical_json
 from packer.reading import Kind, read_bytes
 from packer.runtime.env import ArtifactMismatchError
 from packer.show import show
-from packer.warm.key import BEFORE_CONFIG, STATE_ENV, difference, explain_config, plain, state_name
+from packer.warm.key import BEFORE_CONFIG, STATE_ENV, difference, explain_config, held, plain, state_name
 from packer.warm.pins import WARM_DIR
+from packer.warm.roots import root_libraries
 
 LINE = "packer: warm state: "
 DECIDED = "PACKER_WARM_STATE"  # set by the deciding process; inherited by the engine's processes
@@ -188,7 +190,7 @@ def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | 
             return None
         state, build = found
         recorded = open_state(state, build)
-        why = difference(recorded["key"], now, BEFORE_CONFIG)
+        why = difference(held(recorded["key"], recorded["roots"]), held(now, recorded["roots"]), BEFORE_CONFIG)
         if why:
             _decide(f"miss ({why})")
             return None
@@ -257,7 +259,7 @@ def current_key(engine_args: Any) -> dict[str, Any]:
 
     return {"engine": "vllm", "engine_version": vllm.__version__, "torch": torch.__version__,
             "python": platform.python_version(), "device": device(), "model_path": str(engine_args.model),
-            "env": plain(envs.compile_factors()), "state_env": dict(STATE_ENV)}
+            "env": plain(envs.compile_factors()), "state_env": dict(STATE_ENV), "roots": root_libraries()}
 
 
 def config_key(engine_args: Any, config: Any) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""``packer warm``'s vLLM run: one engine start and one request, in the engine's own interpreter.
+"""``packer warm``'s vLLM run: one engine start and its request mix, in the engine's own interpreter.
 
 ``python -m packer.adapters.vllm_warm_run MODEL_DIR [ENGINE_ARGS...]`` parses ``ENGINE_ARGS``
 with vLLM's own parser (the flags of ``vllm serve``), starts ``LLM`` on ``MODEL_DIR`` with
-them, runs one greedy request and prints ``{"ids": [...]}`` last on stdout. ``packer warm``
+them, sends the request mix (``PACKER_WARM_REQUESTS``, JSON; default
+:data:`packer.warm.requests.DEFAULT_REQUESTS`) one request after the other, and prints
+``{"ids": [...], "requests": N}`` last on stdout (the first request's token ids). ``packer warm``
 runs it with empty private cache directories and ``PACKER_WARM_CAPTURE`` set, so the plugin
 (:mod:`packer.adapters.vllm_warm`) writes the key of exactly this start.
 """
@@ -11,9 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+from typing import Any
 
-PROMPT = list(range(2, 18))
+from packer.runtime.reading import loads_json
+from packer.warm.requests import DEFAULT_REQUESTS, check_requests
+
+REQUESTS = "PACKER_WARM_REQUESTS"
+_PARAMS_ASIDE = ("prompt_tokens",)
 
 
 def engine_kwargs(model_dir: str, argv: list[str]) -> dict[str, object]:
@@ -29,13 +37,37 @@ def engine_kwargs(model_dir: str, argv: list[str]) -> dict[str, object]:
             if f.name == "model" or getattr(args, f.name) != getattr(defaults, f.name)}
 
 
+def mix() -> tuple[dict[str, Any], ...]:
+    """The request mix ``packer warm`` passed (checked again here), or the default one."""
+    raw = os.environ.get(REQUESTS)
+    if not raw:
+        return DEFAULT_REQUESTS
+    return check_requests(loads_json(raw, REQUESTS, top=list), where=REQUESTS, error=ValueError)
+
+
+def prompt(length: int, vocab: int) -> list[int]:
+    """A synthetic prompt of ``length`` token ids, all inside the vocabulary and away from its first ids."""
+    span = max(vocab - 3, 1)
+    return [3 + (i * 7) % span for i in range(length)]
+
+
 def main(argv: list[str]) -> int:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(argv[0], argv[1:]))
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
-    print(json.dumps({"ids": list(out[0].outputs[0].token_ids)}), flush=True)
+    model = llm.llm_engine.model_config
+    first: list[int] | None = None
+    requests = mix()
+    for spec in requests:
+        params = {k: v for k, v in spec.items() if k not in _PARAMS_ASIDE}
+        params.setdefault("max_tokens", 4)
+        params.setdefault("temperature", 0.0)
+        # the prompt and the answer fit the model's length (a long prompt is as long as it may be)
+        room = max(model.max_model_len - params["max_tokens"], 1)
+        ids = prompt(min(spec.get("prompt_tokens", 16), room), model.get_vocab_size())
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(**params, ignore_eos=True), use_tqdm=False)
+        first = first if first is not None else list(out[0].outputs[0].token_ids)
+    print(json.dumps({"ids": first, "requests": len(requests)}), flush=True)
     return 0
 
 

@@ -2,10 +2,13 @@
 
 The engine runs in its own interpreter (``--python``; vLLM's environment, where packer's
 plugin is installed) as a server would: the ``packer`` load format, compile mode unless the
-engine arguments say otherwise, one request. Its cache directories (``VLLM_CACHE_ROOT``,
-``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``) are new and empty, so everything in them
-after the run is this model's start-up state; the plugin records the key of exactly that run
-(:mod:`packer.adapters.vllm_warm`). The files are pinned into ``OUT/warm/<name>/``
+engine arguments say otherwise, and a mix of requests that takes the paths a server's requests
+take (:mod:`packer.warm.requests`). Every cache directory the engine and its kernel libraries
+use (:data:`packer.adapters.gate.CACHE_ENV`: vLLM's, Inductor's, Triton's, FlashInfer's,
+DeepGEMM's, TileLang's, CuTe DSL's and the CUDA driver's) is new and empty, so everything in
+them after the run is this model's start-up state (a root nothing wrote is simply absent); the
+plugin records the key of exactly that run (:mod:`packer.adapters.vllm_warm`), and the mix is
+recorded beside it. The files are pinned into ``OUT/warm/<name>/``
 (:mod:`packer.warm.pins`), beside the build and outside its manifest: the build stays byte for
 byte what it was, and ``packer verify OUT`` checks the state's pins too. The state is written
 to a staging directory first; :mod:`packer.warm_step` verifies OUT before and renames it in after.
@@ -22,13 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from packer.adapters.gate import CACHE_ENV
 from packer.errors import UsageError, WarmStateError
 from packer.formats import LOADER_NAME
-from packer.fsutil import remove_tree
+from packer.fsutil import canonical_json, remove_tree
 from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
 from packer.warm.key import STATE_ENV, state_name
 from packer.warm.pins import ROOTS, WARM_DIR, collect
+from packer.warm.requests import DEFAULT_REQUESTS, check_requests
 
 ENGINES = ("vllm",)
 RUNNER = "packer.adapters.vllm_warm_run"
@@ -41,7 +46,7 @@ from pathlib import Path
 from packer.adapters.gate import load_stub
 print(load_stub(Path(sys.argv[1])).model_dir())
 """
-_ENV_OF_ROOT = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
+REQUESTS_ENV = "PACKER_WARM_REQUESTS"  # the mix, as JSON, for the engine's run (vllm_warm_run.REQUESTS)
 
 
 def check_request(out: Path, *, engine: str, engine_args: list[str], model_dir: Path | None) -> None:
@@ -76,7 +81,8 @@ Keep = Callable[[str, dict[str, Any], dict[str, Path]], dict[str, Any]]
 
 
 def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: str | None = None,
-         model_dir: Path | None = None, timeout: float = 1800.0) -> dict[str, Any]:
+         model_dir: Path | None = None, timeout: float = 1800.0,
+         requests: tuple[dict[str, Any], ...] = DEFAULT_REQUESTS) -> dict[str, Any]:
     """Capture the engine's start-up state for the verified build ``out``; ``keep`` pins and publishes it.
 
     The caller has verified ``out`` (:func:`packer.verify.verify`); nothing in ``out`` is
@@ -97,15 +103,19 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
             so the state is keyed for exactly it); default: the one ``packer_loader.py
             --model-dir`` prints on this machine.
         timeout: seconds for the engine's run.
+        requests: the request mix (checked: :func:`packer.warm.requests.check_requests`), sent one
+            after the other; recorded in the key as ``requests``, never compared (see that module).
 
     Returns:
         a summary: the state's directory (``out/warm/<name>``), name, file count, bytes, the
-        model path it is keyed for, seconds, the run's token ids.
+        model path it is keyed for, seconds, the first request's token ids, how many requests were sent.
 
     Raises:
         WarmStateError: the engine's run failed (its log's end in the message), or recorded no key.
+        UsageError: ``requests`` is not a request mix.
     """
     python = python or sys.executable
+    requests = check_requests(list(requests), where="the warm request mix", error=UsageError)
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="packer-warm-run-"))
     try:
@@ -113,18 +123,20 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
         roots = {root: work / root for root in ROOTS}
         for d in roots.values():
             d.mkdir()
-        env = {**os.environ, **{_ENV_OF_ROOT[r]: str(d) for r, d in roots.items()},
-               **STATE_ENV, "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off"}
+        env = {**os.environ, **{CACHE_ENV[r]: str(d) for r, d in roots.items()},
+               **STATE_ENV, "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off",
+               REQUESTS_ENV: canonical_json(list(requests)).decode()}
         env.pop("PACKER_WARM_STATE", None)
-        ids = _run(python, [str(model), *engine_args], env, timeout, work)
-        key = _read_key(work / "key.json")
+        report = _run(python, [str(model), *engine_args], env, timeout, work)
+        key = {**_read_key(work / "key.json"), "requests": list(requests)}
         name = state_name(key)
         doc = keep(name, key, collect(roots))
     finally:
         remove_tree(work, ignore_errors=True)
     return {"state": str(out / WARM_DIR / name), "name": name,
             "files": len(doc["files"]), "bytes": sum(p["size"] for p in doc["files"].values()),
-            "model_path": key["model_path"], "seconds": round(time.monotonic() - start, 2), "token_ids": ids}
+            "model_path": key["model_path"], "seconds": round(time.monotonic() - start, 2), "token_ids": report["ids"],
+            "requests": report["requests"]}
 
 
 def _model_dir(out: Path, python: str, work: Path, timeout: float) -> Path:
@@ -137,7 +149,8 @@ def _model_dir(out: Path, python: str, work: Path, timeout: float) -> Path:
     return Path(r.stdout.strip().splitlines()[-1])
 
 
-def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd: Path) -> list[int]:
+def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd: Path) -> dict[str, Any]:
+    """The engine's run: ``{"ids": the first request's token ids, "requests": how many were sent}``."""
     try:  # in a fresh directory: ``-m`` puts the working directory first on sys.path
         r = subprocess.run([python, "-m", RUNNER, *argv], capture_output=True, text=True, env=env,
                            timeout=timeout, check=False, cwd=cwd)
@@ -147,7 +160,9 @@ def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd:
     if r.returncode != 0 or not lines:
         raise WarmStateError(_failure(python, r))
     report = parse_json(lines[-1], REPORT, where=f"{python} -m {RUNNER}", error=WarmStateError)
-    return list(report["ids"])
+    if not isinstance(report, dict) or not isinstance(report.get("ids"), list):
+        raise WarmStateError(f"{python} -m {RUNNER}: its report has no token ids: {show(lines[-1][:200])}")
+    return {"ids": list(report["ids"]), "requests": report.get("requests")}
 
 
 def _read_key(path: Path) -> dict[str, Any]:

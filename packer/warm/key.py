@@ -10,8 +10,12 @@ A key is a JSON object recorded when the state is captured and computed again at
 ``model_path``  the model directory the engine is given (vLLM hashes it into its key)
 ``env``         ``{NAME: value}`` of the environment that enters the engine's compile hash
 ``state_env``   :data:`STATE_ENV`: what the engine's run was given, and a hit gives again
+``roots``       ``{root: "library version"}`` of each cache root (:mod:`packer.warm.roots`);
+                a hit compares only the roots the state holds (:func:`held`)
 ``engine_args`` ``{name: value}`` of the engine arguments that are not at their defaults
 ``config``      ``{section: hash}``: the engine's own hash of its configuration, per section
+``requests``    the request mix of the warm run (:mod:`packer.warm.requests`): recorded, never
+                compared (it decides what the state covers, not whether it is right)
 =============== ===================================================================
 
 :data:`BEFORE_CONFIG` can be compared before the engine builds its configuration (so a hit
@@ -25,13 +29,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-BEFORE_CONFIG = ("engine", "engine_version", "torch", "python", "device", "model_path", "env", "state_env")
+BEFORE_CONFIG = ("engine", "engine_version", "torch", "python", "device", "model_path", "env", "state_env", "roots")
 # Set for the engine's run and on every hit: Inductor's C++ cache otherwise preprocesses (and
 # in a fresh container compiles, 149 MB and 5 CPU-s on vLLM 0.32's CPU build) a precompiled
 # header before it looks for a kernel it already has; the header only speeds up compiles,
 # which a hit does not do. The setting enters Inductor's part of vLLM's compile hash, so the
 # run and the hit must agree.
-STATE_ENV = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
+# TRITON_CACHE_AUTOTUNING=1: Triton keeps its autotuning results in its cache (else every boot
+# benchmarks every config again), so the run records them and a hit reads them.
+STATE_ENV = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0", "TRITON_CACHE_AUTOTUNING": "1"}
 ALL = (*BEFORE_CONFIG, "engine_args", "config")
 _SAFE = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -48,6 +54,15 @@ def state_name(key: dict[str, Any]) -> str:
     if not all(parts) or not _SAFE.fullmatch(name):
         raise ValueError(f"warm-state key: engine/device {parts!r} do not make a plain directory name")
     return name
+
+
+def held(key: dict[str, Any], roots: list[str]) -> dict[str, Any]:
+    """``key`` with its ``roots`` part cut to the cache roots a state holds: a library whose cache
+    the state does not ship (FlashInfer on a CPU state) may change without a miss."""
+    libraries = key.get("roots")
+    if not isinstance(libraries, dict):
+        return key
+    return {**key, "roots": {r: v for r, v in libraries.items() if r in roots}}
 
 
 def plain(value: Any) -> Any:
@@ -87,7 +102,7 @@ def explain_config(warmed: dict[str, Any], now: dict[str, Any]) -> str | None:
 
 _LABELS = {"engine_version": "engine version", "model_path": "model path", "env": "environment",
            "engine_args": "engine argument", "config": "engine configuration hash",
-           "state_env": "environment packer sets"}
+           "state_env": "environment packer sets", "roots": "cache root"}
 
 
 def _entry_difference(part: str, a: dict[str, Any], b: dict[str, Any]) -> str:

@@ -2,7 +2,8 @@
 
 A state directory holds the files an engine wrote for its start-up, under fixed relative
 paths (``files/<root>/<path>``, a root per cache directory the engine was given: ``vllm`` for
-``VLLM_CACHE_ROOT``, ``inductor``, ``triton``), and one manifest:
+``VLLM_CACHE_ROOT``, ``inductor``, ``triton``, and on GPUs ``flashinfer``, ``deepgemm``,
+``tilelang``, ``cutedsl``, ``cuda``; a root nothing wrote is absent), and one manifest:
 
 ``{"schema": 1, "name": ..., "key": {...}, "roots": [...], "files": {rel: {"size", "sha256"}}}``
 
@@ -37,7 +38,9 @@ WARM_DIR = "warm"
 MANIFEST = MANIFEST_NAME  # a state's own manifest, named as the build's
 FILES = "files"
 SCHEMA = 1
-ROOTS = ("vllm", "inductor", "triton")  # in this order: VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
+# a root per cache directory an engine or its kernel libraries use (packer.adapters.gate.CACHE_ENV
+# names the variable of each, packer.warm.roots the library that writes it)
+ROOTS = ("vllm", "inductor", "triton", "flashinfer", "deepgemm", "tilelang", "cutedsl", "cuda")
 STATE_MANIFEST = Kind("warm-state manifest", 16 << 20, 16)
 CHUNK = 1 << 20
 _HEX64 = leaf("a sha256 (64 lowercase hex digits)",
