@@ -29,6 +29,7 @@ from packer.oci.verify import verify_image
 from packer.oci.warm_layer import check_warm_images
 from packer.place import BLOBS, FilePlace, blob_hex, blob_rel, places_of
 from packer.reading import member, walk_tree
+from packer.runtime.remote import STREAM_FILE
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
 from packer.warm.pins import verify_states
@@ -213,6 +214,10 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
     Raises:
         VerifyError: naming the first mismatch.
     """
+    if (Path(out) / STREAM_FILE).is_file() and not (Path(out) / "image").exists():
+        raise VerifyError(f"{out}: a model directory `packer stream` made, not a build output: its weights stay "
+                          "in the registry and each chunk is proven as it loads; verify the build's OUT before "
+                          f"`packer push`, or check this directory with `packer profile {out}`")
     try:
         return {**_verify(out, public_key, vouched), "disk_bytes": disk_usage(Path(out), VerifyError)}
     except VerifyError as e:

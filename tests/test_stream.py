@@ -392,3 +392,47 @@ def test_a_stream_file_planted_beside_local_weights_diverts_nothing(pushed: Push
     pl = stub(planted)
     assert equal(pl.load_weights("cpu"), stub(out).load_weights("cpu", root=out))
     assert not [s for s in pl.report() if s["stage"].startswith("fetch")]
+
+
+def test_a_streamed_directory_checks_itself(pushed: Pushed, tmp_path: Path) -> None:
+    """What a new user does next with a streamed directory: the self-test (in it, and of an
+    ``oci://`` root), ``packer verify``'s answer; the private directory of a ``root="oci://..."``
+    load is gone when its process ends; the signed serving gate leaves ``packer-stream.json``
+    to the loader (it names where bytes come from, each proven)."""
+    from packer.adapters.gate import _never_read
+
+    out, _ = pushed.builds["plain"]
+    env = {**os.environ, "PACKER_REGISTRY_INSECURE": pushed.address, "TMPDIR": str(tmp_path / "tmp")}
+    dest = tmp_path / "model"
+    made = subprocess.run([sys.executable, "-m", "packer", "stream", pushed.ref("plain"), "--dir", str(dest)],
+                          capture_output=True, text=True, env=env, check=False)
+    assert made.returncode == 0, made.stderr
+    for args in ([str(dest / "packer_loader.py"), "--selftest"],
+                 [str(out / "packer_loader.py"), "--selftest", "--root", pushed.ref("plain")]):
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, check=False, env=env)
+        assert r.returncode == 0 and "self-test passed" in r.stderr, r.stderr[-2000:]
+    assert not list((tmp_path / "tmp").iterdir())  # the oci:// root's private copy, removed at exit
+    assert _never_read("packer-stream.json", "bundle.tar.zst")  # not a file the engine reads
+    v = subprocess.run([sys.executable, "-m", "packer", "verify", str(dest)], capture_output=True, text=True,
+                       env=env, check=False)
+    assert v.returncode == 1 and "a model directory `packer stream` made, not a build output" in v.stderr
+
+
+def test_the_wrong_digest_says_which_one_to_stream(pushed: Pushed, monkeypatch: pytest.MonkeyPatch) -> None:
+    insecure(monkeypatch, pushed.address)
+    pl = stub(pushed.builds["plain"][0])
+    view = _manifest_digest(pushed.address, "models/plain", "1-modelpack")  # the second digest push prints
+    with pytest.raises(pl.ArtifactMismatchError, match="not a runnable image .*the ModelPack view.*first one "):
+        pl.load_weights("cpu", root=f"oci://{pushed.address}/models/plain@{view}")
+    with pytest.raises(pl.ArtifactMismatchError, match="has no such image .*first one `packer push` prints"):
+        pl.load_weights("cpu", root=f"oci://{pushed.address}/models/plain@sha256:" + "1" * 64)
+
+
+def _manifest_digest(address: str, repo: str, tag: str) -> str:
+    """The digest of the manifest ``repo:tag`` holds (as the registry serves it)."""
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{address}/v2/{repo}/manifests/{tag}",
+                                 headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return "sha256:" + hashlib.sha256(r.read()).hexdigest()

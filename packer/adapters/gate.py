@@ -46,6 +46,7 @@ from packer.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENS
 from packer.fsutil import quiet_cleanup, remove_tree
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.reading import is_regular, loads_json, read_bytes, read_json, resolve
+from packer.runtime.remote import STREAM_FILE
 from packer.runtime.settings import RuntimeSettings
 from packer.warm.key import STATE_ENV
 from packer.warm.pins import ROOTS, WARM_DIR, read_state, verified_copy, verify_states
@@ -160,7 +161,8 @@ def load_stub(path: Path) -> types.ModuleType:
 def _never_read(rel: str, bundle_file: str) -> bool:
     """Files of a build's model directory the engine does not read (the loader reads them)."""
     top = rel.split("/", 1)[0]
-    return rel in (LOADER_NAME, MANIFEST_NAME, SIGNATURE_NAME, PROVENANCE_NAME, bundle_file) or top == RUNTIME_DIR
+    return rel in (LOADER_NAME, MANIFEST_NAME, SIGNATURE_NAME, PROVENANCE_NAME, STREAM_FILE,
+                   bundle_file) or top == RUNTIME_DIR
 
 
 def check_served(model_dir: str | Path, stub: Path, public_key: str, *, tokenizer: Any = None) -> list[str]:
@@ -168,7 +170,8 @@ def check_served(model_dir: str | Path, stub: Path, public_key: str, *, tokenize
 
     The engine reads ``model_dir`` itself (``config.json``, tokenizer files, chat template,
     generation config) before any weight is loaded; every file in it, but the loader's own
-    (the stub, its runtime, the manifest, the bundle archive, the signature), must be one that
+    (the stub, its runtime, the manifest, the bundle archive, the signature, a streamed directory's
+    ``packer-stream.json``, which names where the loader fetches bytes it proves), must be one that
     ``model.sig`` beside ``stub`` signs, with the signed sha256 (the weights by name and type:
     the loader hashes them while it loads them).
 

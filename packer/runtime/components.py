@@ -41,7 +41,7 @@ def component_loader(loader: Loader, name: str | None) -> Loader:
         table = {"chunks": w["chunks"]} if "chunks" in (w := loader.manifest["weights"]) else {}  # build-wide
         cache[name] = type(loader)({**loader.manifest, "weights": {**comps[name], **table}}, loader.root,
                                    weights_dir=loader.weights_dir, timeline=loader.timeline,
-                                   settings=loader.settings)
+                                   settings=loader.settings, remote=loader.remote)
     return cache[name]
 
 

@@ -27,7 +27,9 @@ Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to che
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import threading
 import time
@@ -131,6 +133,7 @@ class Build:
         if is_ref(base):
             image = RemoteImage.fetch(base)
             where = image.materialize()
+            atexit.register(shutil.rmtree, where, True)  # this process's private copy of the small files
         else:
             where = Path(base)
             image = RemoteImage.fetch(str(stream_ref(where)))
@@ -291,7 +294,7 @@ def report(trace: str | Path | None = None) -> list[dict[str, Any]]:
     return [dict(s) for s in TIMELINE.stages]
 
 
-def _why(e: Exception, root: Path | None = None) -> str:
+def _why(e: Exception, root: Path | str | None = None) -> str:
     """One line for a failure: the message, then its exception type and the artifacts'
     absolute directory (unless the message names it already); a missing package is named as
     itself, never as an artifact fault. With ``PACKER_DEBUG=1`` the traceback goes first."""
@@ -316,12 +319,14 @@ def _debug() -> bool:
         return False
 
 
-def _artifacts(build: Build, root: str | None) -> Path | None:
-    """The absolute artifact directory a command works on (None when settings are unreadable)."""
+def _artifacts(build: Build, root: str | None) -> Path | str | None:
+    """The absolute artifact directory a command works on, or the image reference it streams
+    from (None when settings are unreadable)."""
     try:
-        return Path(root or build.settings().artifacts or build.home).resolve()
+        base = root or build.settings().artifacts or build.home
     except ValueError:
         return None
+    return str(base) if is_ref(base) else Path(base).resolve()
 
 
 def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -332,7 +337,8 @@ def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
     for alias, kept in w.get("aliases", {}).items():
         if tensors.get(alias) is not tensors.get(kept):
             problems.append(f"alias {alias!r} is not the same tensor as {kept!r}")
-    quiet = Loader(loader.manifest, loader.root, weights_dir=loader.weights_dir, timeline=Timeline())
+    quiet = Loader(loader.manifest, loader.root, weights_dir=loader.weights_dir, timeline=Timeline(),
+                   remote=loader.remote)
     shards = quiet.open_shards()
     try:
         for s in shards:

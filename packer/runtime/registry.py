@@ -276,8 +276,9 @@ class Registry:
             except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
                 self._drop(u.scheme, u.netloc)
                 if attempt:
-                    hint = ("; a plain-HTTP registry is listed in PACKER_REGISTRY_INSECURE"
-                            if isinstance(e, ssl.SSLError) else "")
+                    now = os.environ.get("PACKER_REGISTRY_INSECURE") or ""
+                    hint = (f"; if it answers in plain HTTP (a test registry), set PACKER_REGISTRY_INSECURE="
+                            f"{self.ref.host} (now {now!r})" if isinstance(e, ssl.SSLError) else "")
                     raise RegistryError(f"{self.ref}: cannot reach {u.netloc} ({e}){hint}") from None
         raise AssertionError("unreachable")
 
@@ -312,6 +313,9 @@ class Registry:
                                 f"{_why(body)}{self._advice(resp.status)}")
 
     def _advice(self, status: int) -> str:
+        if status == 404:
+            return (f"; {self.ref.repo} on {self.ref.host} has no such image (the digest to stream is the "
+                    "first one `packer push` prints)")
         if status in (401, 403):
             return ("; put credentials for the registry in an auth file (podman login, docker login, "
                     "or a pull secret's .dockerconfigjson in PACKER_REGISTRY_AUTH)" if self._auth is None

@@ -219,7 +219,7 @@ class RemoteImage:
         reg = registry or Registry(ref)
         data, digest = reg.manifest()
         if ref.digest is None:
-            sys.stderr.write(f"packer_loader: {ref} resolved to {digest}; pin it: oci://{ref.host}/{ref.repo}@{digest}\n")
+            sys.stderr.write(f"packer: {ref} resolved to {digest}; pin it: oci://{ref.host}/{ref.repo}@{digest}\n")
         pinned = OciRef(ref.host, ref.repo, None, digest)
         reg.ref = pinned
         manifest = _json(data, f"{pinned}: the image manifest")
@@ -238,6 +238,10 @@ class RemoteImage:
         whose history entries (the config's, pinned by the manifest) say ``packer: ADD``."""
         history = [h for h in self.config.get("history") or [] if isinstance(h, dict) and not h.get("empty_layer")]
         descs = [d for d in self.manifest.get("layers") or [] if isinstance(d, dict)]
+        media = str((self.manifest.get("config") or {}).get("mediaType", ""))
+        if media not in ("application/vnd.oci.image.config.v1+json", "application/vnd.docker.container.image.v1+json"):
+            raise RegistryError(f"{self.ref}: not a runnable image (its config is {media[:80]!r}: the ModelPack "
+                                "view?); stream the image's digest, the first one `packer push` prints")
         if len(history) != len(descs):
             raise RegistryError(f"{self.ref}: {len(descs)} layers but {len(history)} history entries; "
                                 "not an image packer built")
@@ -315,7 +319,7 @@ class RemoteImage:
         """Blob ``digest`` fetched whole into memory, once, proven by its digest."""
         with self._whole_lock:
             if digest not in self._whole:
-                sys.stderr.write(f"packer_loader: {self.ref}: fetching blob {digest[:19]}... whole into memory "
+                sys.stderr.write(f"packer: {self.ref}: fetching blob {digest[:19]}... whole into memory "
                                  "(PACKER_STREAM_WHOLE=1)\n")
                 self._whole[digest] = self.registry.read_whole(digest, self.layers[digest][0])
                 self.stats.add(fetched=len(self._whole[digest]), hashed=len(self._whole[digest]))
