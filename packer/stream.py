@@ -14,8 +14,7 @@ from pathlib import Path
 
 from packer.errors import ImageError, UsageError
 from packer.fsutil import remove_tree
-from packer.runtime.env import ArtifactMismatchError
-from packer.runtime.registry import is_ref
+from packer.runtime.env import ArtifactMismatchError, is_ref
 from packer.runtime.remote import RemoteImage
 
 

@@ -29,7 +29,7 @@ from packer.oci.verify import verify_image
 from packer.oci.warm_layer import check_warm_images
 from packer.place import BLOBS, FilePlace, blob_hex, blob_rel, places_of
 from packer.reading import member, walk_tree
-from packer.runtime.remote import STREAM_FILE
+from packer.runtime.env import STREAM_FILE
 from packer.sign.check import check_signed_outputs, verify_signatures
 from packer.sign.provenance import INDEX_REL
 from packer.warm.pins import verify_states

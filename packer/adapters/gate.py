@@ -44,9 +44,8 @@ from typing import Any
 from packer.errors import EngineAdapterError, WarmStateError
 from packer.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
 from packer.fsutil import quiet_cleanup, remove_tree
-from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.env import STREAM_FILE, ArtifactMismatchError
 from packer.runtime.reading import is_regular, loads_json, read_bytes, read_json, resolve
-from packer.runtime.remote import STREAM_FILE
 from packer.runtime.settings import RuntimeSettings
 from packer.warm.key import STATE_ENV
 from packer.warm.pins import ROOTS, WARM_DIR, read_state, verified_copy, verify_states

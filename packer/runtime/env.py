@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 MAX_RING_BYTES = 512 * MIB
 MAX_HEADER = 100 * MIB
 STARTUP_ENV = {"CUDA_MODULE_LOADING": "LAZY"}
+STREAM_SCHEME = "oci://"  # a root that names a registry image: the build is streamed (:mod:`.remote`)
+STREAM_FILE = "packer-stream.json"  # in a streamed model directory: the reference its weights come from
+
+
+def is_ref(text: object) -> bool:
+    """Whether ``text`` is meant as a registry reference (``oci://...``), well formed or not.
+
+    Here, not in :mod:`.registry`: the loader asks at every start, and a local load imports
+    no HTTP or TLS module."""
+    return isinstance(text, str) and text.startswith(STREAM_SCHEME)
+
+
 WARM_ENV = "PACKER_WARM_SERVER"  # set only while warm_context's fork server starts: "you are the server"
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's allocator settings
 DTYPES = {

@@ -39,11 +39,9 @@ from typing import TYPE_CHECKING, Any
 from .assign import LoadResult
 from .components import all_loaders, component_loader
 from .empty import init_empty
-from .env import WARM_ENV, ArtifactMismatchError, torch_dtype
+from .env import STREAM_FILE, WARM_ENV, ArtifactMismatchError, is_ref, torch_dtype
 from .loading import Loader
 from .reading import entry_kind, inside, loads_json, read_bytes, sha256_regular
-from .registry import is_ref
-from .remote import stream_ref
 from .settings import RuntimeSettings, setting
 from .shards import pread_exact
 from .timeline import TIMELINE, Timeline, import_torch
@@ -120,7 +118,7 @@ class Build:
         """Whether ``base`` is a directory ``packer stream`` made: its ``packer-stream.json`` names
         an image, and it holds none of the weight files (a directory that has them loads them:
         a file beside never diverts a load to the network)."""
-        if stream_ref(base) is None:
+        if not (base / STREAM_FILE).is_file():
             return False
         local = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None, settings=settings)
         return not any(local.locate(rel)[0].exists() for rel in self.manifest()["weights"]["files"])
@@ -128,7 +126,7 @@ class Build:
     def _streamed(self, base: str, settings: RuntimeSettings) -> Loader:
         """The loader of a build streamed from a registry: ``base`` an ``oci://`` reference (its
         small files fetched into a new private directory) or a directory ``packer stream`` made."""
-        from .remote import RemoteImage
+        from .remote import RemoteImage, stream_ref
 
         if is_ref(base):
             image = RemoteImage.fetch(base)

@@ -46,10 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .env import ArtifactMismatchError
+from .env import STREAM_SCHEME, ArtifactMismatchError, is_ref
 from .reading import loads_json, read_bytes
 
-SCHEME = "oci://"
 _DOMAIN_PART = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
 _HOST = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9A-Fa-f:.]+\])"
 DOMAIN = rf"{_HOST}(?::[0-9]{{1,5}})?"
@@ -65,7 +64,6 @@ MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
 MAX_DOC = 4 * 2**20  # a manifest or config: far above any image's
 TRIES = 5  # attempts of one ranged read (the first and the resumes after a dropped connection)
-TIMEOUT = float(os.environ.get("PACKER_REGISTRY_TIMEOUT", "60") or 60)  # seconds per socket operation
 
 
 class RegistryError(ArtifactMismatchError):
@@ -83,12 +81,7 @@ class OciRef:
 
     def __str__(self) -> str:
         at = f"@{self.digest}" if self.digest else ""
-        return f"{SCHEME}{self.host}/{self.repo}{':' + self.tag if self.tag and not at else ''}{at}"
-
-
-def is_ref(text: object) -> bool:
-    """Whether ``text`` is meant as a registry reference (``oci://...``), well formed or not."""
-    return isinstance(text, str) and text.startswith(SCHEME)
+        return f"{STREAM_SCHEME}{self.host}/{self.repo}{':' + self.tag if self.tag and not at else ''}{at}"
 
 
 def parse_ref(text: str) -> OciRef:
@@ -98,7 +91,7 @@ def parse_ref(text: str) -> OciRef:
         RegistryError: not that grammar, no tag nor digest, a digest other than sha256, or a
             name over 255 characters.
     """
-    body = text[len(SCHEME):] if is_ref(text) else ""
+    body = text[len(STREAM_SCHEME):] if is_ref(text) else ""
     m = REF.fullmatch(body)
     shown = repr(text)[:100]
     if m is None:
@@ -241,6 +234,17 @@ class Registry:
 
     # -- connections
 
+    def _timeout(self) -> float:
+        """``PACKER_REGISTRY_TIMEOUT``: seconds per socket operation (default 60)."""
+        text = os.environ.get("PACKER_REGISTRY_TIMEOUT") or "60"
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not value > 0:
+            raise RegistryError(f"PACKER_REGISTRY_TIMEOUT: expected seconds above 0, got {text[:40]!r}")
+        return value
+
     def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
         conns: dict[tuple[str, str], http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
         key = (scheme, netloc)
@@ -248,9 +252,9 @@ class Registry:
             if scheme == "https":
                 if self._ctx is None:
                     self._ctx = tls_context(self.ref.host)
-                conns[key] = http.client.HTTPSConnection(netloc, timeout=TIMEOUT, context=self._ctx)
+                conns[key] = http.client.HTTPSConnection(netloc, timeout=self._timeout(), context=self._ctx)
             else:
-                conns[key] = http.client.HTTPConnection(netloc, timeout=TIMEOUT)
+                conns[key] = http.client.HTTPConnection(netloc, timeout=self._timeout())
         return conns[key]
 
     def _drop(self, scheme: str, netloc: str) -> None:

@@ -42,11 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from .chunks import FileChunks
-from .env import ArtifactMismatchError
+from .env import STREAM_FILE, ArtifactMismatchError
 from .place import FilePlace
 from .registry import MAX_DOC, OciRef, Registry, RegistryError, parse_ref
 
-STREAM_FILE = "packer-stream.json"  # in a streamed model directory: the reference its weights come from
 MAX_SMALL_LAYER = 1 << 30  # a packer small layer (tokenizer, bundle, loader) compressed: far above any
 MAX_SMALL_FILES = 2 << 30  # their files, decompressed
 _TAR_LAYERS = ("application/vnd.oci.image.layer.v1.tar", "application/vnd.docker.image.rootfs.diff.tar")
