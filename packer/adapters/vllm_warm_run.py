@@ -18,9 +18,8 @@ import sys
 from typing import Any
 
 from packer.runtime.reading import loads_json
-from packer.warm.requests import DEFAULT_REQUESTS, check_requests
+from packer.warm.requests import DEFAULT_REQUESTS, REQUESTS_ENV, check_requests
 
-REQUESTS = "PACKER_WARM_REQUESTS"
 _PARAMS_ASIDE = ("prompt_tokens",)
 
 
@@ -39,10 +38,10 @@ def engine_kwargs(model_dir: str, argv: list[str]) -> dict[str, object]:
 
 def mix() -> tuple[dict[str, Any], ...]:
     """The request mix ``packer warm`` passed (checked again here), or the default one."""
-    raw = os.environ.get(REQUESTS)
+    raw = os.environ.get(REQUESTS_ENV)
     if not raw:
         return DEFAULT_REQUESTS
-    return check_requests(loads_json(raw, REQUESTS, top=list), where=REQUESTS, error=ValueError)
+    return check_requests(loads_json(raw, REQUESTS_ENV, top=list), where=REQUESTS_ENV, error=ValueError)
 
 
 def prompt(length: int, vocab: int) -> list[int]:

@@ -33,7 +33,7 @@ from packer.reading import REPORT, parse_json, read_bytes
 from packer.show import show
 from packer.warm.key import STATE_ENV, state_name
 from packer.warm.pins import ROOTS, WARM_DIR, collect
-from packer.warm.requests import DEFAULT_REQUESTS, check_requests
+from packer.warm.requests import DEFAULT_REQUESTS, REQUESTS_ENV, check_requests
 
 ENGINES = ("vllm",)
 RUNNER = "packer.adapters.vllm_warm_run"
@@ -46,7 +46,6 @@ from pathlib import Path
 from packer.adapters.gate import load_stub
 print(load_stub(Path(sys.argv[1])).model_dir())
 """
-REQUESTS_ENV = "PACKER_WARM_REQUESTS"  # the mix, as JSON, for the engine's run (vllm_warm_run.REQUESTS)
 
 
 def check_request(out: Path, *, engine: str, engine_args: list[str], model_dir: Path | None) -> None:

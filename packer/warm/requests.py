@@ -50,6 +50,8 @@ MAX_REQUESTS = 64
 MAX_PROMPT_TOKENS = 1 << 20
 REQUESTS_FILE = Kind("request mix", 1 << 20, 8)
 
+REQUESTS_ENV = "PACKER_WARM_REQUESTS"  # the mix, as JSON, from packer warm to the engine's run
+
 DEFAULT_REQUESTS: tuple[dict[str, Any], ...] = (
     {"prompt_tokens": 16, "max_tokens": 4, "logprobs": 5},  # first: a server's first logprobs request
     {"prompt_tokens": 16, "max_tokens": 4},  # greedy
