@@ -436,3 +436,13 @@ def _manifest_digest(address: str, repo: str, tag: str) -> str:
                                  headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return "sha256:" + hashlib.sha256(r.read()).hexdigest()
+
+
+@pytest.mark.parametrize("digest", ["sha256:../../v2/_catalog", "sha256:" + "A" * 64, "md5:" + "0" * 32, 7])
+def test_a_blob_digest_from_the_manifest_is_checked_before_it_names_a_request(digest: object) -> None:
+    from packer.runtime.registry import Registry
+
+    reg = Registry(parse_ref("oci://127.0.0.1:9/m@sha256:" + "0" * 64), auth=("u", "p"))
+    with pytest.raises(RegistryError, match="not sha256:<64 hex>") as e:
+        reg.blob(digest, 10)  # type: ignore[arg-type]
+    assert "\n" not in str(e.value)

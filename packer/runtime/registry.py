@@ -382,9 +382,19 @@ class Registry:
                                 "(for an index, name the platform's manifest by its digest)")
         return data, digest
 
+    def _blob_path(self, digest: object) -> str:
+        """The API path of blob ``digest``, a digest from a document checked before it names anything.
+
+        Raises:
+            RegistryError: not ``sha256:`` and 64 lowercase hex digits.
+        """
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise RegistryError(f"{self.ref}: the image names a blob {str(digest)[:80]!r}, not sha256:<64 hex>")
+        return f"/v2/{self.ref.repo}/blobs/{digest}"
+
     def blob(self, digest: str, size: int) -> bytes:
         """A whole small blob (config, compressed layer) of ``size`` bytes, proven by its digest."""
-        data = self.get(f"/v2/{self.ref.repo}/blobs/{digest}").read(size)
+        data = self.get(self._blob_path(digest)).read(size)
         if len(data) != size or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
             raise RegistryError(f"{self.ref}: blob {digest} as served ({len(data)} bytes) is not the one the "
                                 "image manifest pins; the registry's copy is corrupt")
@@ -398,7 +408,7 @@ class Registry:
                 answers another range, or the connection drops 5 times.
         """
         got, tries = 0, 0
-        path = f"/v2/{self.ref.repo}/blobs/{digest}"
+        path = self._blob_path(digest)
         while got < len(view):
             first = at + got
             try:
@@ -435,7 +445,7 @@ class Registry:
     def read_whole(self, digest: str, size: int) -> bytearray:
         """A whole weight blob into memory (``PACKER_STREAM_WHOLE=1``), proven by its digest."""
         buf = bytearray(size)
-        resp = self.get(f"/v2/{self.ref.repo}/blobs/{digest}")
+        resp = self.get(self._blob_path(digest))
         view, got, h = memoryview(buf), 0, hashlib.sha256()
         while got < size:
             n = resp.resp.readinto(view[got:])
