@@ -251,7 +251,7 @@ def _faulty_hub(fault: str) -> Iterator[str]:
         srv.close()
 
 
-def _hub_dry_run(tmp_path: Path, endpoint: str) -> subprocess.CompletedProcess[str]:
+def _hub_dry_run(tmp_path: Path, endpoint: str, *flags: str) -> subprocess.CompletedProcess[str]:
     import torch
     from safetensors.torch import save
 
@@ -263,8 +263,21 @@ def _hub_dry_run(tmp_path: Path, endpoint: str) -> subprocess.CompletedProcess[s
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env |= {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_ETAG_TIMEOUT": "1"}
     return subprocess.run([sys.executable, "-m", "packer", "build", str(recipe), "-o", str(tmp_path / "o"),
-                           "--dry-run", "--json", "--no-sandbox"], capture_output=True, text=True, env=env,
-                          timeout=90, check=False)
+                           "--dry-run", *(flags or ("--json",)), "--no-sandbox"], capture_output=True, text=True,
+                          env=env, timeout=90, check=False)
+
+
+@pytest.mark.parametrize("fault", ["500", "reset"])
+def test_a_quiet_build_prints_nothing_while_the_hub_fails(tmp_path: Path, fault: str) -> None:
+    """``-q`` hides huggingface_hub's retry and warning lines too: a hub that fails leaves a quiet
+    build of the cached commit silent, and quick (no retry back-off)."""
+    import time
+
+    t0 = time.monotonic()
+    with _faulty_hub(fault) as endpoint:
+        proc = _hub_dry_run(tmp_path, endpoint, "-q")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # stdout: the dry run's plan
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.parametrize(("fault", "why"), [("reset", "ReadError"), ("truncated", "RemoteProtocolError"),

@@ -61,8 +61,13 @@ def packer_build(tmp: Path) -> tuple[Path, Path]:
 
 
 def env(tmp: Path) -> dict[str, str]:
+    """The environment of the loader and of vLLM. vLLM's engine core runs in the calling process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): what these tests check is the load format, and an engine
+    process of its own costs 20 s of imports and shutdown a run on two cores;
+    test_api_server_serves_through_the_packer_load_format keeps vLLM's own process layout."""
     return {**os.environ, "PACKER_BUNDLE_CACHE": str(tmp / "cache"), "PACKER_STARTUP_LOG": "text",
-            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 # --- without vLLM -------------------------------------------------------------------------------
@@ -196,16 +201,16 @@ def vllm_python() -> Path:
     return py
 
 
-_OWN: dict[tuple[bool, str | None], list[list[int]]] = {}
+_OWN: dict[tuple[bool, str | None, int], list[list[int]]] = {}
 
 
-def vllm_own_ids(tmp: Path, model_dir: Path, *, tied: bool, shard: str | None) -> list[list[int]]:
+def vllm_own_ids(tmp: Path, model_dir: Path, *, tied: bool, shard: str | None, tp: int = 1) -> list[list[int]]:
     """vLLM's own loader's token ids for the ``llama(tied=, shard=, **VLLM_LLAMA)`` weights in
-    ``model_dir``, run once per session (the weights are seeded: every such directory holds the
-    same bytes)."""
-    if (tied, shard) not in _OWN:
-        _OWN[(tied, shard)] = generate(tmp, model_dir, "auto")[0]
-    return _OWN[(tied, shard)]
+    ``model_dir`` on ``tp`` ranks, run once per session (the weights are seeded: every such
+    directory holds the same bytes)."""
+    if (tied, shard, tp) not in _OWN:
+        _OWN[(tied, shard, tp)] = generate(tmp, model_dir, "auto", tp=tp)[0]
+    return _OWN[(tied, shard, tp)]
 
 
 def generate(tmp: Path, model_dir: Path, load_format: str, tp: int = 1,
@@ -243,7 +248,7 @@ def test_token_ids_equal_vllm_default_loader(tmp_path: Path, tied: bool, shard: 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="hardware: vLLM's CPU backend runs one core per rank")
 def test_tensor_parallel_two_ranks_equal_vllm_default_loader(tmp_path: Path) -> None:
     out, d = build(tmp_path, tied=False)
-    want, _ = generate(tmp_path, d, "auto", tp=2)
+    want = vllm_own_ids(tmp_path, d, tied=False, shard=None, tp=2)
     got, log = generate(tmp_path, d, "packer", tp=2)
     assert got == want
     assert log.count(f"of {out} loaded through packer_loader.py on cpu (tensor parallel 2)") == 2  # each rank
@@ -275,7 +280,8 @@ def test_api_server_serves_through_the_packer_load_format(tmp_path: Path) -> Non
             "--max-num-seqs", "2", "--host", "127.0.0.1", "--port", str(port)]
     log = tmp_path / "server.log"
     with log.open("w") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env(tmp_path))
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT,
+                                env={**env(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     try:
         body = _complete(port, proc, d)
     finally:
@@ -362,7 +368,7 @@ def test_tensor_parallel_ranks_prove_only_the_chunks_they_use(tmp_path: Path) ->
     from tests.built import weight_location
 
     out, d = packer_build(tmp_path)
-    want, _ = generate(tmp_path, d, "auto", tp=2)
+    want = vllm_own_ids(tmp_path, d, tied=False, shard=None, tp=2)
     got, log = generate(tmp_path, d, "packer", tp=2, extra={"verify": True})
     assert got == want
     proven = [int(n) for n in re.findall(r", (\d+) bytes of chunks proven \(tensor parallel 2\)", log)]
