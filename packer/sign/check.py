@@ -64,9 +64,9 @@ def _check_subjects(statement: dict[str, Any], out: Path, manifest: dict[str, An
         got = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
     except (KeyError, TypeError) as e:
         raise VerifyError(f"{where}: malformed subjects ({type(e).__name__}: {e})") from None
-    problem = digest_difference(got, want, where, "the build")
+    problem = digest_difference(got, want, where, "the build", verb="name")
     if problem:
-        raise VerifyError(problem.replace(": signs ", ": names ").replace(": does not sign ", ": does not name "))
+        raise VerifyError(problem)
 
 
 def check_signed_outputs(out: Path, manifest: dict[str, Any]) -> None:
