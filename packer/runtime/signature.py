@@ -7,6 +7,10 @@ key`` checks it on a model directory; this module checks it with the same rules 
 addition, against the manifest embedded in the loader, so ``PACKER_REQUIRE_SIGNATURE=PUB``
 can refuse a build the key did not sign without re-reading anything but ``model.sig``.
 
+:func:`require_signature` is the runtime's one signature check (the loader, and the engine
+gate for the files it serves); the functions before it are its steps, which the build side
+reuses (``packer.signed``) rather than restating the format.
+
 The ECDSA check needs the ``cryptography`` package, imported only when a signature is
 checked: the loader itself still runs on the standard library, torch and zstandard.
 """
