@@ -30,7 +30,7 @@ from packer.oci.warm_layer import check_warm_images
 from packer.place import BLOBS, FilePlace, blob_hex, blob_rel, places_of
 from packer.reading import member, walk_tree
 from packer.runtime.env import STREAM_FILE
-from packer.sign.check import check_signed_outputs, verify_signatures
+from packer.sign.check import check_signatures
 from packer.sign.provenance import INDEX_REL
 from packer.warm.pins import verify_states
 from packer.weights.verify import verify_weights
@@ -272,10 +272,7 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
             verify_weights(out, section, places)
     if manifest.get("bundle"):
         verify_bundle(out, manifest["bundle"])
-    if public_key is not None:
-        verify_signatures(out, manifest, public_key)
-    if signed:
-        check_signed_outputs(out, manifest)
+    check_signatures(out, manifest, public_key=public_key)
     return {"files": count + len(warm_files) + len(warm_blobs), "bytes": nbytes + warm_bytes, "signed": signed,
             "signature_verified": public_key is not None, "warm_states": warm_names}
 

@@ -207,12 +207,12 @@ def test_a_table_pinned_anew_is_refused_by_the_signature(tmp_path: Path) -> None
     out = tmp_path / "signed"
     build(with_sign_key(demo_recipe(), key), out)
     manifest = json.loads((out / "manifest.json").read_bytes())
-    require_signature(manifest, out, str(pub))
+    require_signature(out, str(pub), manifest=manifest)
     # a forger who rewrites the table and the manifest's pin of it: model.sig still signs the old digest
     manifest["files"][CHUNKS_REL] = {**manifest["files"][CHUNKS_REL], "sha256": "0" * 64}
     with pytest.raises(ArtifactMismatchError, match=r"model.sig: signs packer-chunks.json with sha256 \w+\.\.\., "
                                                     r"this loader's manifest pins 0000000000000000\.\.\."):
-        require_signature(manifest, out, str(pub))
+        require_signature(out, str(pub), manifest=manifest)
 
 
 # --- tensor parallel ranks that verify what they read ---

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine adapters", ("packer.adapters", "packer.adapters.*", "packer.warm", "packer.warm.*")),
     ("formats", ("packer", "packer.errors", "packer.fsutil", "packer.formats", "packer.tarfmt",
                  "packer.safetensors_header", "packer.timing", "packer.idents", "packer.jsonshape", "packer.reading",
-                 "packer.show", "packer.place", "packer.chunks")),
+                 "packer.show", "packer.place", "packer.chunks", "packer.signed")),
     # shipped into the serving container: may import nothing from the build side
     ("runtime", ("packer.runtime", "packer.runtime.*")),
 )

@@ -110,10 +110,10 @@ def test_model_sig_in_the_loader(out: tuple[Path, dict[str, Any]], tmp_path: Pat
     _, pub = make_keypair(tmp_path / "keys")
     sig = plant(d / "model.sig", kind)
     with pytest.raises(ArtifactMismatchError, match=f"^{sig}: .*{REASONS[kind]}"):
-        require_signature(m, d, str(pub))
+        require_signature(d, str(pub), manifest=m)
     key = plant(tmp_path / "key.pub", kind)
     with pytest.raises(ArtifactMismatchError, match=f"PACKER_REQUIRE_SIGNATURE={key}: cannot read the public key"):
-        require_signature(m, d, str(key))
+        require_signature(d, str(key), manifest=m)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "zero"])

@@ -136,10 +136,10 @@ def test_a_changed_config_file_fails_everywhere(signed: Path, keys: dict[str, Pa
     shutil.copyfile(signed / "model.sig", forged / "model.sig")  # the genuine signature beside forged files
     with pytest.raises(VerifyError, match=r"forged/model.sig: sha256 \w+… differs from the manifest's"):
         verify(forged, public_key=keys["pub"])
-    from packer.sign.check import check_signed_outputs
+    from packer.sign.check import check_signatures
 
     with pytest.raises(VerifyError, match=r"model.sig: signs config.json with sha256 \w+\.\.\., the manifest pins"):
-        check_signed_outputs(forged, json.loads((forged / "manifest.json").read_bytes()))
+        check_signatures(forged, json.loads((forged / "manifest.json").read_bytes()))
     linked = Path(loader_model_dir(forged, tmp_path / "cache").stdout.strip())
     r = model_signing_verify(linked, keys["pub"], allow_symlinks=True)
     assert r.returncode == 1 and _hash_mismatch(r.stderr, "config.json")
@@ -192,11 +192,11 @@ def test_a_statement_changed_after_signing_does_not_verify(signed: Path, keys: d
     assert r.returncode == 1 and "Verification failed with error" in r.stderr
     copy = _copy(signed, tmp_path / "copy")
     shutil.copyfile(plain / "model.sig", copy / "model.sig")
-    from packer.sign.check import verify_signatures
+    from packer.sign.check import check_signatures
 
     manifest = json.loads((copy / "manifest.json").read_bytes())
     with pytest.raises(VerifyError, match=r"model.sig: the signature does not verify with .*signing.pub"):
-        verify_signatures(copy, manifest, keys["pub"])  # verify() would blame the manifest's digest first
+        check_signatures(copy, manifest, public_key=keys["pub"])  # verify() would blame the manifest's digest first
     r = loader_model_dir(copy, tmp_path / "cache", PACKER_REQUIRE_SIGNATURE=str(keys["pub"]))
     assert r.returncode == 1 and "model.sig: the signature does not verify with" in r.stderr
     shutil.copyfile(signed / "model.sig", copy / "model.sig")

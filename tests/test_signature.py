@@ -86,18 +86,18 @@ def test_required_signature_forces_the_sha256_check(signed_out: tuple[Path, dict
 
 def test_required_signature_refusals(signed_out: tuple[Path, dict[str, Any], Path, Path], tmp_path: Path) -> None:
     out, manifest, _, pub = signed_out
-    require_signature(manifest, out, str(pub))
+    require_signature(out, str(pub), manifest=manifest)
     with pytest.raises(ArtifactMismatchError, match=r"PACKER_REQUIRE_SIGNATURE=.*nope.pub: cannot read the public key"):
-        require_signature(manifest, out, str(tmp_path / "nope.pub"))
+        require_signature(out, str(tmp_path / "nope.pub"), manifest=manifest)
     other = {**manifest, "files": {**manifest["files"], "weights/model.safetensors.index.json": {
         "size": 1, "sha256": "ab" * 32}}}
     with pytest.raises(ArtifactMismatchError, match=r"model.sig: signs model.safetensors.index.json with sha256 "
                                                     r"\w+\.\.\., this loader's manifest pins abababab"):
-        require_signature(other, out, str(pub))
+        require_signature(out, str(pub), manifest=other)
     (out / "model.sig").rename(out / "moved.sig")
     with pytest.raises(ArtifactMismatchError, match=r"model.sig: missing, and PACKER_REQUIRE_SIGNATURE asks for "
                                                     "a build signed with packer build --sign-key"):
-        require_signature(manifest, out, str(pub))
+        require_signature(out, str(pub), manifest=manifest)
 
 
 def test_statement_rules(signed_out: tuple[Path, dict[str, Any], Path, Path]) -> None:

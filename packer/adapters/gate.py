@@ -188,14 +188,14 @@ def check_served(model_dir: str | Path, stub: Path, public_key: str, *, tokenize
         ArtifactMismatchError: ``model.sig`` does not verify, or a file is not signed or changed.
     """
     from packer.runtime.served import check_signed_dir
-    from packer.runtime.signature import signed_files
+    from packer.runtime.signature import require_signature
 
     d = resolve(model_dir)
     if tokenizer not in (None, "") and resolve(tokenizer) != d:
         raise EngineAdapterError(f"--tokenizer {tokenizer}: under PACKER_REQUIRE_SIGNATURE the tokenizer is the "
                                  f"signed model directory's ({d}); leave --tokenizer out")
     root = resolve(stub).parent
-    signed = signed_files(root, public_key)
+    signed = require_signature(root, public_key)
     manifest = loads_json(embedded_manifest(read_bytes(stub, "stub"), str(stub)), str(stub))
     bundle_file = str((manifest.get("bundle") or {}).get("file") or "bundle.tar.zst")
     warm = _signed_warm_files(d, root, public_key)

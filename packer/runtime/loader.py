@@ -109,7 +109,7 @@ class Build:
             if settings.require_signature:  # PACKER_REQUIRE_SIGNATURE: refuse before anything is loaded
                 from .signature import require_signature
 
-                require_signature(self.manifest(), Path(base), settings.require_signature)
+                require_signature(Path(base), settings.require_signature, manifest=self.manifest())
             self._loaders[key] = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None,
                                         settings=settings)
         return self._loaders[key]
@@ -144,7 +144,7 @@ class Build:
         if settings.require_signature:
             from .signature import require_signature
 
-            require_signature(self.manifest(), where, settings.require_signature)
+            require_signature(where, settings.require_signature, manifest=self.manifest())
         return Loader(self.manifest(), where, settings=settings, remote=image)
 
     def warmup_inputs(self, device: str = "cuda") -> list[dict[str, torch.Tensor]]:

@@ -7,6 +7,10 @@ key`` checks it on a model directory; this module checks it with the same rules 
 addition, against the manifest embedded in the loader, so ``PACKER_REQUIRE_SIGNATURE=PUB``
 can refuse a build the key did not sign without re-reading anything but ``model.sig``.
 
+:func:`require_signature` is the runtime's one signature check (the loader, and the engine
+gate for the files it serves); the functions before it are its steps, which the build side
+reuses (``packer.signed``) rather than restating the format.
+
 The ECDSA check needs the ``cryptography`` package, imported only when a signature is
 checked: the loader itself still runs on the standard library, torch and zstandard.
 """
@@ -30,7 +34,8 @@ INTOTO_PAYLOAD = "application/vnd.in-toto+json"
 INTOTO_STATEMENT = "https://in-toto.io/Statement/v1"
 MODEL_SIGNING_PREDICATE = "https://model_signing/signature/v1.0"
 MAX_SIGNED_BYTES = CAPS["signature"]  # a statement lists one line per file: far below this
-_CURVE_HASHES = {"secp256r1": "SHA256", "secp384r1": "SHA384", "secp521r1": "SHA512"}
+# the curves model_signing verifies, and the hash each signs with (the signer uses this table too)
+CURVE_HASHES = {"secp256r1": "SHA256", "secp384r1": "SHA384", "secp521r1": "SHA512"}
 
 
 def model_layout(manifest: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
@@ -82,7 +87,7 @@ def _public_key(pem: bytes, where: str) -> Any:
         key = serialization.load_pem_public_key(pem)
     except ValueError as e:
         raise ArtifactMismatchError(f"{where}: not a PEM public key ({e})") from None
-    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in _CURVE_HASHES:
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in CURVE_HASHES:
         raise ArtifactMismatchError(f"{where}: expected an EC public key on P-256, P-384 or P-521")
     return key
 
@@ -159,7 +164,7 @@ def open_signed(data: bytes, public_pem: bytes, where: str, *, key_name: str = "
     if hint and hint != public_key_hint(key):
         raise ArtifactMismatchError(f"{where}: signed by another key than {key_name} (key hint {hint[:16]!r}...)")
     try:
-        key.verify(sig, dsse_pae(INTOTO_PAYLOAD, payload), ec.ECDSA(getattr(hashes, _CURVE_HASHES[key.curve.name])()))
+        key.verify(sig, dsse_pae(INTOTO_PAYLOAD, payload), ec.ECDSA(getattr(hashes, CURVE_HASHES[key.curve.name])()))
     except InvalidSignature:
         raise ArtifactMismatchError(f"{where}: the signature does not verify with {key_name} "
                                     "(the statement was changed after signing)") from None
@@ -194,15 +199,19 @@ def signed_digests(statement: Mapping[str, Any], where: str) -> dict[str, str]:
     return digests
 
 
-def digest_difference(signed: Mapping[str, str], pinned: Mapping[str, str], where: str, pinner: str) -> str | None:
-    """The first difference between the signed and the pinned ``{name: sha256}``, in words."""
+def digest_difference(signed: Mapping[str, str], pinned: Mapping[str, str], where: str, pinner: str, *,
+                      verb: str = "sign") -> str | None:
+    """The first difference between the signed and the pinned ``{name: sha256}``, in words.
+
+    ``verb`` is what ``where`` does with a name: ``sign`` (a signature's statement), ``name``
+    (the provenance's subjects)."""
     for name in sorted(set(signed) | set(pinned)):
         if name not in signed:
-            return f"{where}: does not sign {name}, which {pinner} holds"
+            return f"{where}: does not {verb} {name}, which {pinner} holds"
         if name not in pinned:
-            return f"{where}: signs {name}, which {pinner} does not hold"
+            return f"{where}: {verb}s {name}, which {pinner} does not hold"
         if signed[name] != pinned[name]:
-            return (f"{where}: signs {name} with sha256 {signed[name][:16]}..., "
+            return (f"{where}: {verb}s {name} with sha256 {signed[name][:16]}..., "
                     f"{pinner} pins {pinned[name][:16]}...")
     return None
 
@@ -221,12 +230,25 @@ def read_public_key(public_key: str) -> bytes:
                                     f"({why or e})") from None
 
 
-def signed_files(root: str | Path, public_key: str) -> dict[str, str]:
-    """``{name: sha256 hex}`` that ``root/model.sig`` signs, once it verified with ``public_key``.
+def require_signature(root: str | Path, public_key: str, *,
+                      manifest: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Prove ``root/model.sig`` with ``public_key`` (``PACKER_REQUIRE_SIGNATURE``): the runtime's
+    one signature check.
+
+    Args:
+        root: the build's directory (the one holding ``model.sig``).
+        public_key: the PEM public key's path.
+        manifest: the manifest the signature must sign exactly (every file of its model
+            directory with its digest, and no other: the loader's embedded one); None: the
+            caller compares what is signed itself (the served directory's files).
+
+    Returns:
+        ``{name: sha256 hex}`` that ``model.sig`` signs.
 
     Raises:
         ArtifactMismatchError: the key cannot be read; ``model.sig`` is missing, not a regular
-            file, over the cap, not a key-signed bundle, or does not verify.
+            file, over the cap, not a key-signed bundle, does not verify, or signs other files
+            or digests than ``manifest``.
         ImportError: the cryptography package is missing.
     """
     pem = read_public_key(public_key)
@@ -236,20 +258,9 @@ def signed_files(root: str | Path, public_key: str) -> dict[str, str]:
     except FileNotFoundError:
         raise ArtifactMismatchError(f"{where}: missing, and PACKER_REQUIRE_SIGNATURE asks for a build signed "
                                     "with packer build --sign-key") from None
-    return signed_digests(open_signed(data, pem, where, key_name=public_key), where)
-
-
-def require_signature(manifest: Mapping[str, Any], root: Path, public_key: str) -> None:
-    """Refuse the build under ``root`` unless its ``model.sig`` verifies with ``public_key``
-    and signs exactly the files and digests ``manifest`` pins (``PACKER_REQUIRE_SIGNATURE``).
-
-    Raises:
-        ArtifactMismatchError: the key cannot be read, ``model.sig`` is missing, does not
-            verify, or signs other files or digests than the manifest.
-        ImportError: the cryptography package is missing.
-    """
-    signed = signed_files(root, public_key)
-    where = str(Path(root).absolute() / SIGNATURE_FILE)
-    problem = digest_difference(signed, model_files(manifest), where, "this loader's manifest")
+    signed = signed_digests(open_signed(data, pem, where, key_name=public_key), where)
+    problem = None if manifest is None else digest_difference(signed, model_files(manifest), where,
+                                                              "this loader's manifest")
     if problem:
         raise ArtifactMismatchError(problem)
+    return signed

@@ -7,7 +7,9 @@ digests the build already has.
   the ``model_signing`` library from the manifest's sha256 digests (no weight is read again);
 * :mod:`packer.sign.provenance`: ``provenance.sigstore.json``, an in-toto statement with a
   SLSA provenance v1 predicate whose subjects are every output by digest;
-* :mod:`packer.sign.check`: what ``packer verify`` checks, with and without a public key.
+* :mod:`packer.sign.check`: what ``packer verify`` checks, with and without a public key
+  (:func:`~packer.sign.check.check_signatures`, the build side's one entry point; every
+  signature file, the warm state's too, is opened by :mod:`packer.signed`).
 
 Signing needs the ``sign`` extra (``pip install 'model-packer[sign]'``: model-signing,
 pyOpenSSL, cryptography); the plain install builds and verifies unsigned builds without it.

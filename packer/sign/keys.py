@@ -22,11 +22,10 @@ from packer.errors import DependencyError, SignError
 from packer.fsutil import canonical_json
 from packer.idents import ErrorClass
 from packer.reading import KEY, read_bytes
-from packer.runtime.signature import INTOTO_PAYLOAD, SIGSTORE_BUNDLE_V03, dsse_pae, public_key_hint
+from packer.runtime.signature import CURVE_HASHES, INTOTO_PAYLOAD, SIGSTORE_BUNDLE_V03, dsse_pae, public_key_hint
 
 PASSWORD_ENV = "PACKER_SIGN_KEY_PASSWORD"
 EXTRA = "pip install 'model-packer[sign]'"
-_HASHES = {"secp256r1": "SHA256", "secp384r1": "SHA384", "secp521r1": "SHA512"}
 
 
 def require_sign_extra() -> None:
@@ -56,7 +55,7 @@ class SigningKey:
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.asymmetric import ec
 
-        algorithm = getattr(hashes, _HASHES[self.private.curve.name])()
+        algorithm = getattr(hashes, CURVE_HASHES[self.private.curve.name])()
         return bytes(self.private.sign(data, ec.ECDSA(algorithm, deterministic_signing=True)))
 
 
@@ -81,7 +80,7 @@ def load_signing_key(path: str | Path) -> SigningKey:
         raise SignError(f"{path}: {e} (the password is read from {PASSWORD_ENV})") from e
     except ValueError as e:
         raise SignError(f"{path}: not a usable PEM private key ({e})") from e
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name not in _HASHES:
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name not in CURVE_HASHES:
         kind = getattr(getattr(key, "curve", None), "name", None) or type(key).__name__
         raise SignError(f"{path}: a {kind} key; model_signing verifies EC keys on P-256, P-384 or P-521 "
                         "(openssl ecparam -genkey -name prime256v1 -noout | openssl pkcs8 -topk8 -nocrypt)")
@@ -105,7 +104,7 @@ def load_public_key(path: Path, error: ErrorClass) -> bytes:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as e:
         raise error(f"{path}: not a PEM public key ({str(e).strip()[:120]})") from None
-    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in _HASHES:
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in CURVE_HASHES:
         kind = key.curve.name if isinstance(key, ec.EllipticCurvePublicKey) else \
             type(key).__name__.lstrip("_").removesuffix("PublicKey")
         raise error(f"{path}: the key is {kind}; model.sig and the provenance verify with EC public keys on "

@@ -26,8 +26,8 @@ from packer.errors import WarmStateError
 from packer.formats import MANIFEST_NAME
 from packer.fsutil import split_artifact
 from packer.reading import MANIFEST, SIGNATURE, parse_json, read_bytes
-from packer.runtime.env import ArtifactMismatchError
-from packer.runtime.signature import INTOTO_STATEMENT, open_signed, read_bundle, read_public_key, statement_of
+from packer.runtime.signature import INTOTO_STATEMENT
+from packer.signed import open_signature
 
 SIGNATURE_NAME = "state.sig"
 PREDICATE = "https://model-packer.dev/warm-state/v1"
@@ -81,17 +81,10 @@ def check_signature(state: Path, manifest_sha256: str, *, public_key: str | None
             verifying with ``public_key``, or signing another manifest or build.
     """
     where = state / SIGNATURE_NAME
-    if not where.exists():
-        raise WarmStateError(f"{where}: missing; the state is unsigned (sign it with packer warm --sign-key, "
-                             "the key that signed the build)")
-    data = read_bytes(where, SIGNATURE, error=WarmStateError, what="the warm state's signature")
-    try:
-        if public_key is None:
-            st = statement_of(read_bundle(data, str(where))[0], str(where))
-        else:
-            st = open_signed(data, read_public_key(public_key), str(where), key_name=public_key)
-    except (ArtifactMismatchError, ImportError) as e:
-        raise WarmStateError(str(e)) from None
+    _, st = open_signature(where, error=WarmStateError, public_key=public_key, kind=SIGNATURE,
+                           what="the warm state's signature",
+                           missing=f"{where}: missing; the state is unsigned (sign it with packer warm --sign-key, "
+                                   "the key that signed the build)")
     want = statement(state.name, manifest_sha256, build_sha256)
     if st.get("predicateType") != PREDICATE or st.get("subject") != want["subject"]:
         raise WarmStateError(f"{where}: signs another manifest than {state / MANIFEST_NAME} (changed after signing?)")
