@@ -357,6 +357,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
       packer convert last.ckpt -o out --key state_dict --allow-global 'mypkg.config.*'
     """
     from packer.recipe import weights_from_dict
+    from packer.weights.options import ConvertOptions
     from packer.weights.sandbox import convert_cli
 
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
@@ -374,7 +375,7 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
     raw["renames"] = rename_rows
     cfg = weights_from_dict(raw, allow_globals=allow_globals)  # SRC is a file name, not a recipe string
     with ctx.progress("convert") as bar:
-        result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
+        result = convert_cli(src, out, cfg, ConvertOptions(dry_run=dry_run, sandbox=not no_sandbox, progress=bar))
     summary = {"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),
                "tensors": len(result.section.get("tensors", {})), "dry_run": dry_run}
     if dry_run:
