@@ -38,7 +38,7 @@ _PR_SET_PDEATHSIG = 1
 _GIB = 2**30
 
 
-def _limits(total_input: int, expansion: float = 4.0) -> dict[str, int]:
+def _limits(total_input: int, expansion: float) -> dict[str, int]:
     # Address space includes the read-only maps of the inputs and torch's reservations when a
     # cast needs it, so the cap grows with the input; anonymous memory stays bounded anyway.
     # A file may grow as far as the planner lets expanded views make it (weights.max_expansion).

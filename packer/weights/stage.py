@@ -39,7 +39,7 @@ _EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors"
 
 
 def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, options: ConvertOptions, *,
-                   single_file: bool = False) -> StageOutput:
+                   single_file: bool) -> StageOutput:
     """Convert every component of the source ``src`` into ``staging/weights``.
 
     Args:
@@ -64,7 +64,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, options: Conver
     if not layout.multi:  # one plain model: its layout is said too, so every build shows one
         out = convert_cli(src, staging / "weights", cfg, options, rel_root=staging)
         out = replace(out, section=_with_variant(out.section), notes=(layout.describe(), *out.notes))
-        return out if single_file else _with_left_out(src, out, [])
+        return out if single_file else _with_left_out(src, out)
     outs = [(c, convert_cli(src / c.path, staging / "weights" / c.out, _component_cfg(cfg, c), options,
                             rel_root=staging)) for c in layout.components]
     section = _merged(layout, outs)
@@ -78,7 +78,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, options: Conver
     merged = StageOutput(files=tuple(f for _, out in outs for f in out.files), section=section,
                          bytes_processed=sum(out.bytes_processed for _, out in outs), notes=tuple(notes),
                          digests={k: v for _, out in outs for k, v in out.digests.items()})
-    return _with_left_out(src, merged, [])
+    return _with_left_out(src, merged)
 
 
 def _layout(src: Path, cfg: WeightsConfig, single_file: bool) -> SourceLayout:
@@ -158,11 +158,11 @@ def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> 
     return section
 
 
-def _with_left_out(src: Path, out: StageOutput, extra: list[str]) -> StageOutput:
+def _with_left_out(src: Path, out: StageOutput) -> StageOutput:
     """``out`` with every checkpoint of ``src`` it did not read named (note and ``left_out``);
     other frameworks' weight files (GGUF, ONNX...) get a note of their own, saying what they are."""
     used = {i["path"] for i in out.section.get("inputs", [])}
-    missed = [*left_out(src, used), *extra]
+    missed = left_out(src, used)
     if not missed:
         return out
     notes = list(out.notes)
