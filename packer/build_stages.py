@@ -41,14 +41,16 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     from packer.oci.plan import weight_layer_framing
     from packer.oci.reread import reread_blobs
     from packer.oci.runconfig import created_epoch
+    from packer.weights.options import ConvertOptions
     from packer.weights.stage import convert_layout
 
     img = ctx.recipe.image
     layer_image = img if ctx.layer_digests and img.weights == "layer" and not img.single_layer else None
     mtime = created_epoch(ctx.snap.identity()) if layer_image else None  # the image's entries' mtime
-    out = convert_layout(ctx.snap.weights, ctx.staging, ctx.recipe.weights, single_file=ctx.snap.single_file,
-                         dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, layer_image=layer_image,
-                         layer_blobs=layer_image is not None, layer_mtime=mtime, verify=False)
+    # verify=False: the final verify re-hashes every file the writer hashed (a blob's spans it reads back anyway)
+    options = ConvertOptions(dry_run=ctx.dry_run, sandbox=ctx.sandbox, progress=ctx.progress, verify=False,
+                             layer_image=layer_image, layer_blobs=layer_image is not None, layer_mtime=mtime)
+    out = convert_layout(ctx.snap.weights, ctx.staging, ctx.recipe.weights, options, single_file=ctx.snap.single_file)
     if ctx.dry_run:
         return out
     framing = None if layer_image is None else partial(weight_layer_framing, layer_image, mtime=mtime)

@@ -296,13 +296,9 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
       packer build recipes/hf-model.toml -o out --sign-key signing-key.pem
     """
     from packer.build import build as run_build
-    from packer.recipe import demo_recipe, load_recipe, with_allowed_globals, with_sign_key
+    from packer.recipe import recipe_from_options
 
-    rec = load_recipe(recipe) if recipe else demo_recipe()
-    if allow_globals:
-        rec = with_allowed_globals(rec, allow_globals)
-    if sign_key:
-        rec = with_sign_key(rec, sign_key)
+    rec = recipe_from_options(recipe, allow_globals=allow_globals, sign_key=sign_key)
     with ctx.progress("weights") as bar:
         result = run_build(rec, out, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
     if dry_run:  # the plan is the output (stdout, pipeable to jq); notes go to stderr
@@ -315,6 +311,18 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
     if result.warm is not None:
         ctx.log(warm_line(result.warm))
     ctx.emit(result.summary())
+
+
+def _rename_pairs(renames: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Each ``--rename REGEX=REPLACEMENT`` as its pair; one without ``=`` is a usage error (exit 2),
+    found after the input path's check, as a command finds it."""
+    pairs = []
+    for r in renames:
+        pattern, sep, repl = r.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{r!r}: expected REGEX=REPLACEMENT", param_hint="--rename")
+        pairs.append((pattern, repl))
+    return pairs
 
 
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -356,25 +364,15 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
       packer convert ckpt/ -o out --key state_dict --strip-prefix module. --dtype bfloat16
       packer convert last.ckpt -o out --key state_dict --allow-global 'mypkg.config.*'
     """
-    from packer.recipe import weights_from_dict
+    from packer.recipe import weights_from_options
+    from packer.weights.options import ConvertOptions
     from packer.weights.sandbox import convert_cli
 
-    raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
-                           "tie_prefer": list(tie_prefer), "max_expansion": max_expansion}
-    if key:
-        raw["key"] = key
-    if dtype:
-        raw["dtype"] = dtype
-    rename_rows = []
-    for r in renames:
-        pattern, sep, repl = r.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{r!r}: expected REGEX=REPLACEMENT", param_hint="--rename")
-        rename_rows.append({"pattern": pattern, "replace": repl})
-    raw["renames"] = rename_rows
-    cfg = weights_from_dict(raw, allow_globals=allow_globals)  # SRC is a file name, not a recipe string
+    cfg = weights_from_options(key=key, strip_prefixes=strip_prefixes, renames=_rename_pairs(renames), dtype=dtype,
+                               max_shard_size=max_shard_size, tie_prefer=tie_prefer, max_expansion=max_expansion,
+                               allow_globals=allow_globals)  # SRC is a file name, not a recipe string
     with ctx.progress("convert") as bar:
-        result = convert_cli(src, out, cfg, dry_run=dry_run, sandbox=not no_sandbox, progress=bar)
+        result = convert_cli(src, out, cfg, ConvertOptions(dry_run=dry_run, sandbox=not no_sandbox, progress=bar))
     summary = {"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),
                "tensors": len(result.section.get("tensors", {})), "dry_run": dry_run}
     if dry_run:

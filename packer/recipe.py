@@ -495,25 +495,51 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
     return Recipe(**top, base_dir=base_dir)
 
 
-def weights_from_dict(raw: Mapping[str, Any], *, allow_globals: Sequence[str] = ()) -> WeightsConfig:
-    """Validate a raw ``[weights]`` table alone (``packer convert``'s options), as a recipe's.
+def weights_from_options(*, key: str | None, strip_prefixes: Sequence[str], renames: Sequence[tuple[str, str]],
+                         dtype: str | None, max_shard_size: str, tie_prefer: Sequence[str], max_expansion: float,
+                         allow_globals: Sequence[str]) -> WeightsConfig:
+    """The ``[weights]`` table ``packer convert``'s options make, validated as a recipe's.
 
     The source is no part of it: a path named on the command line comes from the file system,
     not from a recipe, and may hold any character a file name holds (a no-break space, an
     ideographic space); it is shown escaped where it is printed, never refused here.
 
     Args:
-        raw: the table's keys and values, as a recipe's ``[weights]`` holds them.
+        key, strip_prefixes, dtype, max_shard_size, tie_prefer, max_expansion: the
+            ``[weights]`` keys of those names (an empty ``key`` or ``dtype``: none), the size as
+            its text (``"5GB"``).
+        renames: ``(pattern, replacement)`` pairs, in order (``weights.renames``).
         allow_globals: ``--allow-global`` patterns added to ``allow_globals``.
 
     Raises:
         RecipeError: ``weights.<key>: ...`` as :func:`recipe_from_dict` says it, or a pattern
             of ``allow_globals`` that is not ``module.Name``.
     """
+    raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
+                           "tie_prefer": list(tie_prefer), "max_expansion": max_expansion,
+                           **({"key": key} if key else {}), **({"dtype": dtype} if dtype else {}),
+                           "renames": [{"pattern": pattern, "replace": repl} for pattern, repl in renames]}
     refuse_controls("weights", raw)
     cfg = WeightsConfig(**_fields("weights", _table("weights", raw), _WEIGHTS))
     extra = _global_patterns("--allow-global", list(allow_globals))
     return replace(cfg, allow_globals=cfg.allow_globals + extra)
+
+
+def recipe_from_options(path: str | Path | None, *, allow_globals: Sequence[str],
+                        sign_key: str | Path | None) -> Recipe:
+    """The recipe ``packer build`` builds: the file at ``path`` (None: :func:`demo_recipe`), with
+    ``--allow-global`` patterns added (:func:`with_allowed_globals`) and ``--sign-key`` in place of
+    its ``[sign] key`` (:func:`with_sign_key`), each where given.
+
+    Raises:
+        RecipeError: as :func:`load_recipe`, or a pattern that is not ``module.Name``.
+    """
+    recipe = load_recipe(path) if path else demo_recipe()
+    if allow_globals:
+        recipe = with_allowed_globals(recipe, allow_globals)
+    if sign_key:
+        recipe = with_sign_key(recipe, sign_key)
+    return recipe
 
 
 def with_allowed_globals(recipe: Recipe, patterns: Sequence[str]) -> Recipe:

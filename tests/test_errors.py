@@ -11,6 +11,7 @@ import torch
 
 from packer import errors
 from packer.recipe import WeightsConfig
+from packer.weights.options import ConvertOptions
 from packer.weights.sandbox import convert_sandboxed, error_class
 from tests.ckpt_factory import save
 
@@ -55,4 +56,4 @@ def test_a_truncated_pickle_keeps_its_class_across_the_sandbox(tmp_path: Path) -
     data = save({"w": torch.ones(3)}, tmp_path / "m.bin", "legacy").read_bytes()
     (tmp_path / "m.bin").write_bytes(data[:200])  # ends inside the main pickle
     with pytest.raises(errors.TruncatedPickle, match=r"m\.bin: main pickle at byte \d+: declares"):
-        convert_sandboxed(tmp_path / "m.bin", tmp_path / "out", WeightsConfig())
+        convert_sandboxed(tmp_path / "m.bin", tmp_path / "out", WeightsConfig(), ConvertOptions())

@@ -22,6 +22,7 @@ from packer.oci.plan import WEIGHT_ALIGN, image_rel, weight_layer_framing
 from packer.oci.tar_writer import Owner, SourceFile, tar_members, tar_pieces, tar_size
 from packer.recipe import ImageConfig, WeightsConfig, recipe_from_dict
 from packer.weights.convert import convert
+from packer.weights.options import ConvertOptions
 from packer.weights.sandbox import convert_sandboxed
 
 WEIGHTS = "weights/model.safetensors"
@@ -145,7 +146,8 @@ def test_sandboxed_convert_returns_the_same_digests(
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1234")
     cfg = WeightsConfig(max_shard_size=12 * 10**6)
     image = ImageConfig(owner="1000:0", prefix="/srv/m")
-    result = convert_sandboxed(demo_src, tmp_path / "weights", cfg, rel_root=tmp_path, layer_image=image)
+    result = convert_sandboxed(demo_src, tmp_path / "weights", cfg, ConvertOptions(layer_image=image),
+                               rel_root=tmp_path)
     framing = partial(weight_layer_framing, image, mtime=1234)
     assert len(result.digests) >= 2
     assert result.digests == _layer_hashes(tmp_path, framing, result.files)

@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from packer.errors import RecipeError
-from packer.recipe import demo_recipe, load_recipe, parse_size, recipe_from_dict
+from packer.recipe import (
+    Rename,
+    demo_recipe,
+    load_recipe,
+    parse_size,
+    recipe_from_dict,
+    recipe_from_options,
+    weights_from_options,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"name": "m", "version": "1", "source": "demo"}
@@ -265,3 +273,29 @@ def test_warm_requests_are_validated_with_key_paths() -> None:
     ]:
         with pytest.raises(RecipeError, match=re.escape(said)):
             recipe_from_dict({**BASE, "warm": {"engine": "vllm", "requests": bad}})
+
+
+def test_packer_converts_options_make_the_weights_table_a_recipe_would() -> None:
+    cfg = weights_from_options(key="state_dict", strip_prefixes=("module.",), renames=[(r"^a\.", "b.")],
+                               dtype="float16", max_shard_size="2GB", tie_prefer=("lm_head.weight",),
+                               max_expansion=2.0, allow_globals=("mypkg.Config",))
+    table = {"key": "state_dict", "strip_prefixes": ["module."], "renames": [{"pattern": r"^a\.", "replace": "b."}],
+             "dtype": "float16", "max_shard_size": "2GB", "tie_prefer": ["lm_head.weight"], "max_expansion": 2.0,
+             "allow_globals": ["mypkg.Config"]}
+    assert cfg == recipe_from_dict({**BASE, "weights": table}).weights
+    assert cfg.renames == (Rename(r"^a\.", "b."),)
+    empty = weights_from_options(key="", strip_prefixes=(), renames=(), dtype="", max_shard_size="5GB",
+                                 tie_prefer=(), max_expansion=4.0, allow_globals=())
+    assert (empty.key, empty.dtype) == (None, None)  # an empty --key or --dtype is none, as before
+    with pytest.raises(RecipeError, match=r"^--allow-global"):
+        weights_from_options(key=None, strip_prefixes=(), renames=(), dtype=None, max_shard_size="5GB",
+                             tie_prefer=(), max_expansion=4.0, allow_globals=("nodot",))
+
+
+def test_packer_builds_recipe_is_the_file_or_the_demo_with_the_flags_applied(tmp_path: Path) -> None:
+    assert recipe_from_options(None, allow_globals=(), sign_key=None) == demo_recipe()
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "m"\nversion = "1"\nsource = "demo"\n[weights]\nallow_globals = ["a.B"]\n')
+    rec = recipe_from_options(recipe, allow_globals=("c.D",), sign_key=tmp_path / "k.pem")
+    assert rec.weights.allow_globals == ("a.B", "c.D")
+    assert rec.sign.key == str(tmp_path / "k.pem")

@@ -85,12 +85,13 @@ def test_a_malformed_reply_from_the_child_is_one_line_error(
     import packer.weights.sandbox as sandbox
     from packer.errors import CheckpointError
     from packer.recipe import WeightsConfig
+    from packer.weights.options import ConvertOptions
 
     done = subprocess.CompletedProcess(["child"], 0, json.dumps(reply), "")
     monkeypatch.setattr(sandbox, "_run_child", lambda request, progress: (done, 0))
     (tmp_path / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=f"the reader's reply: .*{why}"):
-        sandbox.convert_sandboxed(tmp_path / "pytorch_model.bin", tmp_path / "out", WeightsConfig())
+        sandbox.convert_sandboxed(tmp_path / "pytorch_model.bin", tmp_path / "out", WeightsConfig(), ConvertOptions())
 
 
 def test_a_well_formed_reply_keeps_only_the_fields_of_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,10 +99,11 @@ def test_a_well_formed_reply_keeps_only_the_fields_of_a_file(tmp_path: Path, mon
 
     import packer.weights.sandbox as sandbox
     from packer.recipe import WeightsConfig
+    from packer.weights.options import ConvertOptions
 
     extra = {**_GOOD, "files": [{**_GOOD["files"][0], "executable": True}]}  # a key no file entry has
     done = subprocess.CompletedProcess(["child"], 0, json.dumps(extra), "")
     monkeypatch.setattr(sandbox, "_run_child", lambda request, progress: (done, 0))
     (tmp_path / "pytorch_model.bin").write_bytes(b"x")
-    out = sandbox.convert_sandboxed(tmp_path / "pytorch_model.bin", tmp_path / "out", WeightsConfig())
+    out = sandbox.convert_sandboxed(tmp_path / "pytorch_model.bin", tmp_path / "out", WeightsConfig(), ConvertOptions())
     assert [(f.path, f.size, f.blob, f.offset) for f in out.files] == [("model.safetensors", 8, "", 0)]

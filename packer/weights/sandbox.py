@@ -18,7 +18,7 @@ import stat
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from packer.jsonshape import ANY, SIZE, STR, ListOf, MapOf, Obj, check_shape
 from packer.reading import REPORT, parse_json, walk_tree
 from packer.recipe import ImageConfig, Rename, WeightsConfig
 from packer.stage import Progress, StageOutput
+from packer.weights.options import ConvertOptions
 
 if TYPE_CHECKING:  # the convert machinery is imported where it runs (the child), not here
     from packer.weights.convert import LayerFraming
@@ -37,7 +38,7 @@ _PR_SET_PDEATHSIG = 1
 _GIB = 2**30
 
 
-def _limits(total_input: int, expansion: float = 4.0) -> dict[str, int]:
+def _limits(total_input: int, expansion: float) -> dict[str, int]:
     # Address space includes the read-only maps of the inputs and torch's reservations when a
     # cast needs it, so the cap grows with the input; anonymous memory stays bounded anyway.
     # A file may grow as far as the planner lets expanded views make it (weights.max_expansion).
@@ -97,19 +98,52 @@ def _framing(image: ImageConfig | None, mtime: int | None) -> LayerFraming | Non
     return lambda rel_path, size: weight_layer_framing(image, rel_path, size, mtime=mtime)
 
 
+def _resolved(options: ConvertOptions) -> ConvertOptions:
+    """``options`` with the layer mtime left to its default read here (``SOURCE_DATE_EPOCH``, as
+    the image stage reads it), so a malformed value fails in the process that started the conversion."""
+    if options.layer_image is None or options.layer_mtime is not None:
+        return options
+    from packer.tarfmt import source_date_epoch
+
+    return replace(options, layer_mtime=source_date_epoch(errors.ImageError))
+
+
+def _convert_here(src: Path, out: Path, cfg: WeightsConfig, rel_root: Path | None,
+                  options: ConvertOptions) -> StageOutput:
+    """:func:`packer.weights.convert.convert` in this process, with ``options`` (resolved)."""
+    from packer.weights.convert import convert
+
+    return convert(src, out, cfg, rel_root=rel_root, dry_run=options.dry_run, progress=options.progress,
+                   verify=options.verify, layer_framing=_framing(options.layer_image, options.layer_mtime),
+                   layer_blobs=options.layer_blobs)
+
+
+def _request(src: Path, out: Path, cfg: WeightsConfig, rel_root: Path | None, options: ConvertOptions) -> str:
+    """What the child is asked to do, as JSON (``options`` resolved; ``progress`` as a yes or no)."""
+    return json.dumps({
+        "src": str(src), "out": str(out), "cfg": asdict(cfg), "rel_root": str(rel_root) if rel_root else None,
+        "dry_run": options.dry_run, "verify": options.verify, "progress": options.progress is not None,
+        "image": asdict(options.layer_image) if options.layer_image else None, "blobs": options.layer_blobs,
+        "mtime": options.layer_mtime, "limits": _limits(_input_size(src), cfg.max_expansion),
+    })
+
+
+def _options_from_request(request: dict[str, Any]) -> ConvertOptions:
+    """The options :func:`_request` sent, as the child runs them (in itself; progress on stderr)."""
+    return ConvertOptions(dry_run=request["dry_run"], sandbox=False, progress=_report if request["progress"] else None,
+                          verify=request["verify"], layer_blobs=request["blobs"], layer_mtime=request["mtime"],
+                          layer_image=ImageConfig(**request["image"]) if request["image"] else None)
+
+
 def _child_main() -> int:
     request = parse_json(sys.stdin.buffer.read(), REPORT, where="the sandbox request", error=errors.CheckpointError)
     _isolate(request["limits"])
-    from packer.weights.convert import convert
+    import packer.weights.convert  # noqa: F401  (outside the try: a broken install is not the input's error)
 
     try:
         rel_root = Path(request["rel_root"]) if request["rel_root"] else None
-        image = ImageConfig(**request["image"]) if request.get("image") else None
-        result = convert(Path(request["src"]), Path(request["out"]), _cfg_from_json(request["cfg"]),
-                         rel_root=rel_root, dry_run=request["dry_run"],
-                         layer_framing=_framing(image, request.get("mtime")),
-                         layer_blobs=bool(request.get("blobs")), progress=_report if request.get("progress") else None,
-                         verify=bool(request.get("verify", True)))
+        result = _convert_here(Path(request["src"]), Path(request["out"]), _cfg_from_json(request["cfg"]),
+                               rel_root, _options_from_request(request))
     except errors.PackerError as e:
         json.dump({"error": str(e), "type": type(e).__name__}, sys.stdout)
         return 1
@@ -206,35 +240,20 @@ def _run_child(request: str, progress: Progress | None) -> tuple[subprocess.Comp
     return done, reported
 
 
-def _layer_mtime(image: ImageConfig | None, mtime: int | None = None) -> int | None:
-    if image is None or mtime is not None:
-        return mtime
-    from packer.tarfmt import source_date_epoch  # the image stage reads it the same way
-
-    return source_date_epoch(errors.ImageError)
-
-
-def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None,
-                      dry_run: bool = False, progress: Progress | None = None,
-                      layer_image: ImageConfig | None = None, layer_blobs: bool = False,
-                      layer_mtime: int | None = None, verify: bool = True) -> StageOutput:
+def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, options: ConvertOptions, *,
+                      rel_root: Path | None = None) -> StageOutput:
     """Run :func:`packer.weights.convert.convert` in an isolated child process.
 
-    ``layer_image``: also compute each weight file's image-layer digest while writing it
-    (see :func:`packer.oci.plan.weight_layer_framing`, its entries' mtime ``layer_mtime``,
-    default ``SOURCE_DATE_EPOCH``); they come back in ``digests`` (not with ``layer_blobs``).
-    ``layer_blobs``: write each weight file as its layer blob, unhashed (see
-    :func:`packer.weights.convert.convert`). ``verify``: as :func:`packer.weights.convert.convert`.
+    Args:
+        src, out, cfg: as :func:`packer.weights.convert.convert`'s ``src``, ``dest_dir``, ``cfg``.
+        rel_root: what file paths in the result are relative to (default ``out``).
+        options: how it runs (:class:`~packer.weights.options.ConvertOptions`; ``sandbox`` is
+            not read: this is the sandbox).
 
     Raises:
         PackerError: the child's own error, or why the child was stopped.
     """
-    request = {"src": str(src), "out": str(out), "cfg": asdict(cfg), "dry_run": dry_run,
-               "rel_root": str(rel_root) if rel_root else None,
-               "image": asdict(layer_image) if layer_image else None, "blobs": layer_blobs,
-               "mtime": _layer_mtime(layer_image, layer_mtime), "progress": progress is not None, "verify": verify,
-               "limits": _limits(_input_size(src), cfg.max_expansion)}
-    proc, reported = _run_child(json.dumps(request), progress)
+    proc, reported = _run_child(_request(src, out, cfg, rel_root, _resolved(options)), options.progress)
     if proc.returncode < 0:
         raise errors.CheckpointError(f"converting {src}: {_killed_reason(proc.returncode)}")
     try:
@@ -247,37 +266,27 @@ def convert_sandboxed(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Pat
         raise error_class(reply["type"])(reply["error"])
     check_shape(reply, _DONE, where="the reader's reply", error=errors.CheckpointError)
     files = _reply_files(reply)
-    if progress is not None and (rest := sum(f.size for f in files) - reported) > 0:
-        progress(rest)  # the headers and the index: the child reports tensor bytes as it writes them
+    if options.progress is not None and (rest := sum(f.size for f in files) - reported) > 0:
+        options.progress(rest)  # the headers and the index: the child reports tensor bytes as it writes them
     return StageOutput(files=files, section=reply["section"], bytes_processed=reply["bytes"],
                        notes=tuple(reply["notes"]), digests=dict(reply.get("digests", {})))
 
 
-def convert_cli(src: Path, out: Path, cfg: WeightsConfig, *, rel_root: Path | None = None, dry_run: bool = False,
-                sandbox: bool = True, progress: Progress | None = None,
-                layer_image: ImageConfig | None = None, layer_blobs: bool = False,
-                layer_mtime: int | None = None, verify: bool = True) -> StageOutput:
-    """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``sandbox=False``.
+def convert_cli(src: Path, out: Path, cfg: WeightsConfig, options: ConvertOptions, *,
+                rel_root: Path | None = None) -> StageOutput:
+    """The weights stage for ``packer convert`` and ``packer build``: isolated unless ``options.sandbox`` is false.
 
-    ``progress`` receives the bytes as they are written (increments, see
-    :data:`packer.stage.Progress`), with or without the sandbox. With
-    ``layer_image``, each weight file's image-layer digest is computed while it is written
-    and returned in ``digests`` (``"layer:<path>"`` → ``"sha256:…"``); with ``layer_blobs`` each
-    weight file is written as that layer blob instead (its one copy in OUT), hashed by neither:
-    the caller re-reads it and names it, as ``packer build`` does (:mod:`packer.oci.reread`).
-    ``verify=False`` skips the writer's re-parse, and its read-back of files it hashes
-    (:func:`packer.weights.convert.convert`): only for a caller that re-hashes every file
-    written, as ``packer build`` does.
+    Args:
+        src, out, cfg, rel_root: as :func:`convert_sandboxed`.
+        options: how it runs (:class:`~packer.weights.options.ConvertOptions`: progress, layer
+            framing and blobs, the writer's read-back), the same with or without the sandbox.
+
+    Raises:
+        PackerError: from the conversion, sandboxed or not.
     """
-    if sandbox:
-        return convert_sandboxed(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
-                                 layer_image=layer_image, layer_blobs=layer_blobs, layer_mtime=layer_mtime,
-                                 verify=verify)
-    from packer.weights.convert import convert
-
-    return convert(src, out, cfg, rel_root=rel_root, dry_run=dry_run, progress=progress,
-                   layer_framing=_framing(layer_image, _layer_mtime(layer_image, layer_mtime)),
-                   layer_blobs=layer_blobs, verify=verify)
+    if options.sandbox:
+        return convert_sandboxed(src, out, cfg, options, rel_root=rel_root)
+    return _convert_here(src, out, cfg, rel_root, _resolved(options))
 
 
 if __name__ == "__main__":

@@ -29,18 +29,17 @@ from packer.components import (
 )
 from packer.errors import WeightsError
 from packer.formats import SAFETENSORS_SUFFIX, foreign_weights, variant_of
-from packer.recipe import ImageConfig, WeightsConfig
-from packer.stage import Progress, StageOutput
+from packer.recipe import WeightsConfig
+from packer.stage import StageOutput
 from packer.weights.inputs import find_inputs
+from packer.weights.options import ConvertOptions
 
 _SHARD = re.compile(r"-\d{5}-of-\d{5}")  # a shard: carried through its variant's index, or named left out
 _EMPTY: dict[str, Any] = {"files": [], "index": None, "total_size": 0, "tensors": {}, "aliases": {}}
 
 
-def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file: bool = False,
-                   dry_run: bool = False, sandbox: bool = True, progress: Progress | None = None,
-                   layer_image: ImageConfig | None = None, layer_blobs: bool = False,
-                   layer_mtime: int | None = None, verify: bool = True) -> StageOutput:
+def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, options: ConvertOptions, *,
+                   single_file: bool) -> StageOutput:
     """Convert every component of the source ``src`` into ``staging/weights``.
 
     Args:
@@ -48,9 +47,9 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
         staging: the build's staging directory (paths in the result are relative to it).
         cfg: the recipe's weights section (``layout`` and ``components`` choose the parts;
             ``files`` given with ``layout = "auto"`` means one plain model).
+        options: how each component's conversion runs (:class:`~packer.weights.options.ConvertOptions`),
+            the same for every component.
         single_file: ``src`` is one checkpoint file.
-        dry_run, sandbox, progress, layer_image, layer_blobs, layer_mtime, verify: as
-            :func:`packer.weights.sandbox.convert_cli`.
 
     Returns:
         the files of every component, the section described in this module's docstring,
@@ -62,15 +61,12 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
     from packer.weights.sandbox import convert_cli
 
     layout = _layout(src, cfg, single_file)
-    opts: dict[str, Any] = {"rel_root": staging, "dry_run": dry_run, "sandbox": sandbox, "progress": progress,
-                            "layer_image": layer_image, "layer_blobs": layer_blobs, "layer_mtime": layer_mtime,
-                            "verify": verify}
     if not layout.multi:  # one plain model: its layout is said too, so every build shows one
-        out = convert_cli(src, staging / "weights", cfg, **opts)
+        out = convert_cli(src, staging / "weights", cfg, options, rel_root=staging)
         out = replace(out, section=_with_variant(out.section), notes=(layout.describe(), *out.notes))
-        return out if single_file else _with_left_out(src, out, [])
-    outs = [(c, convert_cli(src / c.path, staging / "weights" / c.out, _component_cfg(cfg, c), **opts))
-            for c in layout.components]
+        return out if single_file else _with_left_out(src, out)
+    outs = [(c, convert_cli(src / c.path, staging / "weights" / c.out, _component_cfg(cfg, c), options,
+                            rel_root=staging)) for c in layout.components]
     section = _merged(layout, outs)
     notes = [layout.describe()]
     carried = [f"{c.path}/{c.files[0]}" if c.path else c.files[0] for c in layout.components
@@ -82,7 +78,7 @@ def convert_layout(src: Path, staging: Path, cfg: WeightsConfig, *, single_file:
     merged = StageOutput(files=tuple(f for _, out in outs for f in out.files), section=section,
                          bytes_processed=sum(out.bytes_processed for _, out in outs), notes=tuple(notes),
                          digests={k: v for _, out in outs for k, v in out.digests.items()})
-    return _with_left_out(src, merged, [])
+    return _with_left_out(src, merged)
 
 
 def _layout(src: Path, cfg: WeightsConfig, single_file: bool) -> SourceLayout:
@@ -162,11 +158,11 @@ def _merged(layout: SourceLayout, outs: list[tuple[Component, StageOutput]]) -> 
     return section
 
 
-def _with_left_out(src: Path, out: StageOutput, extra: list[str]) -> StageOutput:
+def _with_left_out(src: Path, out: StageOutput) -> StageOutput:
     """``out`` with every checkpoint of ``src`` it did not read named (note and ``left_out``);
     other frameworks' weight files (GGUF, ONNX...) get a note of their own, saying what they are."""
     used = {i["path"] for i in out.section.get("inputs", [])}
-    missed = [*left_out(src, used), *extra]
+    missed = left_out(src, used)
     if not missed:
         return out
     notes = list(out.notes)
