@@ -295,19 +295,22 @@ def test_the_image_holds_the_loader_and_its_runtime_and_it_runs(demo_out: Path, 
 
 # Runs `packer build` and SIGKILLs itself at the Nth rename (every stage ends in one) or once
 # the staging directory holds at least N bytes: kill points inside and between all stages.
+# Mode "count" kills nothing and prints how many renames the whole build made.
 _KILLER = textwrap.dedent(
     """
-    import os, signal, sys, threading, time
+    import atexit, os, signal, sys, threading, time
     from pathlib import Path
     mode, n, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    if mode == "rename":
+    if mode in ("rename", "count"):
         count = [0]
         def hook(event, args):
             if event == "os.rename":
                 count[0] += 1
-                if count[0] == n:
+                if count[0] == n and mode == "rename":
                     os.kill(os.getpid(), signal.SIGKILL)
         sys.addaudithook(hook)
+        if mode == "count":
+            atexit.register(lambda: print(count[0]))
     else:
         def watch():
             while True:
@@ -330,11 +333,12 @@ _KILLER = textwrap.dedent(
 )
 
 
-def _killed_build(mode: str, n: int, out: Path) -> int:
+def _killed_build(mode: str, n: int, out: Path) -> subprocess.CompletedProcess[str]:
     tmp = out.parent / "tmpdir"  # a killed build leaves nothing in TMPDIR (the demo is generated beside out)
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmp)}
-    return subprocess.run([sys.executable, "-c", _KILLER, mode, str(n), str(out)], env=env, check=False).returncode
+    return subprocess.run([sys.executable, "-c", _KILLER, mode, str(n), str(out)], env=env, check=False,
+                          stdout=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("previous", [False, True], ids=["fresh", "over-previous"])
@@ -345,14 +349,18 @@ def test_sigkill_at_every_stage_leaves_out_absent_or_previous(demo_out: Path, tm
     before = tree(out) if previous else None
     size = sum((demo_out / f).stat().st_size for f in tree(demo_out))
     # Byte thresholds fall inside the weights stage (its own child process) and the image
-    # stage; the build process renames 24 times (demo files 1-6, bundle 7, loader 8, manifest
-    # 9, image blobs and files 10-21, final manifest 22, timings 23, publish 24), so these
-    # counts land on every other stage boundary, the last one just before the publish.
+    # stage. Every stage of the build process ends in a rename (demo files, bundle, loader,
+    # manifest, image blobs and files, final manifest, timings, publish): a build that kills
+    # nothing counts them, and kill points spread over all of them, the last at the publish.
+    counted = _killed_build("count", 0, tmp_path / "counted")
+    assert counted.returncode == 0
+    renames = int(counted.stdout.split()[-1])
+    assert renames >= 10, renames
     points = [("bytes", int(size * f)) for f in (0.02, 0.3, 0.45, 0.55, 0.8, 0.98)]
-    points += [("rename", n) for n in (2, 7, 8, 9, 12, 17, 22, 24)]
+    points += [("rename", n) for n in sorted({2, *range(4, renames - 1, 4), renames - 1, renames})]
     killed = 0
     for mode, n in points:
-        rc = _killed_build(mode, n, out)
+        rc = _killed_build(mode, n, out).returncode
         killed += rc == -signal.SIGKILL
         if before is None and not out.exists():
             continue
