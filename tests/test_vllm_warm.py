@@ -217,7 +217,7 @@ def test_the_signed_warm_image_starts_under_the_signature_requirement(warmed: di
     assert log.count(LINE) == 1 and HIT in log, log[-3000:]
     assert "Directly load AOT compilation from path" in log, log[-3000:]
     assert "Compiling model again" not in log and "finalize_loading" not in log
-    cold, log, _ = serve(tmp, model_dir, PACKER_WARM="off")
+    cold, log, _ = serve(tmp, model_dir, PACKER_WARM="off", **NO_STATE_USED)
     assert LINE not in log and "Directly load AOT compilation" not in log, log[-3000:]
     assert got == cold and all(len(ids) == 8 for ids in got)
     # an unsigned state in the served directory: the whole directory is refused before vLLM reads it
@@ -340,6 +340,6 @@ def test_a_hit_compiles_nothing_at_the_first_logprobs_request(warmed: dict[str, 
     # the wrapper sees compiles where there are some: the same request, the state switched off
     tmpdir = short_tmpdir("cold")
     cold, out, _ = serve(warmed["tmp"], warmed["model_dir"], prompts=one, sampling={"logprobs": 5},
-                         TMPDIR=str(tmpdir), PACKER_WARM="off", **fresh)
+                         TMPDIR=str(tmpdir), PACKER_WARM="off", **fresh, **NO_STATE_USED)
     assert LINE not in out and compiles(log), out[-3000:]
     assert got == cold and len(got[0]) == 8
