@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any
 
 from packer.errors import SignError
-from packer.formats import MANIFEST_NAME
+from packer.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
 from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
 from packer.reading import SIGNATURE, read_bytes
@@ -39,7 +39,7 @@ def weights_stage(ctx: StageContext) -> StageOutput:
     written since (``vouched``).
     """
     from packer.oci.plan import weight_layer_framing
-    from packer.oci.reread import reread_blobs
+    from packer.oci.reread import reread_blobs, reread_files
     from packer.oci.runconfig import created_epoch
     from packer.weights.options import ConvertOptions
     from packer.weights.stage import convert_layout
@@ -55,20 +55,22 @@ def weights_stage(ctx: StageContext) -> StageOutput:
         return out
     framing = None if layer_image is None else partial(weight_layer_framing, layer_image, mtime=mtime)
     files, vouched = reread_blobs(ctx.staging, out.files, framing, ctx.recipe.weights.chunk_size)
+    files, plain = reread_files(ctx.staging, files, ctx.recipe.weights.chunk_size)  # those in no blob
     layers = {f"layer:{f.path}": digest for f in files if f.blob and (digest := f.place().blob_digest)}
-    return _with_chunk_table(ctx, replace(out, files=files, vouched=vouched, digests=layers))  # none of the child's
+    # none of the child's digests stands
+    return _with_chunk_table(ctx, replace(out, files=files, vouched={**vouched, **plain}, digests=layers))
 
 
 def _with_chunk_table(ctx: StageContext, out: StageOutput) -> StageOutput:
     """``out`` with ``weights/packer-chunks.json`` (:mod:`packer.chunks`): the chunk digests the
-    re-read of each weight layer blob hashed, pinned as a weight file of the build (its weights
-    section names it under ``chunks``; the model directory and ``model.sig`` hold it). Weight
-    files written as plain files (no layer blob) are hashed by the writer, in no chunks: such a
-    build has no table, and its readers verify whole files."""
+    re-read of each weight file hashed (in its layer blob or as a plain file), pinned as a weight
+    file of the build (its weights section names it under ``chunks``; the model directory and
+    ``model.sig`` hold it)."""
     from packer.chunks import CHUNKS_REL, chunk_table
+    from packer.oci.reread import PLAIN
 
-    held = {f.path: f.place().blob_digest for f in out.files if f.blob}
-    digests = {rel: (v.chunk, v.chunks) for rel, blob in held.items() if (v := out.vouched.get(str(blob)))}
+    vouches = {f.path: out.vouched.get(str(f.place().blob_digest) if f.blob else PLAIN + f.path) for f in out.files}
+    digests = {rel: (v.chunk, v.chunks) for rel, v in vouches.items() if v is not None}
     data = chunk_table(out.files, digests)
     if data is None:
         return out
@@ -183,8 +185,7 @@ def _planned_files(ctx: StageContext) -> list[FileEntry]:
     for section in components_of(ctx.outputs["weights"].section):
         for t in section.get("tensors", {}).values():
             data[t["file"]] = max(data.get(t["file"], 0), t["data_offsets"][1])
-    img = ctx.recipe.image
-    chunks = [CHUNKS_REL] if ctx.layer_digests and img.weights == "layer" and not img.single_layer else []
+    chunks = [CHUNKS_REL] if any(rel.endswith(SAFETENSORS_SUFFIX) for rel in data) else []  # weights re-read in chunks
     names = [*artifact_files(ctx.outputs["weights"].section), *chunks,
              *([ARCHIVE_NAME] if "bundle" in ctx.outputs else []), *planned_files()]
     return [FileEntry(p, data.get(p, 0), "") for p in names]

@@ -20,11 +20,11 @@ from packer.chunks import chunk_difference, verify_chunks
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
-from packer.fsutil import canonical_json, disk_usage, sha256_file, sha256_file_or_none, split_artifact
+from packer.fsutil import canonical_json, disk_usage, identity, sha256_file, sha256_file_or_none, split_artifact
 from packer.idents import shown
 from packer.manifest import TIMINGS, read_manifest
 from packer.oci.referrer import referrer_blobs
-from packer.oci.reread import Vouched
+from packer.oci.reread import PLAIN, Vouch, Vouched
 from packer.oci.verify import verify_image
 from packer.oci.warm_layer import check_warm_images
 from packer.place import BLOBS, FilePlace, blob_hex, blob_rel, places_of
@@ -38,13 +38,26 @@ from packer.weights.verify import verify_weights
 Inode = tuple[int, int]
 
 
+def _plain_vouches(out: Path, vouched: Vouched | None) -> dict[str, Vouch]:
+    """The build's own re-read of each weight file written as a plain file, by its path, where
+    that file is still the one read (its identity unchanged): its digests are taken, not hashed again."""
+    found = {}
+    for key, v in (vouched or {}).items():
+        if key.startswith(PLAIN):
+            rel = key[len(PLAIN):]
+            with contextlib.suppress(OSError):
+                if identity((out / rel).lstat()) == v.identity:
+                    found[rel] = v
+    return found
+
+
 def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
-                stop: threading.Event) -> dict[Inode, Future[tuple[int, str] | None]]:
+                stop: threading.Event, plain: dict[str, Vouch]) -> dict[Inode, Future[tuple[int, str] | None]]:
     """Start hashing, largest first, the listed files the image walk does not check itself.
 
     The image walk hashes every blob (and the files inside packer's layers); the files
     outside the image (and nothing twice: layer tarballs are hardlinks of blobs) can be
-    hashed at the same time on the other cores.
+    hashed at the same time on the other cores; a weight file the build re-read (``plain``) is not.
     """
     found: dict[str, os.stat_result] = {}
     for rel in listed:
@@ -52,7 +65,7 @@ def _hash_ahead(out: Path, listed: dict[str, Any], pool: ThreadPoolExecutor,
             st = (out / rel).lstat()
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and rel not in plain:
             found[rel] = st
     blobs = {(st.st_dev, st.st_ino) for rel, st in found.items() if blob_hex(rel) is not None}
     ahead: dict[Inode, Future[tuple[int, str] | None]] = {}
@@ -73,7 +86,8 @@ def _in_blob(out: Path, place: FilePlace, checked_blobs: set[str]) -> None:
 
 
 def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
-                 ahead: dict[Inode, Future[tuple[int, str] | None]], places: dict[str, FilePlace]) -> int:
+                 ahead: dict[Inode, Future[tuple[int, str] | None]], places: dict[str, FilePlace],
+                 plain: dict[str, Vouch]) -> int:
     total = 0
     hashed: dict[Inode, str] = {}  # layer tarballs are hardlinks of blobs: hash once
     counted: set[Inode] = set()
@@ -95,6 +109,8 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
         inode = (st.st_dev, st.st_ino)
         if blob_hex(rel) == want["sha256"] and "sha256:" + want["sha256"] in checked_blobs:
             hashed[inode] = want["sha256"]  # the image walk hashed this blob against its name
+        if rel in plain and identity(st) == plain[rel].identity:
+            hashed[inode] = plain[rel].sha256  # the build's re-read of it, not written since
         if inode not in hashed:
             early = ahead[inode].result() if inode in ahead else None  # None: hash it here
             hashed[inode] = (early or sha256_file(path))[1]
@@ -227,10 +243,12 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
         raise named from e
 
 
-def _chunk_vouches(places: dict[str, FilePlace], vouched: Vouched | None) -> dict[str, tuple[int, tuple[str, ...]]]:
+def _chunk_vouches(places: dict[str, FilePlace], vouched: Vouched | None,
+                   plain: dict[str, Vouch]) -> dict[str, tuple[int, tuple[str, ...]]]:
     """The chunk digests the build's re-read took of each file, by its path (a blob holds one file)."""
     by_blob = {p.blob_digest: rel for rel, p in places.items() if p.in_blob}
-    return {by_blob[d]: (v.chunk, v.chunks) for d, v in (vouched or {}).items() if d in by_blob and v.chunk}
+    held = {by_blob[d]: v for d, v in (vouched or {}).items() if d in by_blob}
+    return {rel: (v.chunk, v.chunks) for rel, v in {**held, **plain}.items() if v.chunk}
 
 
 def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict[str, Any]:
@@ -250,23 +268,24 @@ def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict
     if referrer or warm_index:  # the pinned index is index.json less the referrer and warm images: checked above
         listed = {rel: e for rel, e in listed.items() if rel != INDEX_REL}
     checked: set[str] = set()
+    plain = _plain_vouches(out, vouched)
     stop = threading.Event()
     pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="packer-verify-files")
     try:
-        ahead = _hash_ahead(out, listed, pool, stop)  # while the image is walked
+        ahead = _hash_ahead(out, listed, pool, stop, plain)  # while the image is walked
         if manifest.get("image"):
             try:
                 checked = verify_image(out, artifact_manifest=split_artifact(manifest), vouched=vouched)
             except ImageArtifactMismatchError as e:
                 raise VerifyError(f"{out / MANIFEST_NAME}: differs from the copy built into the image ({e})") from e
-        nbytes = _check_files(out, listed, checked, ahead, places)
+        nbytes = _check_files(out, listed, checked, ahead, places, plain)
     except VerifyError as e:  # a changed weight byte blames its whole blob: the chunk table says where
         where = chunk_difference(out, manifest, places)
         raise (VerifyError(f"{e}; {where}") if where else e) from e
     finally:
         stop.set()  # a failure above need not wait for every file to be hashed
         pool.shutdown(wait=True, cancel_futures=True)
-    verify_chunks(out, manifest, places, _chunk_vouches(places, vouched))
+    verify_chunks(out, manifest, places, _chunk_vouches(places, vouched, plain))
     if manifest.get("weights"):
         for section in components_of(manifest["weights"]):  # each component on its own
             verify_weights(out, section, places)

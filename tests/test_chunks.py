@@ -215,6 +215,62 @@ def test_a_table_pinned_anew_is_refused_by_the_signature(tmp_path: Path) -> None
         require_signature(out, str(pub), manifest=manifest)
 
 
+@pytest.fixture(scope="module", params=["external", "single_layer"])
+def plain_built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same Llama with its weight file kept as a plain file: weights mounted at run time
+    (``image.weights = "external"``) or in the image's one layer (``image.single_layer``)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    llama(tmp / "hf", **{**WIDE, "tied": False})
+    image = {"weights": "external"} if request.param == "external" else {"single_layer": True}
+    build_dir(tmp / "hf", tmp / "out", weights={"chunk_size": "32KiB"}, image=image)
+    return tmp / "out"
+
+
+def test_a_plain_weight_file_gets_the_table_a_layer_blob_gets(built: Path, plain_built: Path) -> None:
+    manifest = json.loads((plain_built / "manifest.json").read_bytes())
+    assert "blob" not in manifest["files"][WEIGHTS] and manifest["weights"]["chunks"] == CHUNKS_REL
+    assert (plain_built / CHUNKS_REL).read_bytes() == (built / CHUNKS_REL).read_bytes()
+    assert model_layout(manifest)["packer-chunks.json"] == (CHUNKS_REL, manifest["files"][CHUNKS_REL]["sha256"])
+
+
+def test_the_build_reads_a_plain_weight_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The re-read that takes its sha256 and its chunks' is the build's only read of the file:
+    the final verification takes both from it (the file not written since)."""
+    import packer.fsutil
+    import packer.verify
+
+    llama(tmp_path / "hf", **{**WIDE, "tied": False})
+    reads: list[str] = []
+    real_chunked, real_file = packer.fsutil.sha256_chunked, packer.fsutil.sha256_file
+
+    def chunked(fd: int, *args: Any) -> Any:
+        reads.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_chunked(fd, *args)
+
+    def whole(path: Any, *args: Any) -> Any:
+        reads.append(str(path))
+        return real_file(path, *args)
+
+    monkeypatch.setattr("packer.oci.reread.sha256_chunked", chunked)
+    monkeypatch.setattr("packer.chunks.sha256_chunked", chunked)
+    monkeypatch.setattr(packer.verify, "sha256_file", whole)
+    monkeypatch.setattr(packer.verify, "sha256_file_or_none", lambda path, stop: whole(path, stop))
+    build_dir(tmp_path / "hf", tmp_path / "out", weights={"chunk_size": "32KiB"}, image={"weights": "external"})
+    assert len([r for r in reads if r.endswith(f"/{WEIGHTS}")]) == 1, reads  # in the staging directory
+
+
+def test_verify_names_the_chunk_of_a_flipped_byte_in_a_plain_file(plain_built: Path, tmp_path: Path) -> None:
+    bad = _copy(plain_built, tmp_path / "bad")
+    path, offset, size = weight_location(bad, WEIGHTS)
+    assert offset == 0 and path == bad / WEIGHTS
+    at = size - 3 * CHUNK + 123
+    _flip(path, at)
+    c = at // CHUNK
+    with pytest.raises(VerifyError, match=rf"bad/{WEIGHTS}: .*chunk {c} \(bytes \[{c * CHUNK}, {c * CHUNK + CHUNK}\) "
+                                          rf"of {size}\) has sha256"):
+        verify(bad)
+
+
 # --- tensor parallel ranks that verify what they read ---
 
 
@@ -258,6 +314,16 @@ def _rank1_offset(built: Path, name: str) -> int:
 
 
 def test_two_verified_ranks_hash_their_share_and_match_an_unverified_load(built: Path, tmp_path: Path) -> None:
+    _share_bound(built, tmp_path)
+
+
+def test_two_verified_ranks_hash_their_share_of_a_plain_weight_file(plain_built: Path, tmp_path: Path) -> None:
+    """The bound holds wherever the build keeps the weight file: a plain file too (weights
+    mounted at run time, or an image of one layer)."""
+    _share_bound(plain_built, tmp_path)
+
+
+def _share_bound(built: Path, tmp_path: Path) -> None:
     ours = _ranks(_per_rank(built, tmp_path))
     table = open_build(built).chunk_table()[WEIGHTS]
     for r in range(2):

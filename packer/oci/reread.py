@@ -1,4 +1,5 @@
-"""The build's own re-read of each weight layer blob its sandboxed writer wrote, and its name.
+"""The build's own re-read of each weight file its sandboxed writer wrote: a layer blob and its
+name, or a plain file.
 
 The weights stage writes in a child process that parses untrusted checkpoints, so the build
 believes nothing the child says about the bytes it wrote. The child hashes nothing: it reads
@@ -16,7 +17,11 @@ than sharing one mapping, whose page faults cost more than the copies):
   from these bytes, never from the child; so does the sha256 of each of its chunks (the chunk
   table, :mod:`packer.runtime.chunks`), hashed from the same buffers.
 
-Each blob's :class:`Vouch` lets the final verification (:func:`packer.verify.verify`) take both
+A weight file written as a plain file (``image.weights = "external"``, ``image.single_layer``)
+is re-read the same way by :func:`reread_files`: its sha256 and its chunks' from one read of
+this process, the writer's value replaced.
+
+Each :class:`Vouch` lets the final verification (:func:`packer.verify.verify`) take the
 digests for the same file, not written since, instead of hashing it again.
 """
 
@@ -32,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import UNNAMED_BLOBS
+from packer.formats import SAFETENSORS_SUFFIX, UNNAMED_BLOBS
 from packer.fsutil import FileEntry, Identity, identity, sha256_chunked, sha256_range
 from packer.idents import check_rel_name, shown
 from packer.place import BLOBS, blob_rel
@@ -41,12 +46,14 @@ from packer.reading import open_regular, walk_tree
 
 @dataclass(frozen=True)
 class Vouch:
-    """What this process read of one weight layer blob (uncompressed; one file inside it).
+    """What this process read of one weight layer blob (uncompressed; one file inside it), or of
+    one weight file written as a plain file.
 
     Attributes:
-        offset, size: where the safetensors file lies in the blob (bytes).
+        offset, size: where the safetensors file lies in the blob (bytes); 0 and its size for
+            a plain file.
         sha256: the file's sha256 (hex), from this read.
-        digest: the blob's sha256 (hex), from the same read: its name.
+        digest: the blob's sha256 (hex), from the same read: its name ("" for a plain file).
         identity: the blob file read (:func:`~packer.fsutil.identity`: device, inode, size and
             mtime, the same before and after the read). A later reader holding a file of that
             identity takes both digests; stat shows no write since, which is what it can tell.
@@ -63,7 +70,8 @@ class Vouch:
     chunks: tuple[str, ...] = ()
 
 
-Vouched = dict[str, Vouch]  # "sha256:<blob hex>" -> what was read of it
+Vouched = dict[str, Vouch]  # "sha256:<blob hex>" (a blob) or "file:<path in OUT>" (a plain file) -> what was read
+PLAIN = "file:"  # the key prefix of a plain file's vouch
 Framing = Callable[[str, int], tuple[bytes, bytes]]  # (file path in OUT, size) -> (bytes before, after)
 
 
@@ -154,6 +162,60 @@ def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecut
     if before != identity(end) or st.st_ctime_ns != end.st_ctime_ns:
         raise WeightsError(f"{path}: written while the build re-read it")
     return Vouch(entry.offset, entry.size, sha256, digest, before, chunk, chunks)
+
+
+def _read_plain(root: Path, entry: FileEntry, chunk: int) -> Vouch:
+    """One weight file the writer left as a plain file at ``root/<its path>``, read and hashed
+    whole and in chunks (no symlink on the way, a file of its own, the size the writer said)."""
+    rel = check_rel_name(entry.path, where=f"the weights stage's reply for {shown(entry.path)}", error=WeightsError)
+    path = _unlinked(root, str(rel), "the weight file's place")
+    with open_regular(path, WeightsError) as f:
+        fd = f.fileno()
+        st = os.fstat(fd)
+        before, size = identity(st), st.st_size
+        if st.st_nlink != 1:  # a hard link would make a file outside staging part of OUT
+            raise WeightsError(f"{path}: {st.st_nlink} hard links; a weight file must be a file of its own")
+        if size != entry.size:
+            raise WeightsError(f"{path}: {size} bytes; the weights stage wrote {shown(entry.size)}")
+        try:
+            sha256, chunks = sha256_chunked(fd, 0, size, chunk)
+        except EOFError as e:
+            raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
+        except OSError as e:
+            raise WeightsError(f"{path}: cannot re-read the weight file: {e.strerror or e}") from e
+        end = os.fstat(fd)
+    if before != identity(end) or st.st_ctime_ns != end.st_ctime_ns:
+        raise WeightsError(f"{path}: written while the build re-read it")
+    return Vouch(0, size, sha256, "", before, chunk, chunks)
+
+
+def reread_files(root: Path, files: tuple[FileEntry, ...],
+                 chunk: int = 1 << 20) -> tuple[tuple[FileEntry, ...], Vouched]:
+    """Re-read every safetensors file of ``files`` that is not held in a layer blob (a plain
+    file under ``root``, the build's staging): its sha256 and its ``chunk``-byte chunks' digests
+    from one read, a few files at a time.
+
+    Returns:
+        ``files`` with each such file's ``sha256`` from this read (any value the writer gave
+        is replaced), and its :class:`Vouch` under ``"file:<path>"`` for the chunk table and
+        the final verification.
+
+    Raises:
+        WeightsError: a file that is a symlink or passes through one, has another link, is not
+            the size the writer said, or was written, cut short or unreadable during the read.
+    """
+    plain = [(i, f) for i, f in enumerate(files) if not f.blob and f.path.endswith(SAFETENSORS_SUFFIX)]
+    if not plain:
+        return files, {}
+    out = list(files)
+    vouched: Vouched = {}
+    with ThreadPoolExecutor(min(len(plain), os.cpu_count() or 1), thread_name_prefix="packer-reread-file") as pool:
+        reads = [(i, f, pool.submit(_read_plain, root, f, chunk)) for i, f in plain]
+        for i, f, read in reads:
+            got = read.result()
+            vouched[PLAIN + f.path] = got
+            out[i] = replace(f, sha256=got.sha256)
+    return tuple(out), vouched
 
 
 def reread_blobs(root: Path, files: tuple[FileEntry, ...], framing: Framing | None,

@@ -1,6 +1,6 @@
 """Chunk digests: proof at the size of a read.
 
-A build made with layer blobs writes ``weights/packer-chunks.json`` (:data:`CHUNKS_REL`; in the
+A build writes ``weights/packer-chunks.json`` (:data:`CHUNKS_REL`; in the
 model directory ``packer-chunks.json``): for each weight file the sha256 of every fixed-size
 chunk of its bytes (the last one shorter). The manifest pins that file like any other (its
 ``files`` entry, size and sha256; the weights section names it under ``chunks``), and
