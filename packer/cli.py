@@ -8,7 +8,7 @@ traceback). Under ``--json`` each of them also prints one JSON document on stdou
 success prints its summary: the command's ``Ctx`` says so once click parsed the options, and
 :func:`_argv_ctx` reads the words themselves when click failed before that. Everything printed
 goes through :meth:`Ctx.log`, :meth:`Ctx.emit` or :func:`_error`, which show input text escaped
-(:mod:`packer.show`): a message built anywhere in the library cannot reach the terminal raw.
+(:mod:`packer.util.show`): a message built anywhere in the library cannot reach the terminal raw.
 Library modules are imported inside the commands so that ``packer --help`` stays fast and never
 imports torch.
 """
@@ -30,9 +30,9 @@ import click
 
 from packer import __version__
 from packer.errors import PackerError, missing_dependency
-from packer.formats import CAST_DTYPES, MANIFEST_NAME, WEIGHT_PATTERNS
 from packer.reading import check_regular
-from packer.show import show, show_json
+from packer.util.formats import CAST_DTYPES, MANIFEST_NAME, WEIGHT_PATTERNS
+from packer.util.show import show, show_json
 
 
 class Ctx:
@@ -61,7 +61,7 @@ class Ctx:
         click.echo(json.dumps(show_json(summary if self.json else plan), indent=2, sort_keys=True))
 
     def emit(self, summary: dict[str, Any]) -> None:
-        """The ``--json`` summary on stdout, every string in it escaped as :func:`packer.show.show_json`."""
+        """The ``--json`` summary on stdout, every string in it escaped as :func:`packer.util.show.show_json`."""
         if self.json:
             click.echo(json.dumps(show_json(summary), indent=2, sort_keys=True))
 

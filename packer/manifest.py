@@ -18,10 +18,10 @@ from typing import Any
 
 import packer
 from packer.errors import VerifyError
-from packer.formats import MANIFEST_NAME
-from packer.fsutil import FileEntry
 from packer.place import place_of
 from packer.reading import MANIFEST, member, parse_json, read_bytes
+from packer.util.formats import MANIFEST_NAME
+from packer.util.fsutil import FileEntry
 
 SCHEMA_VERSION = 2  # 2: a files entry may be held in a layer blob (blob, offset)
 TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from packer.fsutil import FileEntry
+from packer.util.fsutil import FileEntry
 
 if TYPE_CHECKING:
     from packer.recipe import Recipe

@@ -20,9 +20,9 @@ from packer.build import build
 from packer.bundle import unbundle
 from packer.demo import write_demo
 from packer.errors import PackerError, VerifyError
-from packer.fsutil import split_artifact
 from packer.oci.plan import image_rel
 from packer.recipe import demo_recipe, recipe_from_dict
+from packer.util.fsutil import split_artifact
 from packer.verify import verify
 from tests.built import held_in_blobs, weight_bytes, weights_copy
 from tests.bundle_validate import validate_bundle
@@ -138,7 +138,7 @@ def test_verify_passes_then_names_any_changed_file(demo_out: Path, tmp_path: Pat
 def test_verify_blames_a_canonical_manifest_whose_record_lost_a_key(demo_out: Path, tmp_path: Path,
                                                                    section: str) -> None:
     """A flipped byte can rename a key ("sha256" -> "rha256") and leave the JSON canonical."""
-    from packer.fsutil import canonical_json
+    from packer.util.fsutil import canonical_json
 
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
@@ -435,7 +435,7 @@ def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, mon
     import threading
 
     import packer.build_stages as stages_module
-    import packer.fsutil as fsutil
+    import packer.util.fsutil as fsutil
     from packer.demo import write_demo
 
     src = tmp_path / "src"

@@ -24,12 +24,12 @@ import pytest
 from packer import place as build_side
 from packer.build import build
 from packer.errors import VerifyError
-from packer.fsutil import FileEntry, canonical_json
 from packer.manifest import held_in_blob
 from packer.oci.plan import WEIGHT_ALIGN
 from packer.recipe import demo_recipe
 from packer.runtime import place as runtime_side
 from packer.runtime.env import ArtifactMismatchError
+from packer.util.fsutil import FileEntry, canonical_json
 from packer.verify import verify
 from tests.built import open_build
 

@@ -19,9 +19,9 @@ import pytest
 
 from packer.build import build
 from packer.errors import RecipeError, SignError, VerifyError
-from packer.fsutil import canonical_json
 from packer.recipe import demo_recipe, recipe_from_dict, with_sign_key
 from packer.runtime.signature import model_layout, open_signed
+from packer.util.fsutil import canonical_json
 from packer.verify import verify
 from tests.built import weight_location
 from tests.oci_validate import REF, require_tool, run, validate_layout, validate_referrer

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from packer.errors import StubError
-from packer.formats import LOADER_NAME
-from packer.fsutil import canonical_json
 from packer.stub import RUNTIME, RUNTIME_DIR, emit_loader, planned_files, render, runtime_files
+from packer.util.formats import LOADER_NAME
+from packer.util.fsutil import canonical_json
 from tests.loader_fixtures import make_out
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import EngineAdapterError, WarmStateError
-from packer.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
-from packer.fsutil import quiet_cleanup, remove_tree
 from packer.runtime.env import STREAM_FILE, ArtifactMismatchError
 from packer.runtime.reading import is_regular, loads_json, read_bytes, read_json, resolve
 from packer.runtime.settings import RuntimeSettings
+from packer.util.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
+from packer.util.fsutil import quiet_cleanup, remove_tree
 from packer.warm.key import STATE_ENV
 from packer.warm.pins import ROOTS, WARM_DIR, read_state, verified_copy, verify_states
 from packer.warm.trust import build_digest, check_signature

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import UNNAMED_BLOBS
-from packer.fsutil import FileEntry, Identity, identity, sha256_chunked, sha256_range
-from packer.idents import check_rel_name, shown
 from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular, walk_tree
+from packer.util.formats import UNNAMED_BLOBS
+from packer.util.fsutil import FileEntry, Identity, identity, sha256_chunked, sha256_range
+from packer.util.idents import check_rel_name, shown
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Vouch:
         offset, size: where the safetensors file lies in the blob (bytes).
         sha256: the file's sha256 (hex), from this read.
         digest: the blob's sha256 (hex), from the same read: its name.
-        identity: the blob file read (:func:`~packer.fsutil.identity`: device, inode, size and
+        identity: the blob file read (:func:`~packer.util.fsutil.identity`: device, inode, size and
             mtime, the same before and after the read). A later reader holding a file of that
             identity takes both digests; stat shows no write since, which is what it can tell.
         chunk, chunks: the chunk size (bytes) and the file's chunk digests (hex), from the

@@ -27,10 +27,10 @@ from typing import Any
 
 from packer.adapters.gate import CACHE_ENV
 from packer.errors import UsageError, WarmStateError
-from packer.formats import LOADER_NAME
-from packer.fsutil import canonical_json, remove_tree
 from packer.reading import REPORT, parse_json, read_bytes
-from packer.show import show
+from packer.util.formats import LOADER_NAME
+from packer.util.fsutil import canonical_json, remove_tree
+from packer.util.show import show
 from packer.warm.key import STATE_ENV, state_name
 from packer.warm.pins import ROOTS, WARM_DIR, collect
 from packer.warm.requests import DEFAULT_REQUESTS, REQUESTS_ENV, check_requests
