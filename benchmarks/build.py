@@ -136,7 +136,7 @@ def time_build(root: Path, *extra: str) -> tuple[float, float, dict[str, float],
 
 
 def time_in_process(root: Path, layer_digests: bool) -> float:
-    from packer.build import build
+    from packer.building import build
     from packer.recipe import load_recipe
 
     out = root / "out"

@@ -1,3 +1,5 @@
 """packer: build-time packaging that makes GPU inference servers start fast."""
 
-__version__ = "0.1.0"
+from packer.version import __version__
+
+__all__ = ["__version__"]

@@ -1,4 +1,4 @@
-"""The build's stages in order: :data:`STAGES`, the one list :mod:`packer.build` runs.
+"""The build's stages in order: :data:`STAGES`, the one list :mod:`packer.building` runs.
 
 Each entry adapts the :class:`~packer.stage.StageContext` to its stage module's public
 function (``convert_layout``, ``run_bundle``, ``emit_loader``, ``build_image``), which the

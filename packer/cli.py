@@ -28,11 +28,11 @@ from typing import Any, NoReturn
 
 import click
 
-from packer import __version__
 from packer.errors import PackerError, missing_dependency
 from packer.reading import check_regular
 from packer.util.formats import CAST_DTYPES, MANIFEST_NAME, WEIGHT_PATTERNS
 from packer.util.show import show, show_json
+from packer.version import __version__
 
 
 class Ctx:
@@ -295,7 +295,7 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
       packer build recipes/hf-model.toml --dry-run
       packer build recipes/hf-model.toml -o out --sign-key signing-key.pem
     """
-    from packer.build import build as run_build
+    from packer.building import build as run_build
     from packer.recipe import recipe_from_options
 
     rec = recipe_from_options(recipe, allow_globals=allow_globals, sign_key=sign_key)
@@ -491,7 +491,7 @@ def verify(ctx: Ctx, out: Path, public_key: Path | None) -> None:
       packer verify dist
       packer verify dist --public-key signing-key.pub
     """
-    from packer.verify import verify as run_verify
+    from packer.verifying import verify as run_verify
 
     summary = run_verify(out, public_key=public_key)
     ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / MANIFEST_NAME}")
@@ -515,7 +515,7 @@ def profile(ctx: Ctx, out: Path, device: str | None, verify_: bool) -> None:
     Example:
       packer profile dist --device cuda
     """
-    from packer.profile import profile as run_profile
+    from packer.profiling import profile as run_profile
 
     result = run_profile(out, device=device, verify=verify_)
     ctx.log(f"{'stage':<16}{'seconds':>10}{'bytes':>14}{'GB/s':>8}")
@@ -594,7 +594,7 @@ def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
       packer push dist registry.example.com/team/model:1.0
     """
     from packer.oci.referrer import referrers_tag
-    from packer.push import push as run_push
+    from packer.pushing import push as run_push
 
     pushed = run_push(out, ref, tls_verify=tls_verify)
     for where, digest in pushed.items():

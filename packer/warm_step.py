@@ -27,7 +27,7 @@ from packer.place import BLOBS
 from packer.recipe import Recipe
 from packer.util.fsutil import atomic_write_bytes, quiet_cleanup, remove_tree
 from packer.util.show import show
-from packer.verify import verify
+from packer.verifying import verify
 from packer.warm.capture import check_request, warm
 from packer.warm.pins import WARM_DIR, plain_dir, plain_file, write_state
 from packer.warm.requests import DEFAULT_REQUESTS

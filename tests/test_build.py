@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.bundle import unbundle
 from packer.demo import write_demo
 from packer.errors import PackerError, VerifyError
 from packer.oci.plan import image_rel
 from packer.recipe import demo_recipe, recipe_from_dict
 from packer.util.fsutil import split_artifact
-from packer.verify import verify
+from packer.verifying import verify
 from tests.built import held_in_blobs, weight_bytes, weights_copy
 from tests.bundle_validate import validate_bundle
 from tests.oci_validate import require_tool, run, validate_layout
@@ -473,7 +473,7 @@ def test_input_mtimes_do_not_change_the_output(tmp_path: Path) -> None:
 
 def test_plain_build_never_imports_torch(tmp_path: Path) -> None:
     # torch alone takes over a second to import: longer than converting the demo
-    code = ("import sys\nfrom packer.build import build\nfrom packer.recipe import demo_recipe\n"
+    code = ("import sys\nfrom packer.building import build\nfrom packer.recipe import demo_recipe\n"
             f"build(demo_recipe(), {str(tmp_path / 'out')!r}, sandbox=False)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from packer.build import build
+from packer.building import build
 from packer.chunks import CHUNKS_REL
 from packer.errors import VerifyError
 from packer.recipe import demo_recipe, with_sign_key
@@ -30,7 +30,7 @@ from packer.runtime.chunks import FileChunks, SpanCheck, parse_table
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.signature import model_layout, require_signature
 from packer.util.fsutil import canonical_json, sha256_chunked
-from packer.verify import verify
+from packer.verifying import verify
 from tests.built import build_dir, open_build, weight_location
 from tests.hf_fixtures import llama
 from tests.sign_fixtures import make_keypair

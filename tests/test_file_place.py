@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from packer import place as build_side
-from packer.build import build
+from packer.building import build
 from packer.errors import VerifyError
 from packer.manifest import held_in_blob
 from packer.oci.plan import WEIGHT_ALIGN
@@ -30,7 +30,7 @@ from packer.recipe import demo_recipe
 from packer.runtime import place as runtime_side
 from packer.runtime.env import ArtifactMismatchError
 from packer.util.fsutil import FileEntry, canonical_json
-from packer.verify import verify
+from packer.verifying import verify
 from tests.built import open_build
 
 HEX = "0123456789abcdef" * 4

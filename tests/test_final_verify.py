@@ -29,19 +29,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import packer.build
+import packer.building
 import packer.oci.reread
 import packer.oci.verify
 import packer.weights.stage
 import packer.weights.writer
-from packer.build import build
 from packer.build_stages import STAGES
+from packer.building import build
 from packer.errors import VerifyError, WeightsError
 from packer.oci.reread import reread_blobs
 from packer.recipe import demo_recipe
 from packer.stage import StageContext, StageOutput
 from packer.util.fsutil import FileEntry, sha256_range
-from packer.verify import verify
+from packer.verifying import verify
 from tests.built import weight_bytes
 
 WEIGHTS = "weights/model.safetensors"
@@ -265,7 +265,7 @@ def _after_the_weights_stage(monkeypatch: pytest.MonkeyPatch, then: Any) -> None
         return out
 
     assert STAGES[0].name == "weights"
-    monkeypatch.setattr(packer.build, "STAGES", (replace(STAGES[0], run=weights), *STAGES[1:]))
+    monkeypatch.setattr(packer.building, "STAGES", (replace(STAGES[0], run=weights), *STAGES[1:]))
 
 
 def test_a_blob_written_after_the_re_read_is_hashed_again_and_refused(

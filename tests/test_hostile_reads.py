@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer.build import build
+from packer.building import build
 from packer.recipe import demo_recipe, with_sign_key
 from tests.sign_fixtures import make_keypair
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import packer.oci
-from packer.build import build
+from packer.building import build
 from packer.demo import write_demo
 from packer.errors import ImageError, VerifyError
 from packer.oci import build_image

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.errors import ImageError
 from packer.oci import build_image, push
 from packer.recipe import ImageConfig, demo_recipe, with_sign_key

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.recipe import demo_recipe, with_sign_key
 from packer.runtime.env import ArtifactMismatchError
 from packer.util.fsutil import disk_usage

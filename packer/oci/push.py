@@ -170,7 +170,7 @@ def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3
         digest of the index listing them).
 
     This copies; it does not verify OUT against its manifest (``packer push`` runs
-    :func:`packer.push.push`, which does that first). Every digest it reads is checked against
+    :func:`packer.pushing.push`, which does that first). Every digest it reads is checked against
     the digest grammar before it names a file, and before the first copy.
 
     Raises:

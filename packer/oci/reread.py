@@ -16,7 +16,7 @@ than sharing one mapping, whose page faults cost more than the copies):
   from these bytes, never from the child; so does the sha256 of each of its chunks (the chunk
   table, :mod:`packer.runtime.chunks`), hashed from the same buffers.
 
-Each blob's :class:`Vouch` lets the final verification (:func:`packer.verify.verify`) take both
+Each blob's :class:`Vouch` lets the final verification (:func:`packer.verifying.verify`) take both
 digests for the same file, not written since, instead of hashing it again.
 """
 

@@ -84,7 +84,7 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
          requests: tuple[dict[str, Any], ...] = DEFAULT_REQUESTS) -> dict[str, Any]:
     """Capture the engine's start-up state for the verified build ``out``; ``keep`` pins and publishes it.
 
-    The caller has verified ``out`` (:func:`packer.verify.verify`); nothing in ``out`` is
+    The caller has verified ``out`` (:func:`packer.verifying.verify`); nothing in ``out`` is
     written here. The stub is never imported: the model directory is laid out by the engine
     side's trust gate, which loads ``packer_loader.py`` from its checked bytes (no bytecode
     file is read).

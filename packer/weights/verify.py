@@ -163,7 +163,7 @@ def located(out_dir: Path, rel: str, places: Mapping[str, FilePlace]) -> tuple[P
     """Where the weight file ``rel``'s bytes are: ``(path, offset, size)``; a file of its own is
     ``(out_dir/rel, 0, None)``, one held in its layer blob the blob, the offset and its size.
 
-    ``places`` are the manifest's files entries as the caller read them (``packer.verify``)."""
+    ``places`` are the manifest's files entries as the caller read them (``packer.verifying``)."""
     place = places.get(rel)
     if place is not None and place.in_blob:
         return place.path(out_dir)

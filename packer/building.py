@@ -26,7 +26,7 @@ from packer.stage import Early, Progress, StageContext
 from packer.util.formats import MANIFEST_NAME
 from packer.util.fsutil import atomic_write_bytes, canonical_json, disk_usage, remove_tree, sha256_file_or_none
 from packer.util.timing import StageTimer
-from packer.verify import verify
+from packer.verifying import verify
 from packer.warm_step import warm_after_build
 
 
