@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "packer"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (layer name, fnmatch patterns of module names); a module may import its own layer and
     # those below it, never one above. "packer.oci.*" covers every module inside packer.oci.
-    ("entry points", ("packer.__main__", "packer.cli")),
+    # the package itself declares the public surface (its __all__ names orchestration's functions)
+    ("entry points", ("packer", "packer.__main__", "packer.cli")),
     ("orchestration", ("packer.building", "packer.build_stages", "packer.publish", "packer.verifying",
                        "packer.profiling", "packer.pushing", "packer.stream", "packer.warm_step")),
     # every stage in a folder of its own (test_each_stage_has_its_own_folder)
@@ -33,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # entered by a serving engine (vLLM's plugin entry point), beside the runtime; import the engine lazily
     ("engine adapters", ("packer.adapters", "packer.adapters.*", "packer.warm", "packer.warm.*")),
     # errors, the one way in, the build side's doors to the runtime's facts, and packer/util's helpers
-    ("shared", ("packer", "packer.version", "packer.errors", "packer.reading", "packer.place", "packer.chunks", "packer.signed",
+    ("shared", ("packer.version", "packer.errors", "packer.reading", "packer.place", "packer.chunks", "packer.signed",
                 "packer.util", "packer.util.*")),
     # shipped into the serving container: may import nothing from the build side
     ("runtime", ("packer.runtime", "packer.runtime.*")),

@@ -45,6 +45,8 @@ ALLOWED: dict[tuple[str, str], str] = {
         "puts back the two variables start_pool saved a line before",
     ("packer/adapters/import_hook.py", "import by path"):
         "runs an installed module's own loader, as Python's finders found it, then packer's hooks",
+    ("packer/__init__.py", "import of a computed name"):
+        "the public surface's lazy names: each module is one of packer's own, from the _HOMES literal",
     ("packer/runtime/env.py", "environment write of a computed name"):
         "the CUDA start-up variables of runtime.env.STARTUP_ENV (packer's own constants), before CUDA starts",
 }
