@@ -191,7 +191,7 @@ def spread(xs: list[float]) -> str:
 
 
 def bench(size: str, rounds: int, work: Path) -> dict[str, Any]:
-    from packer.build import build
+    from packer.building import build
     from packer.oci.push import push
     from packer.recipe import recipe_from_dict
 

@@ -16,7 +16,7 @@ def run() -> None:
 
         print(f"error: {missing_dependency(e)}", file=sys.stderr)
         raise SystemExit(1) from None
-    # Printed text is escaped (packer.show) but may still hold printable non-ASCII (a path, a
+    # Printed text is escaped (packer.util.show) but may still hold printable non-ASCII (a path, a
     # name in any script): on a terminal whose encoding cannot hold it, show it escaped too
     # rather than end in UnicodeEncodeError.
     for stream in (sys.stdout, sys.stderr):

@@ -1,4 +1,4 @@
-"""The build's stages in order: :data:`STAGES`, the one list :mod:`packer.build` runs.
+"""The build's stages in order: :data:`STAGES`, the one list :mod:`packer.building` runs.
 
 Each entry adapts the :class:`~packer.stage.StageContext` to its stage module's public
 function (``convert_layout``, ``run_bundle``, ``emit_loader``, ``build_image``), which the
@@ -16,11 +16,11 @@ from functools import partial
 from typing import Any
 
 from packer.errors import SignError
-from packer.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
-from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file
 from packer.manifest import artifact_manifest, files_map
 from packer.reading import SIGNATURE, read_bytes
 from packer.stage import Stage, StageContext, StageOutput
+from packer.util.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
+from packer.util.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file
 
 
 def weights_stage(ctx: StageContext) -> StageOutput:

@@ -8,7 +8,7 @@ traceback). Under ``--json`` each of them also prints one JSON document on stdou
 success prints its summary: the command's ``Ctx`` says so once click parsed the options, and
 :func:`_argv_ctx` reads the words themselves when click failed before that. Everything printed
 goes through :meth:`Ctx.log`, :meth:`Ctx.emit` or :func:`_error`, which show input text escaped
-(:mod:`packer.show`): a message built anywhere in the library cannot reach the terminal raw.
+(:mod:`packer.util.show`): a message built anywhere in the library cannot reach the terminal raw.
 Library modules are imported inside the commands so that ``packer --help`` stays fast and never
 imports torch.
 """
@@ -28,11 +28,11 @@ from typing import Any, NoReturn
 
 import click
 
-from packer import __version__
 from packer.errors import PackerError, missing_dependency
-from packer.formats import CAST_DTYPES, MANIFEST_NAME, WEIGHT_PATTERNS
 from packer.reading import check_regular
-from packer.show import show, show_json
+from packer.util.formats import CAST_DTYPES, MANIFEST_NAME, WEIGHT_PATTERNS
+from packer.util.show import show, show_json
+from packer.version import __version__
 
 
 class Ctx:
@@ -61,7 +61,7 @@ class Ctx:
         click.echo(json.dumps(show_json(summary if self.json else plan), indent=2, sort_keys=True))
 
     def emit(self, summary: dict[str, Any]) -> None:
-        """The ``--json`` summary on stdout, every string in it escaped as :func:`packer.show.show_json`."""
+        """The ``--json`` summary on stdout, every string in it escaped as :func:`packer.util.show.show_json`."""
         if self.json:
             click.echo(json.dumps(show_json(summary), indent=2, sort_keys=True))
 
@@ -295,7 +295,7 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
       packer build recipes/hf-model.toml --dry-run
       packer build recipes/hf-model.toml -o out --sign-key signing-key.pem
     """
-    from packer.build import build as run_build
+    from packer.building import build as run_build
     from packer.recipe import recipe_from_options
 
     rec = recipe_from_options(recipe, allow_globals=allow_globals, sign_key=sign_key)
@@ -491,7 +491,7 @@ def verify(ctx: Ctx, out: Path, public_key: Path | None) -> None:
       packer verify dist
       packer verify dist --public-key signing-key.pub
     """
-    from packer.verify import verify as run_verify
+    from packer.verifying import verify as run_verify
 
     summary = run_verify(out, public_key=public_key)
     ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / MANIFEST_NAME}")
@@ -515,7 +515,7 @@ def profile(ctx: Ctx, out: Path, device: str | None, verify_: bool) -> None:
     Example:
       packer profile dist --device cuda
     """
-    from packer.profile import profile as run_profile
+    from packer.profiling import profile as run_profile
 
     result = run_profile(out, device=device, verify=verify_)
     ctx.log(f"{'stage':<16}{'seconds':>10}{'bytes':>14}{'GB/s':>8}")
@@ -594,7 +594,7 @@ def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
       packer push dist registry.example.com/team/model:1.0
     """
     from packer.oci.referrer import referrers_tag
-    from packer.push import push as run_push
+    from packer.pushing import push as run_push
 
     pushed = run_push(out, ref, tls_verify=tls_verify)
     for where, digest in pushed.items():

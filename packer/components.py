@@ -31,9 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import BIN_SUFFIX, SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, foreign_weights, variant_of, with_variant
-from packer.idents import check_rel_name, shown
 from packer.reading import JSON_DOC, MARKER, parse_json, read_bytes, read_json
+from packer.util.formats import (
+    BIN_SUFFIX,
+    SAFETENSORS_SUFFIX,
+    WEIGHT_SUFFIXES,
+    foreign_weights,
+    variant_of,
+    with_variant,
+)
+from packer.util.idents import check_rel_name, shown
 
 MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
            ("peft", "adapter_config.json"))

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from packer.fsutil import atomic_open, atomic_write_bytes
+from packer.util.fsutil import atomic_open, atomic_write_bytes
 
 ARCHIVE = "pytorch_model"  # the top directory inside the zip, as torch names it
 _ALIGN = 64  # torch aligns storage entries to 64 bytes so they can be mmapped

@@ -13,7 +13,7 @@ member name) and, where there is one, what to do about it. The CLI turns any
 
 from __future__ import annotations
 
-from packer.show import shell_word
+from packer.util.show import shell_word
 
 
 class PackerError(Exception):
@@ -24,7 +24,7 @@ class PackerError(Exception):
     def with_context(self, context: str) -> PackerError:
         """Return a copy of this error whose message is prefixed with ``context: ``.
 
-        Its notes (a cleanup that also failed, see :func:`packer.fsutil.quiet_cleanup`) come along.
+        Its notes (a cleanup that also failed, see :func:`packer.util.fsutil.quiet_cleanup`) come along.
         """
         new = type(self).__new__(type(self))
         Exception.__init__(new, f"{context}: {self}")

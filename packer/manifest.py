@@ -4,7 +4,7 @@ The manifest has two layers. The *artifact manifest* describes the weights, the 
 loader; its canonical bytes are also stored inside the OCI image (the image cannot list
 itself). The final ``OUT/manifest.json`` adds the ``image`` section and the ``image_files``
 written by the image stage. Timings never enter it: they go to ``build-timings.json``.
-:mod:`packer.verify` proves an OUT still matches its manifest.
+:mod:`packer.verifying` proves an OUT still matches its manifest.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import packer
 from packer.errors import VerifyError
-from packer.formats import MANIFEST_NAME
-from packer.fsutil import FileEntry
 from packer.place import place_of
 from packer.reading import MANIFEST, member, parse_json, read_bytes
+from packer.util.formats import MANIFEST_NAME
+from packer.util.fsutil import FileEntry
+from packer.version import __version__
 
 SCHEMA_VERSION = 2  # 2: a files entry may be held in a layer blob (blob, offset)
 TIMINGS = "build-timings.json"  # outside what is hashed, so two builds can be identical
@@ -56,7 +56,7 @@ def artifact_manifest(*, recipe: dict[str, Any], source: dict[str, Any], inputs:
     """Assemble the artifact manifest (everything but the image)."""
     return {
         "schema": SCHEMA_VERSION,
-        "packer_version": packer.__version__,
+        "packer_version": __version__,
         "recipe": recipe,
         "source": {**source, "files": files_map(inputs)},
         "files": files_map(files),

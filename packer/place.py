@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from packer.errors import VerifyError
-from packer.idents import ErrorClass
 from packer.runtime.place import BLOBS, MAX_END, PAGE, FilePlace, PlaceError, blob_hex, blob_rel, parse_place
+from packer.util.idents import ErrorClass
 
 __all__ = ["BLOBS", "MAX_END", "PAGE", "FilePlace", "PlaceError", "blob_hex", "blob_rel", "parse_place",
            "place_of", "places_of"]

@@ -16,7 +16,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from packer.fsutil import remove_tree, umask
+from packer.util.fsutil import remove_tree, umask
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

@@ -11,10 +11,10 @@ or ``profile``, a base image layout, a public key, a cache. The rules, each in o
   file that grows meanwhile).
 * **JSON parsed with a depth cap** (:func:`parse_json`; Python's parser recurses, so a deep
   document would end in ``RecursionError``) and, where a shape is given, checked against it
-  (:mod:`packer.jsonshape`).
+  (:mod:`packer.util.jsonshape`).
 * **Identifiers before paths**: a digest becomes a path only through :func:`blob_path` (the
   digest grammar), a name only through :func:`member` (the name grammar and the confinement
-  check of :mod:`packer.idents`).
+  check of :mod:`packer.util.idents`).
 
 Weight bytes stay fast: :func:`map_readonly` hands out a descriptor and a read-only mmap of a
 checked regular file, for the readers that ``pread`` or slice it.
@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
-from packer.idents import ErrorClass, check_rel_name, confined, digest_parts, is_commit, shown
-from packer.jsonshape import Shape, check_shape
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.reading import MAX_TREE_DEPTH, too_deep  # the one nesting rule, shared with the runtime
 from packer.runtime.reading import walk_tree as _walk_tree
+from packer.util.idents import ErrorClass, check_rel_name, confined, digest_parts, is_commit, shown
+from packer.util.jsonshape import Shape, check_shape
 
 # a string, or an unterminated one up to the end: one left-to-right pass, whatever the input
 MAX_REF_FILE = 4096  # a hub ref file holds 40 hex digits and a newline
@@ -212,7 +212,7 @@ def parse_json(raw: bytes | str, kind: Kind | None = None, *, where: str, error:
         raw: the document (bytes, or text already decoded).
         kind: its bounds; ``max_bytes`` / ``max_depth`` override them (one of the two is needed).
         where: how messages name the document; ``error``: the caller's error class.
-        shape: when given, the document must have it (:func:`packer.jsonshape.check_shape`).
+        shape: when given, the document must have it (:func:`packer.util.jsonshape.check_shape`).
         object_pairs_hook, parse_int: passed to :func:`json.loads` (what they raise propagates).
 
     Raises:
@@ -268,8 +268,8 @@ def member(root: Path, name: object, *, where: object, error: ErrorClass,
         roots: where the joined path may lead once links are followed (default: ``root``).
 
     Raises:
-        error: ``name`` is not a plain relative name (:func:`packer.idents.check_rel_name`), or
-            the joined path leads outside ``roots`` (:func:`packer.idents.confined`).
+        error: ``name`` is not a plain relative name (:func:`packer.util.idents.check_rel_name`), or
+            the joined path leads outside ``roots`` (:func:`packer.util.idents.confined`).
     """
     rel = check_rel_name(name, where=str(where), error=error)
     path = root / rel

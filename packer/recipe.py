@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import RecipeError
-from packer.formats import CAST_DTYPES, LAYOUTS
-from packer.fsutil import open_regular
-from packer.show import show
+from packer.util.formats import CAST_DTYPES, LAYOUTS
+from packer.util.fsutil import open_regular
+from packer.util.show import show
 from packer.warm.requests import check_requests
 
 DTYPES = tuple(CAST_DTYPES)

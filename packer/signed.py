@@ -20,10 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from packer.idents import ErrorClass
 from packer.reading import Kind, parse_json, read_bytes
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.signature import MAX_SIGNED_BYTES, open_signed, read_bundle, read_public_key, statement_of
+from packer.util.idents import ErrorClass
 
 SIGNED = Kind("signature file", MAX_SIGNED_BYTES, 32)  # a Sigstore bundle nests 5 deep, its statement 6
 

@@ -3,7 +3,7 @@
 Every source resolves to a :class:`Snapshot`: a local directory that later stages only read,
 plus the identity recorded in the manifest. Hub downloads go through huggingface_hub's own
 cache, so ``HF_HUB_OFFLINE=1`` with a populated cache works without network. Where links in a
-snapshot may lead is :func:`packer.idents.link_roots`' rule, which the stages apply.
+snapshot may lead is :func:`packer.util.idents.link_roots`' rule, which the stages apply.
 
 The revision and the cache's ``refs/`` file are checked here, not left to huggingface_hub:
 its offline resolution joins the ref file's text onto the cache as it is, so a ref holding
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import SourceError
-from packer.formats import WEIGHT_PATTERNS
-from packer.fsutil import atomic_write_bytes, file_kind
-from packer.idents import check_revision, confined, is_commit, shown
 from packer.reading import read_ref_file
 from packer.recipe import Recipe
+from packer.util.formats import WEIGHT_PATTERNS
+from packer.util.fsutil import atomic_write_bytes, file_kind
+from packer.util.idents import check_revision, confined, is_commit, shown
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
 # What the weights and bundle stages may read from a hub repo when the recipe names nothing.

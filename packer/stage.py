@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from packer.fsutil import FileEntry
+from packer.util.fsutil import FileEntry
 
 if TYPE_CHECKING:
     from packer.recipe import Recipe
@@ -65,7 +65,7 @@ class StageContext:
         sandbox: read checkpoints in an isolated child process.
         progress: the weights stage's byte increments (see :data:`Progress`), or None.
         layer_digests: the weights stage writes each weight layer blob (one copy of the weights).
-        early: input hashes started before the stages (see :mod:`packer.build`).
+        early: input hashes started before the stages (see :mod:`packer.building`).
         outputs: the earlier stages' outputs by stage name (``"weights"``, ``"bundle"``,
             ``"loader"``...); the build adds each one as its stage ends.
     """

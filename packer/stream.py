@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 
 from packer.errors import ImageError, UsageError
-from packer.fsutil import remove_tree
 from packer.runtime.env import ArtifactMismatchError, is_ref
 from packer.runtime.remote import RemoteImage
+from packer.util.fsutil import remove_tree
 
 
 def lay_out(ref: str, dest: Path | None = None) -> tuple[Path, str]:

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import RecipeError, UsageError, VerifyError, WarmStateError
-from packer.fsutil import atomic_write_bytes, quiet_cleanup, remove_tree
 from packer.manifest import read_manifest
 from packer.oci.warm_layer import WarmImage, check_warm_images, plan_warm_image
 from packer.place import BLOBS
 from packer.recipe import Recipe
-from packer.show import show
-from packer.verify import verify
+from packer.util.fsutil import atomic_write_bytes, quiet_cleanup, remove_tree
+from packer.util.show import show
+from packer.verifying import verify
 from packer.warm.capture import check_request, warm
 from packer.warm.pins import WARM_DIR, plain_dir, plain_file, write_state
 from packer.warm.requests import DEFAULT_REQUESTS

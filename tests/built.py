@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from packer.build import BuildResult, build
+from packer.building import BuildResult, build
 from packer.recipe import recipe_from_dict
 from packer.runtime.loading import Loader
 from packer.runtime.timeline import Timeline

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.bundle import unbundle
 from packer.demo import write_demo
 from packer.errors import PackerError, VerifyError
-from packer.fsutil import split_artifact
 from packer.oci.plan import image_rel
 from packer.recipe import demo_recipe, recipe_from_dict
-from packer.verify import verify
+from packer.util.fsutil import split_artifact
+from packer.verifying import verify
 from tests.built import held_in_blobs, weight_bytes, weights_copy
 from tests.bundle_validate import validate_bundle
 from tests.oci_validate import require_tool, run, validate_layout
@@ -138,7 +138,7 @@ def test_verify_passes_then_names_any_changed_file(demo_out: Path, tmp_path: Pat
 def test_verify_blames_a_canonical_manifest_whose_record_lost_a_key(demo_out: Path, tmp_path: Path,
                                                                    section: str) -> None:
     """A flipped byte can rename a key ("sha256" -> "rha256") and leave the JSON canonical."""
-    from packer.fsutil import canonical_json
+    from packer.util.fsutil import canonical_json
 
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)
@@ -443,7 +443,7 @@ def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, mon
     import threading
 
     import packer.build_stages as stages_module
-    import packer.fsutil as fsutil
+    import packer.util.fsutil as fsutil
     from packer.demo import write_demo
 
     src = tmp_path / "src"
@@ -481,7 +481,7 @@ def test_input_mtimes_do_not_change_the_output(tmp_path: Path) -> None:
 
 def test_plain_build_never_imports_torch(tmp_path: Path) -> None:
     # torch alone takes over a second to import: longer than converting the demo
-    code = ("import sys\nfrom packer.build import build\nfrom packer.recipe import demo_recipe\n"
+    code = ("import sys\nfrom packer.building import build\nfrom packer.recipe import demo_recipe\n"
             f"build(demo_recipe(), {str(tmp_path / 'out')!r}, sandbox=False)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

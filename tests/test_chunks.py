@@ -22,15 +22,15 @@ from typing import Any
 import pytest
 import torch
 
-from packer.build import build
+from packer.building import build
 from packer.chunks import CHUNKS_REL
 from packer.errors import VerifyError
-from packer.fsutil import canonical_json, sha256_chunked
 from packer.recipe import demo_recipe, with_sign_key
 from packer.runtime.chunks import FileChunks, SpanCheck, parse_table
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.signature import model_layout, require_signature
-from packer.verify import verify
+from packer.util.fsutil import canonical_json, sha256_chunked
+from packer.verifying import verify
 from tests.built import build_dir, open_build, weight_location
 from tests.hf_fixtures import llama
 from tests.sign_fixtures import make_keypair
@@ -236,12 +236,12 @@ def test_a_plain_weight_file_gets_the_table_a_layer_blob_gets(built: Path, plain
 def test_the_build_reads_a_plain_weight_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-read that takes its sha256 and its chunks' is the build's only read of the file:
     the final verification takes both from it (the file not written since)."""
-    import packer.fsutil
-    import packer.verify
+    import packer.util.fsutil
+    import packer.verifying
 
     llama(tmp_path / "hf", **{**WIDE, "tied": False})
     reads: list[str] = []
-    real_chunked, real_file = packer.fsutil.sha256_chunked, packer.fsutil.sha256_file
+    real_chunked, real_file = packer.util.fsutil.sha256_chunked, packer.util.fsutil.sha256_file
 
     def chunked(fd: int, *args: Any) -> Any:
         reads.append(os.readlink(f"/proc/self/fd/{fd}"))
@@ -253,8 +253,8 @@ def test_the_build_reads_a_plain_weight_file_once(tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr("packer.oci.reread.sha256_chunked", chunked)
     monkeypatch.setattr("packer.chunks.sha256_chunked", chunked)
-    monkeypatch.setattr(packer.verify, "sha256_file", whole)
-    monkeypatch.setattr(packer.verify, "sha256_file_or_none", lambda path, stop: whole(path, stop))
+    monkeypatch.setattr(packer.verifying, "sha256_file", whole)
+    monkeypatch.setattr(packer.verifying, "sha256_file_or_none", lambda path, stop: whole(path, stop))
     build_dir(tmp_path / "hf", tmp_path / "out", weights={"chunk_size": "32KiB"}, image={"weights": "external"})
     assert len([r for r in reads if r.endswith(f"/{WEIGHTS}")]) == 1, reads  # in the staging directory
 

@@ -23,10 +23,10 @@ from packer.bundle import ARCHIVE_NAME, BundleMember, plan_bundle, unbundle, wri
 from packer.bundle import write as bundle_write
 from packer.bundle.tar import MemberDigest
 from packer.errors import BundleError, ImageError, WeightsError
-from packer.fsutil import atomic_write_bytes
 from packer.oci.layer import write_layer
 from packer.recipe import BundleConfig, WeightsConfig
 from packer.runtime.bundle_reader import Bundle
+from packer.util.fsutil import atomic_write_bytes
 from packer.weights import convert as convert_mod
 from packer.weights.convert import convert
 from tests.bundle_validate import validate_bundle
@@ -90,7 +90,7 @@ def test_bundle_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
         return real(member, out)
 
     monkeypatch.setattr(bundle_write, "copy_member", copy)
-    from packer import fsutil  # the archive is written through fsutil.atomic_open
+    from packer.util import fsutil  # the archive is written through fsutil.atomic_open
 
     _failing_unlink(monkeypatch, fsutil)
     dest = tmp_path / ARCHIVE_NAME
@@ -103,7 +103,7 @@ def test_bundle_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
 
 def test_atomic_write_failing_cleanup_keeps_the_first_error(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer import fsutil
+    from packer.util import fsutil
 
     def fsync(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -117,7 +117,7 @@ def test_atomic_write_failing_cleanup_keeps_the_first_error(tmp_path: Path,
 
 
 def test_layer_failing_mid_stream_keeps_its_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer import fsutil  # the blob and the tee are written through fsutil.TempFile
+    from packer.util import fsutil  # the blob and the tee are written through fsutil.TempFile
 
     def pieces() -> Iterator[bytes]:
         yield b"x" * 4096  # a partial write
@@ -132,7 +132,7 @@ def test_layer_failing_mid_stream_keeps_its_message(tmp_path: Path, monkeypatch:
 
 
 def test_layer_failing_rename_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packer import fsutil  # the blob is renamed into place by fsutil.TempFile
+    from packer.util import fsutil  # the blob is renamed into place by fsutil.TempFile
 
     def replace(a: object, b: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")

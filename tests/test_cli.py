@@ -215,7 +215,7 @@ def test_a_plain_pickle_is_refused_with_advice_that_works(tmp_path: Path) -> Non
 
 
 def test_library_does_not_import_click() -> None:
-    code = ("import sys, packer.build, packer.manifest, packer.recipe, packer.source\n"
+    code = ("import sys, packer.building, packer.manifest, packer.recipe, packer.source\n"
             "assert 'click' not in sys.modules\nassert 'torch' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -275,11 +275,11 @@ def test_convert_takes_a_directory_named_with_a_non_ascii_space(tmp_path: Path, 
 # -- --json: one document on stdout for every exit of every command ------------------------------
 
 # the library function each command calls, made to fail unexpectedly
-CALLS = {"build": ("packer.build", "build"), "convert": ("packer.weights.sandbox", "convert_cli"),
+CALLS = {"build": ("packer.building", "build"), "convert": ("packer.weights.sandbox", "convert_cli"),
          "inspect": ("packer.checkpoint", "inspect_checkpoint"), "bundle": ("packer.bundle", "bundle_to_file"),
-         "unbundle": ("packer.bundle", "unbundle"), "verify": ("packer.verify", "verify"),
-         "profile": ("packer.profile", "profile"), "warm": ("packer.warm_step", "warm_output"),
-         "push": ("packer.push", "push"), "stream": ("packer.stream", "lay_out")}
+         "unbundle": ("packer.bundle", "unbundle"), "verify": ("packer.verifying", "verify"),
+         "profile": ("packer.profiling", "profile"), "warm": ("packer.warm_step", "warm_output"),
+         "push": ("packer.pushing", "push"), "stream": ("packer.stream", "lay_out")}
 # a command whose argument is no path: what it refuses, and the end of its one line
 REFUSED = {"stream": (["oci://127.0.0.1:9/nowhere@sha256:" + "0" * 64], "Connection refused)")}
 
@@ -408,9 +408,9 @@ def test_the_entry_point_reports_usage_and_internal_errors_as_one_document(tmp_p
     for args in (["--json", "frobnicate"], ["verify", "--json"], ["build", "--no-such", "--json"]):
         proc = packer(*args)
         assert proc.returncode == 2 and _one_document(proc.stdout, 2)["error"] in proc.stderr, args
-    code = ("import sys, packer.verify\n"
+    code = ("import sys, packer.verifying\n"
             "def boom(*a, **k):\n raise KeyError('x')\n"
-            "packer.verify.verify = boom\nfrom packer.__main__ import run\n"
+            "packer.verifying.verify = boom\nfrom packer.__main__ import run\n"
             f"sys.argv = ['packer', 'verify', {str(tmp_path)!r}, '--json']\nrun()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 1 and "KeyError" in _one_document(proc.stdout, 1)["error"], proc.stderr

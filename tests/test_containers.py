@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.oci.modelpack import modelpack_tag
 from packer.recipe import demo_recipe
 from packer.runtime.bundle_reader import Bundle

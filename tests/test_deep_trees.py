@@ -105,8 +105,8 @@ def test_a_warm_state_holding_a_deep_tree_is_one_line(tmp_path: Path, trees: lis
 
 def test_the_walk_never_follows_links_and_remove_tree_keeps_their_targets(tmp_path: Path,
                                                                           trees: list[Path]) -> None:
-    from packer.fsutil import remove_tree
     from packer.reading import walk_tree
+    from packer.util.fsutil import remove_tree
 
     target = tmp_path / "target"
     (target / "sub").mkdir(parents=True)
@@ -126,8 +126,8 @@ def test_the_walk_never_follows_links_and_remove_tree_keeps_their_targets(tmp_pa
 
 def test_a_deep_tree_left_by_the_weights_child_is_one_line(tmp_path: Path, trees: list[Path]) -> None:
     from packer.errors import WeightsError
-    from packer.formats import UNNAMED_BLOBS
     from packer.oci.reread import _remove_unnamed
+    from packer.util.formats import UNNAMED_BLOBS
 
     trees.append(_deep(tmp_path / UNNAMED_BLOBS))
     with pytest.raises(WeightsError, match=CAP) as caught:

@@ -93,7 +93,7 @@ def test_version(tmp_path: Path) -> None:
 
 
 def test_emitted_loader_names_a_missing_zstandard(tmp_path: Path) -> None:
-    from packer.build import build
+    from packer.building import build
     from packer.recipe import demo_recipe
 
     out = tmp_path / "out"

@@ -22,15 +22,15 @@ from typing import Any
 import pytest
 
 from packer import place as build_side
-from packer.build import build
+from packer.building import build
 from packer.errors import VerifyError
-from packer.fsutil import FileEntry, canonical_json
 from packer.manifest import held_in_blob
 from packer.oci.plan import WEIGHT_ALIGN
 from packer.recipe import demo_recipe
 from packer.runtime import place as runtime_side
 from packer.runtime.env import ArtifactMismatchError
-from packer.verify import verify
+from packer.util.fsutil import FileEntry, canonical_json
+from packer.verifying import verify
 from tests.built import open_build
 
 HEX = "0123456789abcdef" * 4

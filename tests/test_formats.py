@@ -1,15 +1,15 @@
-"""packer.formats: file names and weight patterns are spelled once on the build side."""
+"""packer.util.formats: file names and weight patterns are spelled once on the build side."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from packer import formats
+from packer.util import formats
 
-PACKAGE = Path(formats.__file__).parent
+PACKAGE = Path(formats.__file__).parent.parent
 # the runtime cannot import packer; the checkpoint reader and the shard plan keep their own
-APART = ("formats.py", "runtime/", "checkpoint/", "weights/plan.py")
+APART = ("util/formats.py", "runtime/", "checkpoint/", "weights/plan.py")
 
 
 def test_names_and_patterns_are_spelled_only_in_formats() -> None:

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from packer.formats import LOADER_NAME
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.hf import hf_model_dir
 from packer.runtime.loading import Loader
 from packer.runtime.settings import RuntimeSettings
 from packer.runtime.timeline import Timeline
 from packer.stub import RUNTIME_DIR
+from packer.util.formats import LOADER_NAME
 from tests.loader_fixtures import make_out
 from tests.sign_fixtures import make_keypair
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer.build import build
+from packer.building import build
 from packer.recipe import demo_recipe, with_sign_key
 from tests.sign_fixtures import make_keypair
 
@@ -196,7 +196,7 @@ def test_push_refuses_a_hostile_index(tmp_path: Path, signed: tuple[Path, Path],
 
 @pytest.mark.parametrize("name", ["../canary", "/etc/hostname", "weights/../../canary", "a\\\\b", "link-out"])
 def test_verify_opens_no_name_outside_out(tmp_path: Path, signed: tuple[Path, Path], name: str) -> None:
-    from packer.fsutil import canonical_json
+    from packer.util.fsutil import canonical_json
 
     out = _copy(signed, tmp_path)
     (tmp_path / "canary").write_bytes(b"canary")

@@ -2,7 +2,7 @@
 
 In the cache every file of a snapshot is a link into its repository's ``blobs/``, the files of
 a component folder (``unet/``, ``2_Dense/``) included: those links lead inside
-(:func:`packer.idents.link_roots`), while a link into another repository still leads outside.
+(:func:`packer.util.idents.link_roots`), while a link into another repository still leads outside.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""packer.idents: the grammar of identifiers from inputs and the resolve-inside-root rule."""
+"""packer.util.idents: the grammar of identifiers from inputs and the resolve-inside-root rule."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from packer.errors import SourceError, WeightsError
-from packer.idents import (
+from packer.reading import read_ref_file
+from packer.util.idents import (
     check_rel_name,
     confined,
     digest_parts,
@@ -17,7 +18,6 @@ from packer.idents import (
     is_ref_name,
     link_roots,
 )
-from packer.reading import read_ref_file
 from tests.hf_cache import populate_cache
 
 SHA256 = hashlib.sha256(b"").hexdigest()

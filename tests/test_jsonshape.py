@@ -1,4 +1,4 @@
-"""packer.jsonshape: bounded parsing and one-line shape faults with their JSON path."""
+"""packer.util.jsonshape: bounded parsing and one-line shape faults with their JSON path."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 
 from packer.errors import ImageError
-from packer.jsonshape import SIZE, STR, ListOf, MapOf, Nullable, Obj, check_shape
 from packer.reading import parse_json
+from packer.util.jsonshape import SIZE, STR, ListOf, MapOf, Nullable, Obj, check_shape
 
 DOC = Obj(required={"items": ListOf(Obj(required={"name": STR}, optional={"size": SIZE}))},
           optional={"labels": MapOf(STR), "cmd": Nullable(ListOf(STR))})

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from packer.fsutil import FileEntry
 from packer.oci import build_image
 from packer.oci.plan import image_rel
 from packer.recipe import ImageConfig
+from packer.util.fsutil import FileEntry
 from tests import dockerfile_reader as reader
 from tests.oci_validate import all_files, make_base, make_out, require_tool, run, validate_layout
 

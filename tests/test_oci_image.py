@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from packer.errors import ImageError, VerifyError
-from packer.fsutil import FileEntry, canonical_json
 from packer.oci import build_image, plan_image, verify_image
 from packer.oci.base import parse_reference
 from packer.oci.plan import image_rel
 from packer.recipe import ImageConfig
 from packer.stage import StageOutput
+from packer.util.fsutil import FileEntry, canonical_json
 from tests.oci_validate import (
     all_files,
     make_base,

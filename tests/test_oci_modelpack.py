@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.errors import VerifyError
 from packer.oci import verify_image
 from packer.oci.modelpack import ARTIFACT_TYPE, FILE_METADATA, FILEPATH, modelpack_tag

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.errors import ImageError
-from packer.fsutil import canonical_json
 from packer.oci import build_image, push
 from packer.recipe import ImageConfig, demo_recipe, with_sign_key
+from packer.util.fsutil import canonical_json
 from tests.built import weight_location
 from tests.oci_validate import REF, make_out, require_tool, run, validate_layout, validate_referrer
 from tests.registry_fixtures import docker_registry

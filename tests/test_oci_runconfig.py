@@ -11,10 +11,10 @@ import pytest
 
 from packer.build_stages import StageOutput
 from packer.errors import ImageError, VerifyError
-from packer.fsutil import canonical_json
 from packer.oci import build_image, verify_image
 from packer.oci.runconfig import base_name, created_epoch, run_config
 from packer.recipe import ImageConfig
+from packer.util.fsutil import canonical_json
 from tests.oci_validate import make_base, make_out, validate_layout
 
 SOURCE = {"kind": "local", "uri": "/srv/models/demo", "revision": "abc123"}

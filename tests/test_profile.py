@@ -1,4 +1,4 @@
-"""packer.profile: the self-test in a fresh process, its stage table and slowest imports."""
+"""packer.profiling: the self-test in a fresh process, its stage table and slowest imports."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from packer.errors import LoaderError
-from packer.profile import parse_stderr, profile
+from packer.profiling import parse_stderr, profile
 from tests.loader_fixtures import make_out
 
 

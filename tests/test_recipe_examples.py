@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer.build import build
+from packer.building import build
 from packer.recipe import recipe_from_dict
 from tests.built import save_pickle
 from tests.component_fixtures import import_loader

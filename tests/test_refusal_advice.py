@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from packer.cli import main
-from packer.formats import FLAX_PACKAGES, TF_PACKAGES
+from packer.util.formats import FLAX_PACKAGES, TF_PACKAGES
 from tests.built import build_dir
 from tests.component_fixtures import import_loader
 
@@ -277,7 +277,7 @@ def test_advice_names_a_hostile_directory_exactly_as_bash_reads_it(tmp_path: Pat
     """A newline, a tab, a quote, ``$`` and a backslash in the directory: the printed command,
     pasted into bash, names that directory and not the decoy beside it, whose name is what the
     escaped text would read as inside single quotes."""
-    from packer.show import show
+    from packer.util.show import show
 
     src = tmp_path / HOSTILE_DIR
     decoy = tmp_path / show(HOSTILE_DIR)  # "m\\nx\\ty ...": a real backslash-n

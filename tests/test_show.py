@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from packer.show import shell_word, show, show_json
+from packer.util.show import shell_word, show, show_json
 from tests.ckpt_factory import FakeStorage, Member, simple_tensor_dict, tensor_pickle, torch_zip
 
 KINDS = {"esc": "\x1b[8m", "osc": "\x1b]0;pwned\x07", "cr": "\r", "lf": "\nnote: file is safe",

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from packer.build import build
+from packer.building import build
 from packer.errors import RecipeError, SignError, VerifyError
-from packer.fsutil import canonical_json
 from packer.recipe import demo_recipe, recipe_from_dict, with_sign_key
 from packer.runtime.signature import model_layout, open_signed
-from packer.verify import verify
+from packer.util.fsutil import canonical_json
+from packer.verifying import verify
 from tests.built import weight_location
 from tests.oci_validate import REF, require_tool, run, validate_layout, validate_referrer
 from tests.sign_fixtures import image_model_dir, loader_model_dir, make_keypair, model_signing_verify

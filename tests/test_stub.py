@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from packer.errors import StubError
-from packer.formats import LOADER_NAME
-from packer.fsutil import canonical_json
 from packer.stub import RUNTIME, RUNTIME_DIR, emit_loader, planned_files, render, runtime_files
+from packer.util.formats import LOADER_NAME
+from packer.util.fsutil import canonical_json
 from tests.loader_fixtures import make_out
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def test_selftest_failure_names_the_type_and_the_absolute_path_once(tmp_path: Pa
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="hardware: checks the fallback where CUDA is missing")
 def test_selftest_says_when_it_checks_a_cuda_build_on_cpu(tmp_path: Path) -> None:
-    from packer.build import build
+    from packer.building import build
     from packer.recipe import demo_recipe
 
     out = tmp_path / "out"

@@ -39,12 +39,14 @@ CACHE_VARS = frozenset({
 ALLOWED: dict[tuple[str, str], str] = {
     ("packer/stub/__init__.py", "compile"): "compiles the stub packer just emitted to check its syntax; the "
                                             "code object is dropped, never run",
-    ("packer/runtime/warm.py", "environment write of PYTHONPATH"):
+    ("packer/runtime/pool.py", "environment write of PYTHONPATH"):
         "the fork server gets this process's own sys.path (Python < 3.12 does not pass it), put back at once",
-    ("packer/runtime/warm.py", "environment write of a computed name"):
-        "puts back the two variables start_warm saved a line before",
+    ("packer/runtime/pool.py", "environment write of a computed name"):
+        "puts back the two variables start_pool saved a line before",
     ("packer/adapters/import_hook.py", "import by path"):
         "runs an installed module's own loader, as Python's finders found it, then packer's hooks",
+    ("packer/__init__.py", "import of a computed name"):
+        "the public surface's lazy names: each module is one of packer's own, from the _HOMES literal",
     ("packer/runtime/env.py", "environment write of a computed name"):
         "the CUDA start-up variables of runtime.env.STARTUP_ENV (packer's own constants), before CUDA starts",
 }

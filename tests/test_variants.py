@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from packer.formats import variant_of, with_variant
+from packer.util.formats import variant_of, with_variant
 from tests.built import build_dir
 from tests.component_fixtures import diffusers_pipeline, import_loader
 

@@ -19,7 +19,7 @@ import pytest
 from packer.errors import VerifyError, WarmStateError
 from packer.oci.warm_layer import WARM_ANNOTATION, add_warm_image, warm_tag
 from packer.sign.keys import load_signing_key, signed_bundle
-from packer.verify import verify
+from packer.verifying import verify
 from packer.warm.pins import collect, read_state, write_state
 from packer.warm.trust import build_digest, check_signature
 from tests.built import build_dir

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from packer.errors import VerifyError, WarmStateError
-from packer.verify import verify
+from packer.verifying import verify
 from packer.warm.key import BEFORE_CONFIG, difference, explain_config, plain, state_name
 from packer.warm.pins import check_state, collect, load_state, verified_copy, verify_states, write_state
 from tests.built import build_dir

@@ -18,7 +18,7 @@ from typing import Any
 from safetensors import safe_open
 
 from packer.checkpoint.records import DTYPE_SIZES, PACKED
-from packer.fsutil import umask
+from packer.util.fsutil import umask
 
 _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 

@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import EngineAdapterError, WarmStateError
-from packer.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
-from packer.fsutil import quiet_cleanup, remove_tree
 from packer.runtime.env import STREAM_FILE, ArtifactMismatchError
 from packer.runtime.reading import is_regular, loads_json, read_bytes, read_json, resolve
 from packer.runtime.settings import RuntimeSettings
+from packer.util.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
+from packer.util.fsutil import quiet_cleanup, remove_tree
 from packer.warm.key import STATE_ENV
 from packer.warm.pins import ROOTS, WARM_DIR, read_state, verified_copy, verify_states
 from packer.warm.trust import build_digest, check_signature
@@ -67,7 +67,7 @@ def required_key() -> str:
     return RuntimeSettings.from_sources(os.environ).require_signature
 
 
-def embedded_manifest(source: bytes, where: str) -> str:
+def manifest_in_loader(source: bytes, where: str) -> str:
     """The stub's ``_MANIFEST_JSON``, read as a literal from its source (nothing executed).
 
     Raises:
@@ -138,7 +138,7 @@ def load_stub(path: Path) -> types.ModuleType:
     if required_key():
         from packer.runtime import loader
 
-        build = loader.Build(embedded_manifest(source, where), path.parent, STUB_MODULE)
+        build = loader.Build(manifest_in_loader(source, where), path.parent, STUB_MODULE)
         module.__dict__.update({name: getattr(loader, name) for name in ("ArtifactMismatchError", "LoadResult",
                                                                           "report", "init_empty")})
         module.__dict__.update(load_weights=build.load_weights, load_into=build.load_into, manifest=build.manifest,
@@ -196,7 +196,7 @@ def check_served(model_dir: str | Path, stub: Path, public_key: str, *, tokenize
                                  f"signed model directory's ({d}); leave --tokenizer out")
     root = resolve(stub).parent
     signed = require_signature(root, public_key)
-    manifest = loads_json(embedded_manifest(read_bytes(stub, "stub"), str(stub)), str(stub))
+    manifest = loads_json(manifest_in_loader(read_bytes(stub, "stub"), str(stub)), str(stub))
     bundle_file = str((manifest.get("bundle") or {}).get("file") or "bundle.tar.zst")
     warm = _signed_warm_files(d, root, public_key)
     return check_signed_dir(d, signed, ignored=lambda rel: _never_read(rel, bundle_file) or rel in warm,

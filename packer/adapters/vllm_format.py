@@ -40,9 +40,9 @@ from packer.adapters import vllm_warm
 from packer.adapters.gate import LOAD_FORMAT, check_served, load_stub, required_key
 from packer.adapters.import_hook import when_imported
 from packer.errors import EngineAdapterError
-from packer.formats import LOADER_NAME
 from packer.runtime.reading import is_regular, resolve
-from packer.show import show
+from packer.util.formats import LOADER_NAME
+from packer.util.show import show
 
 LOADER_FILE = LOADER_NAME
 _OPTIONS = {"verify", "device", "artifacts"}

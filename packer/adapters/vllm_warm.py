@@ -54,10 +54,10 @@ from typing import Any
 from packer.adapters.gate import LOAD_FORMAT, CacheRedirect, anchored_build, open_state
 from packer.adapters.import_hook import when_imported
 from packer.errors import EngineAdapterError, WarmStateError
-from packer.fsutil import atomic_write_bytes, canonical_json
 from packer.reading import Kind, read_bytes
 from packer.runtime.env import ArtifactMismatchError
-from packer.show import show
+from packer.util.fsutil import atomic_write_bytes, canonical_json
+from packer.util.show import show
 from packer.warm.key import BEFORE_CONFIG, STATE_ENV, difference, explain_config, held, plain, state_name
 from packer.warm.pins import WARM_DIR
 from packer.warm.roots import root_libraries

@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 from packer.errors import BundleError
-from packer.fsutil import umask
 from packer.reading import check_regular
 from packer.runtime import bundle_reader as reader
-from packer.tarfmt import DIR_MODE
+from packer.util.fsutil import umask
+from packer.util.tarfmt import DIR_MODE
 
 
 def unbundle(archive: Path, dest: Path) -> list[str]:

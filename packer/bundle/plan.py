@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from packer import tarfmt
+from packer.util import tarfmt
 
 FILE_MODE, DIR_MODE = tarfmt.FILE_MODE, tarfmt.DIR_MODE
 

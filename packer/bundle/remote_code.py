@@ -8,7 +8,7 @@ relatively (``from .configuration_x import XConfig``), refusing the directory wh
 missing. So packer carries the named files and their relative imports, found by the same
 line rules transformers applies (text read, never parsed as code, never imported), and pins
 them like every other member. Only plain file names at the model root qualify
-(:mod:`packer.idents`); code in another repository is named, not fetched.
+(:mod:`packer.util.idents`); code in another repository is named, not fetched.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import BundleError
-from packer.idents import check_rel_name, link_roots, shown
 from packer.reading import JSON_DOC, Kind, member, read_bytes, read_json
-from packer.show import show
+from packer.util.idents import check_rel_name, link_roots, shown
+from packer.util.show import show
 
 # where transformers looks for auto_map (model, tokenizer, processors)
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
@@ -102,7 +102,7 @@ def remote_code(src: Path, *, roots: Sequence[Path] | None = None) -> RemoteCode
 
     Args:
         src: the model directory.
-        roots: where links may lead; default :func:`packer.idents.link_roots` of ``src``.
+        roots: where links may lead; default :func:`packer.util.idents.link_roots` of ``src``.
 
     Returns:
         The named module files and, transitively, the files they import relatively (all at

@@ -18,11 +18,11 @@ from packer.bundle.remote_code import remote_code
 from packer.bundle.tar import tar_size
 from packer.components import named_folders
 from packer.errors import BundleError, WeightsError
-from packer.formats import WEIGHT_SUFFIXES
-from packer.fsutil import file_kind
-from packer.idents import confined, link_roots
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
+from packer.util.formats import WEIGHT_SUFFIXES
+from packer.util.fsutil import file_kind
+from packer.util.idents import confined, link_roots
 
 TEXT_SUFFIXES = frozenset({".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".bpe", ".yaml", ".yml"})
 NEVER = {
@@ -149,7 +149,7 @@ def plan_bundle(src: Path, cfg: BundleConfig, *, allowed_root: Path | None = Non
     Args:
         src: the model directory.
         cfg: the recipe's ``[bundle]`` section.
-        allowed_root: where symlinks may lead; default :func:`packer.idents.link_roots` (``src``;
+        allowed_root: where symlinks may lead; default :func:`packer.util.idents.link_roots` (``src``;
             for a Hugging Face cache snapshot, the snapshot and its own repository's ``blobs/``).
 
     Returns:

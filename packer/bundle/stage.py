@@ -12,9 +12,9 @@ from typing import Any
 from packer.bundle.plan import BundlePlan
 from packer.bundle.select import plan_bundle
 from packer.bundle.write import ZSTD_LEVEL, WrittenBundle, write_bundle
-from packer.fsutil import FileEntry
 from packer.recipe import BundleConfig
 from packer.stage import StageOutput
+from packer.util.fsutil import FileEntry
 
 ARCHIVE_NAME = "bundle.tar.zst"
 

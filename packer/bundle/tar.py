@@ -11,10 +11,10 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from packer import tarfmt
 from packer.bundle.plan import BundleMember, BundlePlan
 from packer.errors import BundleError
 from packer.reading import open_regular
+from packer.util import tarfmt
 
 _CHUNK = 1 << 20
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer import tarfmt
 from packer.bundle.plan import BundlePlan
 from packer.bundle.tar import MemberDigest, copy_member, headers, tar_size
 from packer.errors import BundleError
-from packer.fsutil import atomic_open, quiet_cleanup
 from packer.runtime import bundle_reader as reader
+from packer.util import tarfmt
+from packer.util.fsutil import atomic_open, quiet_cleanup
 
 # Level 3 (zstd's default): ~400 MB/s per thread, ratio ~4-5x on tokenizer JSON; decoding speed
 # barely depends on the level, and higher levels cost build time for a few percent of size.

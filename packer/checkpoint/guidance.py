@@ -26,7 +26,7 @@ from typing import Any
 from packer.checkpoint.placeholders import PLACEHOLDER_TYPES, GlobalPolicy, PlaceholderDict
 from packer.checkpoint.tree import Global, PickleDict, TensorRef
 from packer.errors import CheckpointError, DisallowedGlobalError
-from packer.show import shell_word
+from packer.util.show import shell_word
 
 MAX_NAMED = 40  # globals named in one message; the flags list is cut at the same place
 

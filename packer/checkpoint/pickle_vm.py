@@ -34,7 +34,7 @@ from packer.checkpoint.tree import (
     reduce_call,
 )
 from packer.errors import CheckpointError, DisallowedGlobalError, TruncatedPickle, UnsafeInputError
-from packer.show import shell_word
+from packer.util.show import shell_word
 
 PersistentLoad = Callable[[object], object]
 _PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")

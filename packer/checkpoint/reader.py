@@ -23,8 +23,8 @@ from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safete
 from packer.checkpoint.torch_zip import load_torch_zip
 from packer.checkpoint.tree import TensorRef, children, named_walk, tensor_counts
 from packer.errors import CheckpointError
-from packer.formats import HEAD_BYTES, foreign_advice
 from packer.reading import open_regular
+from packer.util.formats import HEAD_BYTES, foreign_advice
 
 _I64 = 2**63
 _COMPLEX = {"complex32", "chalf", "complex64", "cfloat", "complex128", "cdouble"}

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
-from packer.idents import confined, digest_parts, shown
-from packer.jsonshape import (
+from packer.reading import OCI_DOC, parse_json, read_bytes
+from packer.util.idents import confined, digest_parts, shown
+from packer.util.jsonshape import (
     BOOL,
     INT,
     SIZE,
@@ -30,7 +31,6 @@ from packer.jsonshape import (
     Shape,
     leaf,
 )
-from packer.reading import OCI_DOC, parse_json, read_bytes
 
 MAX_DOC_BYTES = OCI_DOC.max_bytes  # the registries' manifest limit; configs with long histories fit
 

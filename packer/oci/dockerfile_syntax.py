@@ -20,7 +20,7 @@ with the default escape character ``\\`` (packer writes no ``# escape=`` directi
   expanded; anything else in that place would silently become the shell form.
 
 What no word can hold: a line break (there is no escape for it), and by choice every other
-character :func:`packer.show.show` escapes but tab (a lexer quirk drops a leading BOM, Go's
+character :func:`packer.util.show.show` escapes but tab (a lexer quirk drops a leading BOM, Go's
 scanner complains about NUL). The exec form holds anything but NUL and lone surrogates. Docker
 reads lines of up to 64 KiB; a longer one is refused too. A bare word never starts with ``-``
 (the parser would take ``--x`` for a flag).
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from packer.errors import ImageError
-from packer.show import show
+from packer.util.show import show
 
 _PLAIN = re.compile(r"[A-Za-z0-9_./:@%+,-]+")  # nothing the splitter or the lexer treats specially
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -8,10 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from packer import tarfmt
 from packer.errors import ImageError
-from packer.formats import LOADER_NAME, MANIFEST_NAME
-from packer.fsutil import FileEntry, file_entry
 from packer.oci.base import REF_NAME, BaseImage, link_blobs, resolve_base
 from packer.oci.dockerfile import (
     LAYERS_DIR,
@@ -33,6 +30,9 @@ from packer.place import BLOBS, blob_hex, blob_rel
 from packer.reading import MANIFEST, parse_json, walk_tree
 from packer.recipe import ImageConfig
 from packer.stage import Progress, StageOutput
+from packer.util import tarfmt
+from packer.util.formats import LOADER_NAME, MANIFEST_NAME
+from packer.util.fsutil import FileEntry, file_entry
 
 
 def source_date_epoch() -> int:

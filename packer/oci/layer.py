@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from packer.errors import ImageError
-from packer.fsutil import TempFile
 from packer.oci.tar_writer import FileRange
 from packer.reading import map_readonly, open_regular
+from packer.util.fsutil import TempFile
 
 CHUNK = 16 * 2**20
 HASH_CHUNK = 64 * 2**20

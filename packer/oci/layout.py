@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer.fsutil import atomic_write_bytes, canonical_json
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME, BaseImage, platform_fields
 from packer.oci.layer import Layer
 from packer.oci.plan import ImagePlan
+from packer.util.fsutil import atomic_write_bytes, canonical_json
 
 OCI_LAYOUT = b'{"imageLayoutVersion":"1.0.0"}\n'
 PACKER_PREFIX = "packer:"  # history created_by of every layer packer wrote starts with this

@@ -28,7 +28,7 @@ from packer.oci.layout import write_json_blob
 from packer.oci.plan import ImagePlan, PlannedFile, PlannedLayer
 from packer.oci.tar_writer import SourceFile, tar_members, tar_pieces
 from packer.place import BLOBS
-from packer.tarfmt import FILE_MODE
+from packer.util.tarfmt import FILE_MODE
 
 ARTIFACT_TYPE = "application/vnd.cncf.model.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.cncf.model.config.v1+json"

@@ -27,11 +27,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from packer.errors import ImageError
-from packer.formats import LOADER_NAME, SAFETENSORS_SUFFIX
-from packer.fsutil import FileEntry
 from packer.oci.tar_writer import FileRange, Owner, SourceFile, tar_members, tar_pieces
 from packer.recipe import ImageConfig
-from packer.tarfmt import source_date_epoch
+from packer.util.formats import LOADER_NAME, SAFETENSORS_SUFFIX
+from packer.util.fsutil import FileEntry
+from packer.util.tarfmt import source_date_epoch
 
 WEIGHTS_DIR = "weights/"
 WEIGHT_ALIGN = 4096  # a weight file's data starts at a page boundary of its layer: mapped in place

@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
-from packer.fsutil import atomic_open, atomic_write_bytes, canonical_json
-from packer.idents import digest_parts, shown
 from packer.oci.base import OCI_INDEX, REF_NAME
 from packer.oci.base_docs import INDEX, REFERRER
 from packer.oci.layout import OCI_LAYOUT
@@ -20,6 +18,8 @@ from packer.oci.modelpack import ARTIFACT_TYPE, modelpack_tag
 from packer.oci.referrer import is_referrer, referrers_tag
 from packer.oci.registry_ref import check_ref
 from packer.reading import OCI_DOC, blob_path, open_regular, read_json, read_text
+from packer.util.fsutil import atomic_open, atomic_write_bytes, canonical_json
+from packer.util.idents import digest_parts, shown
 
 
 def _index(image: Path) -> list[dict[str, Any]]:
@@ -170,7 +170,7 @@ def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3
         digest of the index listing them).
 
     This copies; it does not verify OUT against its manifest (``packer push`` runs
-    :func:`packer.push.push`, which does that first). Every digest it reads is checked against
+    :func:`packer.pushing.push`, which does that first). Every digest it reads is checked against
     the digest grammar before it names a file, and before the first copy.
 
     Raises:

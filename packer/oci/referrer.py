@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError, VerifyError
-from packer.formats import PROVENANCE_NAME
-from packer.fsutil import atomic_write_bytes, canonical_json
-from packer.idents import ErrorClass, shown
 from packer.oci.base import OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.base_docs import INDEX, MANIFEST, REFERRER
 from packer.oci.warm_layer import without_warm
 from packer.reading import OCI_DOC, SIGNATURE, blob_path, parse_json, read_bytes, read_json
 from packer.runtime.signature import SIGSTORE_BUNDLE_V03
+from packer.util.formats import PROVENANCE_NAME
+from packer.util.fsutil import atomic_write_bytes, canonical_json
+from packer.util.idents import ErrorClass, shown
 
 ARTIFACT_TYPE = SIGSTORE_BUNDLE_V03
 EMPTY_TYPE = "application/vnd.oci.empty.v1+json"

@@ -10,8 +10,8 @@ an option (``-x``) or carry whitespace and control characters into a command lin
 from __future__ import annotations
 
 from packer.errors import UsageError
-from packer.idents import shown
 from packer.runtime.registry import MAX_NAME, REF  # the one grammar: the streamed load reads it too
+from packer.util.idents import shown
 
 
 def check_ref(ref: str) -> str:

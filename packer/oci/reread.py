@@ -21,7 +21,7 @@ A weight file written as a plain file (``image.weights = "external"``, ``image.s
 is re-read the same way by :func:`reread_files`: its sha256 and its chunks' from one read of
 this process, the writer's value replaced.
 
-Each :class:`Vouch` lets the final verification (:func:`packer.verify.verify`) take the
+Each :class:`Vouch` lets the final verification (:func:`packer.verifying.verify`) take the
 digests for the same file, not written since, instead of hashing it again.
 """
 
@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WeightsError
-from packer.formats import SAFETENSORS_SUFFIX, UNNAMED_BLOBS
-from packer.fsutil import FileEntry, Identity, identity, sha256_chunked, sha256_range
-from packer.idents import check_rel_name, shown
 from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular, walk_tree
+from packer.util.formats import SAFETENSORS_SUFFIX, UNNAMED_BLOBS
+from packer.util.fsutil import FileEntry, Identity, identity, sha256_chunked, sha256_range
+from packer.util.idents import check_rel_name, shown
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Vouch:
             a plain file.
         sha256: the file's sha256 (hex), from this read.
         digest: the blob's sha256 (hex), from the same read: its name ("" for a plain file).
-        identity: the blob file read (:func:`~packer.fsutil.identity`: device, inode, size and
+        identity: the blob file read (:func:`~packer.util.fsutil.identity`: device, inode, size and
             mtime, the same before and after the read). A later reader holding a file of that
             identity takes both digests; stat shows no write since, which is what it can tell.
         chunk, chunks: the chunk size (bytes) and the file's chunk digests (hex), from the

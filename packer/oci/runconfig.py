@@ -14,10 +14,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from packer import tarfmt
 from packer.errors import ImageError
-from packer.formats import LOADER_NAME
 from packer.recipe import ImageConfig, is_registry_reference
+from packer.util import tarfmt
+from packer.util.formats import LOADER_NAME
 
 _OLD_ENV = ("PACKER_MODEL_DIR=",)  # written by earlier packer versions and read by nothing
 

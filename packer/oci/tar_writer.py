@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from packer.errors import ImageError
-from packer.tarfmt import BLOCK, DIR_MODE, EXEC_MODE, FILE_MODE, PAD_KEY, header, padding
+from packer.util.tarfmt import BLOCK, DIR_MODE, EXEC_MODE, FILE_MODE, PAD_KEY, header, padding
 
 # PAX records packer may emit: long paths, sizes over 8 GiB and the comment of dots that
 # aligns a weight file's data. Anything else (mtime, atime, ctime, xattrs, uname) would mean

@@ -21,9 +21,6 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
 from packer.errors import BlobDigestError, ImageArtifactMismatchError, ImageError, VerifyError
-from packer.formats import MANIFEST_NAME
-from packer.fsutil import HashThread, identity
-from packer.jsonshape import ListOf, Obj
 from packer.oci import modelpack
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.base_docs import CONFIG, DIGEST, INDEX, MANIFEST
@@ -44,7 +41,10 @@ from packer.oci.warm_layer import is_warm
 from packer.place import places_of
 from packer.reading import MANIFEST as MANIFEST_DOC
 from packer.reading import OCI_DOC, blob_path, map_readonly, open_regular, parse_json, read_bytes, read_json
-from packer.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
+from packer.util.formats import MANIFEST_NAME
+from packer.util.fsutil import HashThread, identity
+from packer.util.jsonshape import ListOf, Obj
+from packer.util.tarfmt import DIR_MODE, EXEC_MODE, FILE_MODE
 
 CHUNK = 16 * 2**20
 Expected = dict[str, tuple[int, str]]  # image path -> (size, sha256 hex)
@@ -469,7 +469,7 @@ def verify_image(out_dir: Path, *, artifact_manifest: bytes | None = None,
         artifact_manifest: when given, the image's files must equal the artifact files
             listed in its ``files`` map and its ``manifest.json`` must equal these bytes.
         vouched: the build's own re-read of its weight layer blobs (:data:`Vouched`): such a
-            blob, while it is the file that was read (:func:`~packer.fsutil.identity`), takes
+            blob, while it is the file that was read (:func:`~packer.util.fsutil.identity`), takes
             its digest from there; the file inside it, with ``artifact_manifest``, that read's
             sha256. Anything else is hashed here.
 

@@ -1,7 +1,7 @@
 """Where extracted bundles live: a content-addressed cache, one folder per archive's sha256.
 
 A folder appears there only through a rename, complete (``bundle_reader.extract_cached``
-writes it), so the loader's warm start finds its bundle here with a ``stat`` and never imports
+writes it), so every start after the first finds its bundle here with a ``stat`` and never imports
 the reader (nor zstandard): the stub compiles every runtime module it imports from its checked
 source at each start. What the folder holds is checked by ``served.check_extracted``.
 """

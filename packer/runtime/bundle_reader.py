@@ -573,7 +573,7 @@ def extract_cached(archive: str | os.PathLike[str], root: str | os.PathLike[str]
     """
     base = cache_root(root)
     if expected_sha256 is not None and (hit := cached(base, expected_sha256)) is not None:
-        return hit  # warm start: not even one open of the archive
+        return hit  # a start after the first: not even one open of the archive
     data = _read_once(archive, _compressed_limit(max_bytes))
     digest = hashlib.sha256(data).hexdigest()
     if expected_sha256 is not None and digest != expected_sha256.lower():

@@ -34,7 +34,7 @@ def is_ref(text: object) -> bool:
     return isinstance(text, str) and text.startswith(STREAM_SCHEME)
 
 
-WARM_ENV = "PACKER_WARM_SERVER"  # set only while warm_context's fork server starts: "you are the server"
+POOL_ENV = "PACKER_WARM_SERVER"  # set only while warm_context's fork server starts: "you are the server"
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's allocator settings
 DTYPES = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),

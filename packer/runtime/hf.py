@@ -148,7 +148,7 @@ def _diffusers_model(loader: Loader, model_class: Any, folder: Path, *, device: 
 
 def _config(loader: Loader, bundle: Path, model_class: Any) -> Any:
     """A private copy of the bundle's parsed config (construction may change it)."""
-    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm fork server
+    if str(bundle) in _CONFIGS:  # parsed by prepare(), e.g. in the warm pool's fork server
         return copy.deepcopy(_CONFIGS[str(bundle)])
     with loader.timeline.stage("config"):
         return copy.deepcopy(hf_config(bundle))

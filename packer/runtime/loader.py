@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .assign import LoadResult
 from .components import all_loaders, component_loader
 from .empty import init_empty
-from .env import STREAM_FILE, WARM_ENV, ArtifactMismatchError, is_ref, torch_dtype
+from .env import POOL_ENV, STREAM_FILE, ArtifactMismatchError, is_ref, torch_dtype
 from .loading import Loader
 from .reading import entry_kind, inside, loads_json, read_bytes, sha256_regular
 from .settings import RuntimeSettings, setting
@@ -225,7 +225,7 @@ class Build:
 
     def prepare(self, *, prefetch: bool = False, root: str | Path | None = None) -> dict[str, Any]:
         """Everything before CUDA (headers, bundle, config; optionally the page cache), done once."""
-        from .warm import prepare_loader
+        from .pool import prepare_loader
 
         return prepare_loader(self.loader(root), prefetch=prefetch)
 
@@ -242,16 +242,16 @@ class Build:
             RuntimeError: CUDA was initialised in the server (a forked child could not use it),
                 ``prepare()`` failed there, or a fork server was already running without it.
         """
-        from .warm import start_warm
+        from .pool import start_pool
 
-        return start_warm(self.module, list(preload), root=root, prefetch=prefetch)
+        return start_pool(self.module, list(preload), root=root, prefetch=prefetch)
 
-    def serve_warm(self) -> None:
-        """At the stub's import: when this process is a warm fork server, prepare and guard."""
-        if WARM_ENV in os.environ:  # set by warm_context for its fork server only
-            from .warm import serve_warm
+    def serve_pool(self) -> None:
+        """At the stub's import: when this process is the warm pool's fork server, prepare and guard."""
+        if POOL_ENV in os.environ:  # set by warm_context for its fork server only
+            from .pool import serve_pool
 
-            serve_warm(self.prepare)
+            serve_pool(self.prepare)
 
     def bundle_dir(self, *, root: str | Path | None = None) -> Path:
         """The extracted bundle directory; see :meth:`Loader.bundle_dir`."""

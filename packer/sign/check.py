@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError
-from packer.formats import MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME
 from packer.oci.referrer import check_referrer
 from packer.reading import MANIFEST, read_bytes
 from packer.runtime.signature import digest_difference, model_files, signed_digests
 from packer.sign.keys import load_public_key
 from packer.sign.provenance import SLSA_PROVENANCE_V1, provenance_subjects
 from packer.signed import open_signature, translated
+from packer.util.formats import MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME
 
 
 def check_signatures(out: Path, manifest: dict[str, Any], *, public_key: Path | None = None) -> None:

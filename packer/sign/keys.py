@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import DependencyError, SignError
-from packer.fsutil import canonical_json
-from packer.idents import ErrorClass
 from packer.reading import KEY, read_bytes
 from packer.runtime.signature import CURVE_HASHES, INTOTO_PAYLOAD, SIGSTORE_BUNDLE_V03, dsse_pae, public_key_hint
+from packer.util.fsutil import canonical_json
+from packer.util.idents import ErrorClass
 
 PASSWORD_ENV = "PACKER_SIGN_KEY_PASSWORD"
 EXTRA = "pip install 'model-packer[sign]'"

@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from packer.formats import PROVENANCE_NAME, SIGNATURE_NAME
-from packer.fsutil import FileEntry, atomic_write_bytes
 from packer.runtime.signature import MODEL_SIGNING_PREDICATE, model_files
 from packer.sign.keys import SigningKey, require_sign_extra, signed_bundle
 from packer.stage import StageOutput
+from packer.util.formats import PROVENANCE_NAME, SIGNATURE_NAME
+from packer.util.fsutil import FileEntry, atomic_write_bytes
 
 
 def model_statement(name: str, files: Mapping[str, str], ignore: Sequence[str] = ()) -> dict[str, Any]:

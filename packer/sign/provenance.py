@@ -21,11 +21,11 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
-from packer.fsutil import FileEntry, atomic_write_bytes, canonical_json
 from packer.runtime.signature import INTOTO_STATEMENT
 from packer.sign.keys import SigningKey, signed_bundle
 from packer.stage import StageOutput
+from packer.util.formats import MANIFEST_NAME, PROVENANCE_NAME
+from packer.util.fsutil import FileEntry, atomic_write_bytes, canonical_json
 
 SLSA_PROVENANCE_V1 = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://pypi.org/project/model-packer/#packer-build-v1"

@@ -169,7 +169,7 @@ warmup_inputs = _build.warmup_inputs
 proven_done = _build.proven_done  # the vLLM load format's: after load_weights(proven=True)
 main = _build.main
 
-_build.serve_warm()  # a no-op unless this process is the fork server warm_context starts
+_build.serve_pool()  # a no-op unless this process is the fork server warm_context starts
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,7 @@
-"""An engine's start-up state, captured once and shipped beside the build (``packer warm``).
+"""The warm state: an engine's start-up state, captured once and shipped beside the build (``packer warm``).
+
+Not the warm pool (``warm_context``, :mod:`packer.runtime.pool`: pre-imported worker processes)
+nor warm-up with real shapes (``warmup``, :mod:`packer.runtime.graphs`).
 
 :mod:`packer.warm.key` says what the state depends on and names the first part that differs;
 :mod:`packer.warm.pins` pins every file of it (``OUT/warm/<name>/manifest.json``) and makes the

@@ -27,10 +27,10 @@ from typing import Any
 
 from packer.adapters.gate import CACHE_ENV
 from packer.errors import UsageError, WarmStateError
-from packer.formats import LOADER_NAME
-from packer.fsutil import canonical_json, remove_tree
 from packer.reading import REPORT, parse_json, read_bytes
-from packer.show import show
+from packer.util.formats import LOADER_NAME
+from packer.util.fsutil import canonical_json, remove_tree
+from packer.util.show import show
 from packer.warm.key import STATE_ENV, state_name
 from packer.warm.pins import ROOTS, WARM_DIR, collect
 from packer.warm.requests import DEFAULT_REQUESTS, REQUESTS_ENV, check_requests
@@ -84,7 +84,7 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
          requests: tuple[dict[str, Any], ...] = DEFAULT_REQUESTS) -> dict[str, Any]:
     """Capture the engine's start-up state for the verified build ``out``; ``keep`` pins and publishes it.
 
-    The caller has verified ``out`` (:func:`packer.verify.verify`); nothing in ``out`` is
+    The caller has verified ``out`` (:func:`packer.verifying.verify`); nothing in ``out`` is
     written here. The stub is never imported: the model directory is laid out by the engine
     side's trust gate, which loads ``packer_loader.py`` from its checked bytes (no bytecode
     file is read).

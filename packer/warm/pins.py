@@ -26,12 +26,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from packer.errors import WarmStateError
-from packer.formats import MANIFEST_NAME
-from packer.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup, remove_tree
-from packer.idents import check_rel_name
-from packer.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
 from packer.reading import Kind, file_kind, open_regular, parse_json, read_bytes, walk_tree
-from packer.show import show
+from packer.util.formats import MANIFEST_NAME
+from packer.util.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup, remove_tree
+from packer.util.idents import check_rel_name
+from packer.util.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
+from packer.util.show import show
 from packer.warm.trust import SIGNATURE_NAME, build_digest, check_signature, statement
 
 WARM_DIR = "warm"

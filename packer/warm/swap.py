@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from packer.errors import WarmStateError
-from packer.show import show
+from packer.util.show import show
 
 
 class Renames:

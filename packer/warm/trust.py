@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import WarmStateError
-from packer.formats import MANIFEST_NAME
-from packer.fsutil import split_artifact
 from packer.reading import MANIFEST, SIGNATURE, parse_json, read_bytes
 from packer.runtime.signature import INTOTO_STATEMENT
 from packer.signed import open_signature
+from packer.util.formats import MANIFEST_NAME
+from packer.util.fsutil import split_artifact
 
 SIGNATURE_NAME = "state.sig"
 PREDICATE = "https://model-packer.dev/warm-state/v1"
@@ -51,7 +51,7 @@ def build_digest(out: Path) -> str:
     """sha256 (hex) of the build's artifact manifest, the build a state is signed for.
 
     The artifact manifest is ``out/manifest.json`` without the image's own digests
-    (:func:`packer.fsutil.split_artifact`), in canonical JSON: the very bytes the image ships
+    (:func:`packer.util.fsutil.split_artifact`), in canonical JSON: the very bytes the image ships
     as ``<prefix>/manifest.json``. So the same state, signed once, is for the same build in
     ``OUT`` and in the image's model directory.
 

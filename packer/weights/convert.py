@@ -16,10 +16,10 @@ from typing import Any
 
 from packer.checkpoint.records import CheckpointContents, listing
 from packer.errors import DependencyError, PackerError, WeightsError
-from packer.formats import UNNAMED_BLOBS
-from packer.fsutil import FileEntry, quiet_cleanup, umask
 from packer.recipe import WeightsConfig
 from packer.stage import Progress, StageOutput
+from packer.util.formats import UNNAMED_BLOBS
+from packer.util.fsutil import FileEntry, quiet_cleanup, umask
 from packer.weights.inputs import InputSet, check_index, find_inputs
 from packer.weights.plan import INDEX_NAME, WeightsPlan, plan_weights
 from packer.weights.ties import read_tie_config
@@ -165,7 +165,7 @@ def convert(
         layer_blobs: with ``layer_framing``, write each shard as its layer blob (the tar
             framing around the safetensors bytes, which start at a page boundary) instead of a
             file in ``dest_dir``, and hash neither: ``rel_root/image/unnamed/<its path>``
-            (:data:`~packer.formats.UNNAMED_BLOBS`), whose file entry keeps the safetensors'
+            (:data:`~packer.util.formats.UNNAMED_BLOBS`), whose file entry keeps the safetensors'
             size, names the ``blob`` and the ``offset`` of the bytes in it, and has ``sha256``
             "": the caller re-reads it, hashes both and names it by its digest
             (:func:`packer.oci.reread.reread_blobs`; OUT then holds each weight byte once).

@@ -11,7 +11,7 @@ parsed at all and hold the same tensors when a repository ships both):
 ``WeightsConfig.files`` globs (relative to the source) replace auto-detection.
 
 Every file found in a directory, and every shard an index names, must resolve inside the
-source (:func:`packer.idents.link_roots`: a hub snapshot's links only into its own
+source (:func:`packer.util.idents.link_roots`: a hub snapshot's links only into its own
 repository's ``blobs/``), the rule the bundle applies to the same directory. A single file
 named by the recipe or the command line is taken as named.
 """
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packer.errors import WeightsError
-from packer.formats import WEIGHT_PATTERNS, foreign_advice, variant_of
-from packer.fsutil import not_regular
-from packer.idents import check_rel_name, confined, link_roots
-from packer.jsonshape import STR, MapOf, Obj
 from packer.reading import JSON_DOC, read_json
+from packer.util.formats import WEIGHT_PATTERNS, foreign_advice, variant_of
+from packer.util.fsutil import not_regular
+from packer.util.idents import check_rel_name, confined, link_roots
+from packer.util.jsonshape import STR, MapOf, Obj
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLES = ("model.safetensors", "pytorch_model.bin")

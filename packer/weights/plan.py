@@ -26,9 +26,9 @@ from packer.checkpoint.records import (
     torch_shape,
 )
 from packer.errors import WeightsError
-from packer.formats import CAST_DTYPES
-from packer.fsutil import canonical_json
 from packer.recipe import WeightsConfig
+from packer.util.formats import CAST_DTYPES
+from packer.util.fsutil import canonical_json
 from packer.weights.metadata import ALIASES_KEY, carried_metadata, utf8_ok
 from packer.weights.ties import TieConfig, split_group
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packer import errors
-from packer.fsutil import FileEntry
-from packer.jsonshape import ANY, SIZE, STR, ListOf, MapOf, Obj, check_shape
 from packer.reading import REPORT, parse_json, walk_tree
 from packer.recipe import ImageConfig, Rename, WeightsConfig
 from packer.stage import Progress, StageOutput
+from packer.util.fsutil import FileEntry
+from packer.util.jsonshape import ANY, SIZE, STR, ListOf, MapOf, Obj, check_shape
 from packer.weights.options import ConvertOptions
 
 if TYPE_CHECKING:  # the convert machinery is imported where it runs (the child), not here
@@ -103,7 +103,7 @@ def _resolved(options: ConvertOptions) -> ConvertOptions:
     the image stage reads it), so a malformed value fails in the process that started the conversion."""
     if options.layer_image is None or options.layer_mtime is not None:
         return options
-    from packer.tarfmt import source_date_epoch
+    from packer.util.tarfmt import source_date_epoch
 
     return replace(options, layer_mtime=source_date_epoch(errors.ImageError))
 

@@ -28,9 +28,9 @@ from packer.components import (
     with_variants,
 )
 from packer.errors import WeightsError
-from packer.formats import SAFETENSORS_SUFFIX, foreign_weights, variant_of
 from packer.recipe import WeightsConfig
 from packer.stage import StageOutput
+from packer.util.formats import SAFETENSORS_SUFFIX, foreign_weights, variant_of
 from packer.weights.inputs import find_inputs
 from packer.weights.options import ConvertOptions
 

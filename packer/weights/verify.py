@@ -17,7 +17,7 @@ from typing import Any
 from packer.errors import VerifyError, missing_dependency
 from packer.place import FilePlace
 from packer.reading import JSON_DOC, check_regular, map_readonly, open_regular, parse_json, read_json
-from packer.safetensors_header import MAX_HEADER_BYTES, read_header_file
+from packer.util.safetensors_header import MAX_HEADER_BYTES, read_header_file
 from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
 from packer.weights.writer import CHUNK, Sources, tensor_chunks
 
@@ -163,7 +163,7 @@ def located(out_dir: Path, rel: str, places: Mapping[str, FilePlace]) -> tuple[P
     """Where the weight file ``rel``'s bytes are: ``(path, offset, size)``; a file of its own is
     ``(out_dir/rel, 0, None)``, one held in its layer blob the blob, the offset and its size.
 
-    ``places`` are the manifest's files entries as the caller read them (``packer.verify``)."""
+    ``places`` are the manifest's files entries as the caller read them (``packer.verifying``)."""
     place = places.get(rel)
     if place is not None and place.in_blob:
         return place.path(out_dir)

@@ -32,10 +32,10 @@ from typing import Any
 
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
 from packer.errors import WeightsError
-from packer.formats import CAST_DTYPES
-from packer.fsutil import HashThread, umask
 from packer.reading import map_readonly
 from packer.stage import Progress
+from packer.util.formats import CAST_DTYPES
+from packer.util.fsutil import HashThread, umask
 from packer.weights.plan import PlannedTensor, ShardPlan
 
 CHUNK = 8 * 2**20  # a gathered or cast tensor's block (few numpy/torch calls), and verify_written's compare

@@ -19,10 +19,10 @@ from typing import Any
 
 from packer.adapters.gate import check_stub
 from packer.errors import EngineAdapterError, LoaderError
-from packer.formats import LOADER_NAME
 from packer.reading import REPORT, irregular_entries, not_regular, parse_json
 from packer.runtime.env import ArtifactMismatchError
-from packer.show import shell_word
+from packer.util.formats import LOADER_NAME
+from packer.util.show import shell_word
 
 TOP_IMPORTS = 10
 _STAGE_KEYS = ("stage", "seconds", "bytes", "gbps")

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from packer.errors import PackerError
-from packer.idents import ErrorClass
 from packer.place import FilePlace, parse_place
 from packer.reading import check_regular as check_regular  # moved to packer.reading; kept for callers
 from packer.reading import file_kind as file_kind
 from packer.reading import not_regular as not_regular
 from packer.reading import open_regular, walk_tree
+from packer.util.idents import ErrorClass
 
 CHUNK = 8 * 2**20
 # a hash read's buffer: small enough to stay in the core's own cache between the copy from the

@@ -1,4 +1,4 @@
-"""The warm pool: a fork server that has done everything above the CUDA line, once.
+"""The warm pool: pre-imported worker processes forked from a server that did everything above the CUDA line, once.
 
 :func:`warm_context` returns the standard library's ``forkserver`` context with this module
 and the caller's modules preloaded. The server is a fresh interpreter (not a fork of the
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .env import WARM_ENV
+from .env import POOL_ENV
 from .reading import loads_json
 from .timeline import import_torch
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from .loading import Loader
 
-_WARM: dict[str, Any] = {}  # the server's state, inherited by every worker it forks
+_SERVER: dict[str, Any] = {}  # the server's state, inherited by every worker it forks
 
 
 def prepare_loader(loader: Loader, *, prefetch: bool = False) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def prepare_loader(loader: Loader, *, prefetch: bool = False) -> dict[str, Any]:
 def _before_fork() -> None:
     """Runs in the server just before each fork: was CUDA initialised here?"""
     torch = sys.modules.get("torch")
-    _WARM["cuda"] = bool(torch is not None and torch.cuda.is_initialized())
+    _SERVER["cuda"] = bool(torch is not None and torch.cuda.is_initialized())
 
 
 class _Guard:
@@ -79,36 +79,36 @@ REFUSED = 70  # exit status of a worker forked from a server where CUDA was init
 
 def _refuse_in_child(_: Any) -> None:
     """In each worker before its target runs (multiprocessing swallows exceptions here)."""
-    if _WARM.get("cuda"):
+    if _SERVER.get("cuda"):
         sys.stderr.write(f"packer warm pool: CUDA was initialised in the fork server (pid "
-                         f"{_WARM.get('pid')}); a child forked after that cannot use CUDA. Keep "
+                         f"{_SERVER.get('pid')}); a child forked after that cannot use CUDA. Keep "
                          "torch.cuda out of the preloaded modules\n")
         sys.stderr.flush()
         os._exit(REFUSED)
 
 
-def serve_warm(prepare: Callable[..., dict[str, Any]]) -> None:
-    """At the loader's import: when this process is a warm fork server, prepare and guard."""
-    spec = os.environ.pop(WARM_ENV, None)
-    if spec is None or _WARM:
+def serve_pool(prepare: Callable[..., dict[str, Any]]) -> None:
+    """At the loader's import: when this process is the warm pool's fork server, prepare and guard."""
+    spec = os.environ.pop(POOL_ENV, None)
+    if spec is None or _SERVER:
         return
     from multiprocessing import util
 
-    _WARM.update(pid=os.getpid(), error=None, cuda=False)
+    _SERVER.update(pid=os.getpid(), error=None, cuda=False)
     try:
-        _WARM["prepared"] = prepare(**loads_json(spec, WARM_ENV))
+        _SERVER["prepared"] = prepare(**loads_json(spec, POOL_ENV))
     except Exception as e:  # reported to warm_context by the probe, not lost in the server
-        _WARM["error"] = f"{type(e).__name__}: {e}"
+        _SERVER["error"] = f"{type(e).__name__}: {e}"
     os.register_at_fork(before=_before_fork)
     util.register_after_fork(_GUARD, _refuse_in_child)
 
 
 def server_state() -> dict[str, Any]:
-    """What the warm server recorded (``pid``, ``cuda``, ``error``, ``prepared``); {} outside one.
+    """What the warm pool's fork server recorded (``pid``, ``cuda``, ``error``, ``prepared``); {} outside one.
 
     A worker forked from the server inherits it, so a worker can tell where it came from.
     """
-    return dict(_WARM)
+    return dict(_SERVER)
 
 
 def _probe(conn: multiprocessing.connection.Connection) -> None:
@@ -124,7 +124,7 @@ def _stop_server() -> None:
         stop()
 
 
-def start_warm(module: str, preload: list[str], *, root: str | Path | None = None,
+def start_pool(module: str, preload: list[str], *, root: str | Path | None = None,
                prefetch: bool = False) -> multiprocessing.context.ForkServerContext:
     """Start the fork server with ``preload`` then ``module`` imported; see ``warm_context``."""
     import multiprocessing
@@ -137,8 +137,8 @@ def start_warm(module: str, preload: list[str], *, root: str | Path | None = Non
         raise RuntimeError("warm_context: this platform has no 'forkserver' start method")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([*preload, module])  # ours last: it sees what the others did
-    saved = {k: os.environ.get(k) for k in (WARM_ENV, "PYTHONPATH")}
-    os.environ[WARM_ENV] = json.dumps({"root": str(root) if root else None, "prefetch": prefetch})
+    saved = {k: os.environ.get(k) for k in (POOL_ENV, "PYTHONPATH")}
+    os.environ[POOL_ENV] = json.dumps({"root": str(root) if root else None, "prefetch": prefetch})
     # Python < 3.12 does not hand the caller's sys.path to the server
     os.environ["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [saved["PYTHONPATH"] or ""])
     try:
@@ -160,7 +160,7 @@ def start_warm(module: str, preload: list[str], *, root: str | Path | None = Non
 
 def _ask(ctx: multiprocessing.context.ForkServerContext) -> dict[str, Any] | None:
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_probe, args=(send,), name="packer-warm-probe")
+    p = ctx.Process(target=_probe, args=(send,), name="packer-pool-probe")
     p.start()
     send.close()
     try:

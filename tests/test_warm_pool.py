@@ -1,4 +1,5 @@
-"""``warm_context``: the standard library's fork server, prepared, and refused after CUDA init."""
+"""The warm pool (``warm_context``, packer/runtime/pool.py): the standard library's fork server, prepared, and
+refused after CUDA init."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def answer(ids):
     model = P.from_pretrained(LlamaForCausalLM, device="cpu")
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids])).logits
-    warm = importlib.import_module(P.LoadResult.__module__.rpartition(".")[0] + ".warm")  # the runtime's
-    return out.float().sum().item(), os.getpid(), warm.server_state(), [s["stage"] for s in P.report()].count("config")
+    pool = importlib.import_module(P.LoadResult.__module__.rpartition(".")[0] + ".pool")  # the runtime's warm pool
+    return out.float().sum().item(), os.getpid(), pool.server_state(), [s["stage"] for s in P.report()].count("config")
 
 
 if __name__ == "__main__":

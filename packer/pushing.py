@@ -1,7 +1,7 @@
 """``packer push``: OUT checked as ``packer verify`` checks it, then copied to a registry.
 
 A build is pushed only as built: every file and blob against the manifest first
-(:func:`packer.verify.verify`), then :func:`packer.oci.push.push` copies the image, its
+(:func:`packer.verifying.verify`), then :func:`packer.oci.push.push` copies the image, its
 ModelPack view and its provenance referrer. The REF is checked before either.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from packer.oci.push import push as copy_image
 from packer.oci.registry_ref import check_ref
-from packer.verify import verify
+from packer.verifying import verify
 
 
 def push(out_dir: Path, ref: str, *, tls_verify: bool = True, timeout: float = 3600) -> dict[str, str]:

@@ -19,9 +19,6 @@ from packer.bundle import verify_bundle
 from packer.chunks import chunk_difference, verify_chunks
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
-from packer.formats import MANIFEST_NAME, PROVENANCE_NAME
-from packer.fsutil import canonical_json, disk_usage, identity, sha256_file, sha256_file_or_none, split_artifact
-from packer.idents import shown
 from packer.manifest import TIMINGS, read_manifest
 from packer.oci.referrer import referrer_blobs
 from packer.oci.reread import PLAIN, Vouch, Vouched
@@ -32,6 +29,9 @@ from packer.reading import member, walk_tree
 from packer.runtime.env import STREAM_FILE
 from packer.sign.check import check_signatures
 from packer.sign.provenance import INDEX_REL
+from packer.util.formats import MANIFEST_NAME, PROVENANCE_NAME
+from packer.util.fsutil import canonical_json, disk_usage, identity, sha256_file, sha256_file_or_none, split_artifact
+from packer.util.idents import shown
 from packer.warm.pins import verify_states
 from packer.weights.verify import verify_weights
 

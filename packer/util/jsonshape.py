@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from packer.idents import ErrorClass, shown
+from packer.util.idents import ErrorClass, shown
 
 
 class Shape(Protocol):

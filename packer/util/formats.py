@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from packer.show import shell_word
+from packer.util.show import shell_word
 
 LOADER_NAME = "packer_loader.py"  # the emitted loader, at the top of OUT and of the image's tree
 MANIFEST_NAME = "manifest.json"  # the artifact manifest, beside it
@@ -124,7 +124,7 @@ def _ctranslate2_spec(head: bytes) -> str | None:
 def foreign_advice(path: Path, head: bytes = b"") -> str | None:
     """The one recogniser of other frameworks' weight files (``build``, ``convert`` and ``inspect``
     all answer with it): what ``path`` is and what to do, with the commands that convert it naming
-    its directory and the file (:func:`packer.show.shell_word`: a newline or tab in them survives
+    its directory and the file (:func:`packer.util.show.shell_word`: a newline or tab in them survives
     the paste), or None (not one). By its name first (Keras, ONNX, TensorFlow, Flax, GGUF, NumPy);
     then by its first :data:`HEAD_BYTES` bytes ``head`` when given (a GGUF, HDF5 or NumPy file
     under another name, a CTranslate2 ``model.bin``)."""
