@@ -33,8 +33,9 @@ $(STAMP): $(DEMO_STAMP)
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/packer build -o dist
 
+# one pytest worker per core, each test file on one worker (its module-scoped builds made once)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check packer tests benchmarks

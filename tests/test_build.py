@@ -115,6 +115,7 @@ def test_skopeo_and_umoci_read_the_image(demo_out: Path, tmp_path: Path) -> None
     assert (root / "manifest.json").read_bytes() == split_artifact(manifest)
 
 
+@pytest.mark.slow
 def test_verify_passes_then_names_any_changed_file(demo_out: Path, tmp_path: Path) -> None:
     assert verify(demo_out)["files"] >= len(EXPECTED)
     copy = tmp_path / "copy"
@@ -341,6 +342,7 @@ def _killed_build(mode: str, n: int, out: Path) -> subprocess.CompletedProcess[s
                           stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("previous", [False, True], ids=["fresh", "over-previous"])
 def test_sigkill_at_every_stage_leaves_out_absent_or_previous(demo_out: Path, tmp_path: Path, previous: bool) -> None:
     out = tmp_path / "out"

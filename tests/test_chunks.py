@@ -313,10 +313,12 @@ def _rank1_offset(built: Path, name: str) -> int:
     return head + begin + 3 * (end - begin) // 4
 
 
+@pytest.mark.slow
 def test_two_verified_ranks_hash_their_share_and_match_an_unverified_load(built: Path, tmp_path: Path) -> None:
     _share_bound(built, tmp_path)
 
 
+@pytest.mark.slow
 def test_two_verified_ranks_hash_their_share_of_a_plain_weight_file(plain_built: Path, tmp_path: Path) -> None:
     """The bound holds wherever the build keeps the weight file: a plain file too (weights
     mounted at run time, or an image of one layer)."""
@@ -338,6 +340,7 @@ def _share_bound(built: Path, tmp_path: Path) -> None:
     assert torch.equal(ours[0]["logits"], ours[1]["logits"])
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_is_refused_by_the_rank_that_reads_it_only(built: Path, tmp_path: Path) -> None:
     work = _per_rank(built, tmp_path)
     at = _rank1_offset(built, "model.layers.3.mlp.gate_proj.weight")  # colwise: rows split

@@ -164,6 +164,7 @@ def test_convert_failing_after_a_partial_write_keeps_its_message(tmp_path: Path,
     assert any("cleanup also failed: PermissionError" in n for n in e.value.__notes__)
 
 
+@pytest.mark.slow
 def test_build_with_a_long_tokenizer_name_and_a_user_config_object(tmp_path: Path) -> None:
     # issue 13 end to end through `packer build`: no traceback, exit codes, verify passes
     from packer.demo import write_demo

@@ -221,6 +221,7 @@ def test_library_does_not_import_click() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_profile_prints_the_loader_stage_table(tmp_path: Path) -> None:
     assert packer("build", "-q", "-o", str(tmp_path / "o")).returncode == 0
     proc = packer("profile", str(tmp_path / "o"))

@@ -41,6 +41,7 @@ def files_of(d: Path) -> set[str]:
     return {p.relative_to(d).as_posix() for p in d.rglob("*") if not p.is_dir()}
 
 
+@pytest.mark.slow
 def test_diffusers_pipeline(tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
     from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel

@@ -82,6 +82,7 @@ def test_the_runtime_never_runs_a_bytecode_file_of_its_own(out: tuple[Path, dict
     assert not canary.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shadow", ["zstandard", "torch", "hashlib", "stat", "pathlib", "json", "argparse"])
 def test_the_stub_as_a_script_imports_nothing_from_its_folder(out: tuple[Path, dict[str, Any]], tmp_path: Path,
                                                               shadow: str) -> None:

@@ -14,6 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="hardware: the CPU half of the check runs where CUDA is not")
 def test_gpu_check_stops_at_the_cuda_boundary_without_zstandard(tmp_path: Path) -> None:
     block = tmp_path / "block"
@@ -32,6 +33,7 @@ def test_gpu_check_stops_at_the_cuda_boundary_without_zstandard(tmp_path: Path) 
     assert sorted(p.name for p in out.iterdir()) == ["env.txt"]  # nothing GPU-side was started
 
 
+@pytest.mark.slow
 def test_gpu_load_runs_its_whole_flow_on_the_cpu_stand_in(tmp_path: Path) -> None:
     """The GPU run is one shot: every step of gpu_load.py runs here first (numbers meaningless)."""
     out = tmp_path / "out"

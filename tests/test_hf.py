@@ -146,6 +146,7 @@ def test_emitted_loader_prints_a_model_dir(tmp_path: Path) -> None:
     assert r.returncode == 1 and "model dir failed: weights/model.safetensors: missing" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_cpu_load_by_mapping_compiles_only_the_modules_it_uses(tmp_path: Path) -> None:
     """The stub compiles each runtime module from its checked source at every start: a warm
     start of ``from_pretrained`` on CPU (bundle already extracted) leaves the ring, its engines,

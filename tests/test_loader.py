@@ -324,6 +324,7 @@ def test_weights_dir_override(two_shards: tuple[Path, dict[str, Any]],
     assert ld.load_weights("cpu")["lm_head.weight"].shape == (64, 32)
 
 
+@pytest.mark.slow
 def test_mapping_outlives_the_loader(two_shards: tuple[Path, dict[str, Any]]) -> None:
     root, m = two_shards
     (root / "m.json").write_text(json.dumps(m))

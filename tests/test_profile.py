@@ -16,6 +16,7 @@ from packer.profiling import parse_stderr, profile
 from tests.loader_fixtures import make_out
 
 
+@pytest.mark.slow
 def test_profile_reports_stages_and_slowest_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"

@@ -80,6 +80,7 @@ def test_model_signing_verifies_the_image_model_directory_and_model_dir(signed: 
     assert "sign" not in manifest["recipe"]  # the key's path is not what was built
 
 
+@pytest.mark.slow
 def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Path], tmp_path: Path) -> None:
     plain = image_model_dir(signed, tmp_path / "models")
     _flip(plain / "model.safetensors", 20_000)
@@ -123,6 +124,7 @@ def _attacker_build(tmp_path: Path, signed: Path, attacker_key: Path, edit: str)
     return out
 
 
+@pytest.mark.slow
 def test_a_changed_config_file_fails_everywhere(signed: Path, keys: dict[str, Path], tmp_path: Path) -> None:
     plain = image_model_dir(signed, tmp_path / "models")
     (plain / "config.json").write_text((plain / "config.json").read_text().replace("}", ', "x": 1}', 1))
@@ -340,6 +342,7 @@ def test_verify_with_a_key_refuses_an_unsigned_build(tmp_path: Path, keys: dict[
         verify(tmp_path / "plain", public_key=keys["pub"])
 
 
+@pytest.mark.slow
 def test_cli_signs_and_verifies_and_names_the_missing_extra(tmp_path: Path, keys: dict[str, Path]) -> None:
     packer = [sys.executable, "-m", "packer"]
     r = subprocess.run([*packer, "build", "-o", str(tmp_path / "out"), "--sign-key", str(keys["key"])],

@@ -267,6 +267,7 @@ def _hub_dry_run(tmp_path: Path, endpoint: str, *flags: str) -> subprocess.Compl
                           env=env, timeout=90, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["500", "reset"])
 def test_a_quiet_build_prints_nothing_while_the_hub_fails(tmp_path: Path, fault: str) -> None:
     """``-q`` hides huggingface_hub's retry and warning lines too: a hub that fails leaves a quiet
@@ -280,6 +281,7 @@ def test_a_quiet_build_prints_nothing_while_the_hub_fails(tmp_path: Path, fault:
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fault", "why"), [("reset", "ReadError"), ("truncated", "RemoteProtocolError"),
                                             ("500", "the hub answered 500"), ("silent", "ReadTimeout")])
 def test_a_hub_fault_builds_the_cached_commit_with_a_note_saying_so(tmp_path: Path, fault: str, why: str) -> None:

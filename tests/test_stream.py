@@ -324,6 +324,7 @@ def _tp_env() -> Iterator[None]:
     os.environ.pop("PACKER_TEST_ROOT", None)
 
 
+@pytest.mark.slow
 def test_two_streamed_ranks_fetch_their_share(pushed: Pushed, tmp_path: Path, _tp_env: None) -> None:
     out, _ = pushed.builds["plain"]
     ours = _ranks(_tp_work(out, tmp_path, pushed.ref("plain"), pushed.address))
@@ -338,6 +339,7 @@ def test_two_streamed_ranks_fetch_their_share(pushed: Pushed, tmp_path: Path, _t
     assert torch.equal(ours[0]["logits"], ours[1]["logits"])
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_is_refused_by_the_streaming_rank_that_fetches_it(pushed: Pushed, tmp_path: Path,
                                                                          _tp_env: None) -> None:
     from tests.test_chunks import _rank1_offset
@@ -394,6 +396,7 @@ def test_a_stream_file_planted_beside_local_weights_diverts_nothing(pushed: Push
     assert not [s for s in pl.report() if s["stage"].startswith("fetch")]
 
 
+@pytest.mark.slow
 def test_a_streamed_directory_checks_itself(pushed: Pushed, tmp_path: Path) -> None:
     """What a new user does next with a streamed directory: the self-test (in it, and of an
     ``oci://`` root), ``packer verify``'s answer; the private directory of a ``root="oci://..."``

@@ -182,6 +182,7 @@ def test_selftest_failure_names_the_type_and_the_absolute_path_once(tmp_path: Pa
     assert f"{rel}: missing (looked for {d.resolve()}" in last and last.count(str(d.resolve())) == 1, last
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="hardware: checks the fallback where CUDA is missing")
 def test_selftest_says_when_it_checks_a_cuda_build_on_cpu(tmp_path: Path) -> None:
     from packer.building import build

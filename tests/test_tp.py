@@ -62,6 +62,7 @@ def prepare(tmp: Path, world: int, **kw: Any) -> Path:
     return tmp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kw", "check_bytes"), [({**WIDE, "tied": False}, True), ({**SMALL, "tied": True}, False)],
                          ids=["untied-wide", "tied"])
 def test_two_ranks_match_transformers_and_read_their_share(tmp_path: Path, kw: dict[str, Any],

@@ -58,6 +58,7 @@ def run(tmp_path: Path, out: Path, preload: list[str]) -> subprocess.CompletedPr
                           cwd=tmp_path, timeout=300)
 
 
+@pytest.mark.slow
 def test_workers_from_the_warm_server_answer(tmp_path: Path) -> None:
     import torch
     from transformers import LlamaForCausalLM
