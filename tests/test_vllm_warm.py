@@ -141,6 +141,7 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     caches = Path(tempfile.mkdtemp(prefix="caches-", dir=tmp))
     os.environ.update({k: v for k, v in engine_env(tmp, caches).items() if k not in ("VLLM_CACHE_ROOT",
                        "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")})
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # packer warm captures with vLLM's own layout all the same
     try:
         summary = warm_output(out, engine="vllm", engine_args=ARGS, python=str(py), timeout=900, sign_key=key,
                               model_dir=models)

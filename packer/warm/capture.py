@@ -126,6 +126,10 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
                **STATE_ENV, "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off",
                REQUESTS_ENV: canonical_json(list(requests)).decode()}
         env.pop("PACKER_WARM_STATE", None)
+        # vLLM's own process layout, as a pod serves: a state captured with the engine core in
+        # the capturing process (VLLM_ENABLE_V1_MULTIPROCESSING=0) was not loaded by vLLM 0.32's
+        # later starts (tests/test_vllm_warm.py captures under that setting)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         report = _run(python, [str(model), *engine_args], env, timeout, work)
         key = {**_read_key(work / "key.json"), "requests": list(requests)}
         name = state_name(key)
