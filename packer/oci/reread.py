@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from packer.errors import WeightsError
 from packer.place import BLOBS, blob_rel
@@ -73,6 +73,7 @@ class Vouch:
 Vouched = dict[str, Vouch]  # "sha256:<blob hex>" (a blob) or "file:<path in OUT>" (a plain file) -> what was read
 PLAIN = "file:"  # the key prefix of a plain file's vouch
 Framing = Callable[[str, int], tuple[bytes, bytes]]  # (file path in OUT, size) -> (bytes before, after)
+_T = TypeVar("_T")
 
 
 def _unlinked(root: Path, rel: str, error_where: str) -> Path:
@@ -128,39 +129,64 @@ def _framing_matches(fd: int, size: int, prefix: bytes, suffix: bytes) -> bool:
     return os.pread(fd, len(prefix), 0) == prefix and os.pread(fd, len(suffix), size - len(suffix)) == suffix
 
 
-def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor, chunk: int) -> Vouch:
-    prefix, suffix = framing(entry.path, entry.size)
+def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
+            hash_fd: Callable[[int, int], _T]) -> tuple[_T, Identity]:
+    """Open ``path`` (a regular file of its own), check its size, hash it, and prove the read
+    saw one unchanged file: ``(hash_fd(fd, size), the file's identity)``.
+
+    ``wrong_size(size)`` says what is wrong with that size (None: nothing); ``what`` names the
+    file in the messages ("layer blob", "weight file").
+
+    Raises:
+        WeightsError: not a regular file, another link, the wrong size, cut short, unreadable,
+            or written (its size, mtime or ctime moved) during the read; or from ``hash_fd``.
+    """
     with open_regular(path, WeightsError) as f:
         fd = f.fileno()
         st = os.fstat(fd)
         before, size = identity(st), st.st_size
         if st.st_nlink != 1:  # a hard link would make a file outside staging part of OUT
-            raise WeightsError(f"{path}: {st.st_nlink} hard links; a layer blob must be a file of its own")
-        if entry.offset != len(prefix) or size != len(prefix) + entry.size + len(suffix):
-            raise WeightsError(f"{path}: {size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
-                               f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
+            raise WeightsError(f"{path}: {st.st_nlink} hard links; a {what} must be a file of its own")
+        if (why := wrong_size(size)) is not None:
+            raise WeightsError(f"{path}: {why}")
         try:
-            if not _framing_matches(fd, size, prefix, suffix):
-                raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this "
-                                   "build writes: the weights stage wrote it wrong (or it shrank)")
-            blob = pool.submit(sha256_range, fd, 0, size)  # the blob: its name
-            inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk)  # the file
-            try:
-                digest, (sha256, chunks) = blob.result(), inside.result()
-            finally:
-                hashers: list[Future[Any]] = [blob, inside]
-                for h in hashers:  # neither hasher may outlive the descriptor it reads
-                    h.cancel()
-                wait(hashers)
+            got = hash_fd(fd, size)
         except EOFError as e:
             raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
         except OSError as e:
-            raise WeightsError(f"{path}: cannot re-read the layer blob: {e.strerror or e}") from e
+            raise WeightsError(f"{path}: cannot re-read the {what}: {e.strerror or e}") from e
         end = os.fstat(fd)
-    # ctime as well: a write whose mtime was put back (utime) still moves it; the blob's later
+    # ctime as well: a write whose mtime was put back (utime) still moves it; a blob's later
     # rename moves it too, so the vouch's identity leaves it out
     if before != identity(end) or st.st_ctime_ns != end.st_ctime_ns:
         raise WeightsError(f"{path}: written while the build re-read it")
+    return got, before
+
+
+def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor, chunk: int) -> Vouch:
+    prefix, suffix = framing(entry.path, entry.size)
+
+    def wrong_size(size: int) -> str | None:
+        if entry.offset == len(prefix) and size == len(prefix) + entry.size + len(suffix):
+            return None
+        return (f"{size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
+                f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
+
+    def hashed(fd: int, size: int) -> tuple[str, tuple[str, tuple[str, ...]]]:
+        if not _framing_matches(fd, size, prefix, suffix):
+            raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this "
+                               "build writes: the weights stage wrote it wrong (or it shrank)")
+        blob = pool.submit(sha256_range, fd, 0, size)  # the blob: its name
+        inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk)  # the file
+        try:
+            return blob.result(), inside.result()
+        finally:
+            hashers: list[Future[Any]] = [blob, inside]
+            for h in hashers:  # neither hasher may outlive the descriptor it reads
+                h.cancel()
+            wait(hashers)
+
+    (digest, (sha256, chunks)), before = _reread(path, "layer blob", wrong_size, hashed)
     return Vouch(entry.offset, entry.size, sha256, digest, before, chunk, chunks)
 
 
@@ -169,24 +195,11 @@ def _read_plain(root: Path, entry: FileEntry, chunk: int) -> Vouch:
     whole and in chunks (no symlink on the way, a file of its own, the size the writer said)."""
     rel = check_rel_name(entry.path, where=f"the weights stage's reply for {shown(entry.path)}", error=WeightsError)
     path = _unlinked(root, str(rel), "the weight file's place")
-    with open_regular(path, WeightsError) as f:
-        fd = f.fileno()
-        st = os.fstat(fd)
-        before, size = identity(st), st.st_size
-        if st.st_nlink != 1:  # a hard link would make a file outside staging part of OUT
-            raise WeightsError(f"{path}: {st.st_nlink} hard links; a weight file must be a file of its own")
-        if size != entry.size:
-            raise WeightsError(f"{path}: {size} bytes; the weights stage wrote {shown(entry.size)}")
-        try:
-            sha256, chunks = sha256_chunked(fd, 0, size, chunk)
-        except EOFError as e:
-            raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
-        except OSError as e:
-            raise WeightsError(f"{path}: cannot re-read the weight file: {e.strerror or e}") from e
-        end = os.fstat(fd)
-    if before != identity(end) or st.st_ctime_ns != end.st_ctime_ns:
-        raise WeightsError(f"{path}: written while the build re-read it")
-    return Vouch(0, size, sha256, "", before, chunk, chunks)
+    (sha256, chunks), before = _reread(
+        path, "weight file",
+        lambda size: None if size == entry.size else f"{size} bytes; the weights stage wrote {shown(entry.size)}",
+        lambda fd, size: sha256_chunked(fd, 0, size, chunk))
+    return Vouch(0, entry.size, sha256, "", before, chunk, chunks)
 
 
 def reread_files(root: Path, files: tuple[FileEntry, ...],
