@@ -209,12 +209,41 @@ def bench(size: str, rounds: int, work: Path) -> dict[str, Any]:
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ("stream", "stream-first", "pull", "local")}
         for _ in range(rounds):
             for mode in runs:
+                before = proc_cpu(proc.pid)
                 runs[mode].append(run_child(["--child", mode, str(out), ref, str(work / size)], env))
+                runs[mode][-1]["registry_cpu_s"] = proc_cpu(proc.pid) - before
         tp_ranks = tp(out, ref, address) if size == "1GB" else []
+        costs = request_costs(ref, address, proc.pid) if size == "1GB" else []
     finally:
         proc.terminate()
         proc.wait()
-    return {"size": size, "nbytes": runs["stream"][0]["nbytes"], "runs": runs, "tp": tp_ranks}
+    return {"size": size, "nbytes": runs["stream"][0]["nbytes"], "runs": runs, "tp": tp_ranks, "costs": costs}
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def request_costs(ref: str, address: str, pid: int) -> list[dict[str, float]]:
+    """What one ``Range`` request costs the registry, by size: sequential requests for spans of
+    the weight blob through packer's client, the registry's CPU and the wall time per request."""
+    from packer.runtime.registry import Registry, parse_ref
+
+    os.environ["PACKER_REGISTRY_INSECURE"] = address
+    reg = Registry(parse_ref(ref))
+    layers = json.loads(reg.manifest()[0])["layers"]
+    blob = max(layers, key=lambda d: d["size"])
+    out = []
+    for size in (4 << 10, 1 << 20, 8 << 20, 64 << 20):
+        n, view = min(128, blob["size"] // size), memoryview(bytearray(size))
+        cpu, t = proc_cpu(pid), time.perf_counter()
+        for i in range(n):
+            reg.read_range(blob["digest"], i * size, view)
+        out.append({"size": size, "requests": n, "registry_ms": (proc_cpu(pid) - cpu) / n * 1e3,
+                    "wall_ms": (time.perf_counter() - t) / n * 1e3})
+    return out
 
 
 def report(res: dict[str, Any]) -> None:
@@ -222,17 +251,22 @@ def report(res: dict[str, Any]) -> None:
     med = {m: statistics.median(x["all_s"] if x["all_s"] is not None else x["first_s"] for x in r[m]) for m in r}
     print(f"\n{res['size']} model: {res['nbytes']} bytes of weights ({r['stream'][0]['tensors']} tensors), "
           f"{len(r['stream'])} interleaved rounds, min / median / max")
-    print("| contender | first tensor (s) | all tensors (s) | fetched (MB) | CPU (s) | peak above start (MB) |")
-    print("|---|---|---|---|---|---|")
+    print("| contender | first tensor (s) | all tensors (s) | fetched (MB) | CPU (s) | registry CPU (s) "
+          "| peak above start (MB) |")
+    print("|---|---|---|---|---|---|---|")
     names = {"stream": "(a) streamed", "pull": "(b) skopeo copy + load", "local": "(c) local, verified whole"}
     for m, label in names.items():
         first = r["stream-first"] if m == "stream" else r[m]
         print(f"| {label} | {spread([x['first_s'] for x in first])} | {spread([x['all_s'] for x in r[m]])} | "
               f"{statistics.median(x['fetched'] for x in r[m]) / 1e6:.0f} | {spread([x['cpu_s'] for x in r[m]])} | "
+              f"{spread([x['registry_cpu_s'] for x in r[m]])} | "
               f"{spread([x['peak_extra'] / 1e6 for x in r[m]])} |")
     pulls = spread([x["pull_s"] for x in r["pull"]])
     print(f"streamed / (b): {med['stream'] / med['pull']:.2f}; streamed / (c): {med['stream'] / med['local']:.2f}; "
           f"streamed rate {gb / med['stream']:.2f} GB/s; skopeo copy alone {pulls} s")
+    for c in res["costs"]:
+        print(f"one Range request of {c['size'] >> 10} KiB ({c['requests']} in a row): registry CPU "
+              f"{c['registry_ms']:.2f} ms, wall {c['wall_ms']:.2f} ms")
     for t in res["tp"]:
         share = t["sharded"] / 2 + t["replicated"]
         print(f"TP 2 rank {t['rank']}: fetched and hashed {t['fetched'] / 1e6:.1f} MB in {t['chunks']} chunks; "

@@ -89,9 +89,23 @@ def open_regular(path: str | os.PathLike[str]) -> int:
 
 class PositionalSource(Protocol):
     """Bytes read at a position from somewhere else than an open file (a registry blob,
-    :class:`~packer.runtime.remote.RemoteFile`): each read is all of it, proven, or raises."""
+    :class:`~packer.runtime.remote.RemoteFile`): each read is all of it, proven, or raises.
+
+    A source may also have ``spans(at, n) -> [(start, length)]``: how a reader thread should cut
+    a read of ``n`` bytes at ``at`` (starts relative to ``at``), where its reads have a cost of
+    their own (one HTTP request each) and a grid (its chunks); :func:`pieces` uses it.
+    """
 
     def read_at(self, view: memoryview, at: int) -> None: ...
+
+
+def pieces(src: int | PositionalSource, at: int, n: int, piece: int) -> list[tuple[int, int]]:
+    """``[(start, length)]`` (starts relative to ``at``) cutting a read of ``n`` bytes of ``src``
+    for reader threads: the source's own ``spans`` where it has them, else ``piece`` bytes each."""
+    spans = getattr(src, "spans", None)
+    if spans is not None:
+        return list(spans(at, n))
+    return [(a, min(piece, n - a)) for a in range(0, n, piece)]
 
 
 def read_at(src: int | PositionalSource, view: memoryview, at: int, where: str) -> None:

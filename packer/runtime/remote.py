@@ -16,7 +16,8 @@ opens the image here instead of a directory:
    chunks covering it (the build's chunk table, pinned by the loader's manifest), each chunk
    hashed as it arrives and refused, naming file, chunk, blob and rank, unless it is the
    table's. Edge chunks shared by two reads are kept (a few) and fetched once. The reader
-   threads of the ring or the CPU copy run several requests at once.
+   threads of the ring or the CPU copy run several requests at once; a bulk read is cut into
+   requests of about :data:`REQUEST` bytes on the chunk grid (:meth:`RemoteFile.spans`).
 
 What is proven: the loader's embedded manifest pins the chunk table's sha256 and each weight
 file's place; the table pins every chunk. So every byte a load uses is proven before it is
@@ -52,6 +53,9 @@ _TAR_LAYERS = ("application/vnd.oci.image.layer.v1.tar", "application/vnd.docker
 _GZIP = ("application/vnd.oci.image.layer.v1.tar+gzip", "application/vnd.docker.image.rootfs.diff.tar.gzip")
 _ZSTD = ("application/vnd.oci.image.layer.v1.tar+zstd",)
 _EDGES = 8  # verified edge chunks kept per file for the neighbouring read (8 MiB at 1 MiB chunks)
+# One Range request of a bulk read: Debian's docker-registry spends about 4 ms of CPU per request
+# whatever its size, what it spends on 8.6 MiB of payload (benchmarks/RESULTS.md, issue 40)
+REQUEST = 64 << 20
 
 
 @dataclass
@@ -88,6 +92,15 @@ class RemoteFile:
         self.label = f"{image.ref}: {place.rel}"
         self._edges: OrderedDict[int, bytes | threading.Event] = OrderedDict()
         self._lock = threading.Lock()
+
+    def spans(self, at: int, n: int) -> list[tuple[int, int]]:
+        """``[(start, length)]`` (starts relative to ``at``) cutting a bulk read of blob bytes
+        ``[at, at + n)`` into requests of about :data:`REQUEST` bytes, cut on the chunk grid, so
+        that no chunk is fetched by two of them."""
+        lo = at - self.place.offset
+        step = max(REQUEST // self.chunks.chunk, 1) * self.chunks.chunk
+        cuts = [lo, *range((lo // step + 1) * step, lo + n, step), lo + n]
+        return [(a - lo, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
     def read_at(self, view: memoryview, at: int) -> None:
         """Fill ``view`` with the file's bytes at blob offset ``at``, every covering chunk proven.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .engines import CopyEngine, host_view
 from .env import MAX_RING_BYTES
-from .reading import PositionalSource, read_at
+from .reading import PositionalSource, pieces, read_at
 from .settings import DEFAULT_CHUNK, MIB
 from .shards import Shard
 from .timeline import Timeline
@@ -247,12 +247,12 @@ class Readers:
 
     def submit_many(self, latch: Latch, reads: list[Read]) -> None:
         """Queue several reads under one latch."""
-        pieces = [Read(r.fd, r.offset + a, r.view[a: a + self.piece], r.where) for r in reads
-                  for a in range(0, len(r.view), self.piece)]
-        latch.begin(len(pieces))
-        if not pieces:
+        cut = [Read(r.fd, r.offset + a, r.view[a: a + n], r.where) for r in reads
+               for a, n in pieces(r.fd, r.offset, len(r.view), self.piece)]
+        latch.begin(len(cut))
+        if not cut:
             latch.ready.set()
-        for r in pieces:
+        for r in cut:
             self._q.put((latch, r))
 
     def _run(self) -> None:
