@@ -176,8 +176,12 @@ def docker_registry(tmp: Path, *, htpasswd: str | None = None, token: TokenServe
         text += (f"auth:\n  token:\n    realm: {token.realm}\n    service: {SERVICE}\n    issuer: {ISSUER}\n"
                  f"    rootcertbundle: {token.bundle}\n")
     (tmp / "registry.yml").write_text(text)
+    # its log goes to a file: a pipe nobody drains fills up (64 KiB of error lines: a 404 per
+    # unknown manifest, ...) and the registry then hangs on its next write, mid-request
+    log = (tmp / "registry.log").open("ab")
     proc = subprocess.Popen([REGISTRY, "serve", str(tmp / "registry.yml")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=log)
+    log.close()
     ctx = ssl.create_default_context(cafile=str(tls.ca)) if tls is not None else None
     try:
         deadline = time.monotonic() + 10
@@ -190,7 +194,7 @@ def docker_registry(tmp: Path, *, htpasswd: str | None = None, token: TokenServe
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    err = (tmp / "registry.log").read_text(errors="replace")
                     pytest.fail(f"docker-registry did not start: {err[-500:]}")
                 time.sleep(0.05)
         yield f"127.0.0.1:{port}"
