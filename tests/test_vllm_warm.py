@@ -82,6 +82,23 @@ def test_a_redirect_puts_back_every_variable_it_changed(clean_env: None, tmp_pat
     assert dict(os.environ) == before and not redirect.dir.exists()
 
 
+def test_a_hit_gives_an_imported_inductor_the_variables_set_after_its_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the engine core in the caller's process imported Inductor before the state's variables and
+    # vLLM's CPU platform set these; the captured graph's key has the values they give
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor, "cpp_cache_precompile_headers", True)
+    monkeypatch.setattr(inductor.cpp, "dynamic_threads", False)
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "1")
+    vllm_warm.inductor_config_from_env()
+    assert inductor.cpp_cache_precompile_headers is False and inductor.cpp.dynamic_threads is True
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_DYNAMIC_THREADS")  # unset: left as imported
+    monkeypatch.setattr(inductor.cpp, "dynamic_threads", False)
+    vllm_warm.inductor_config_from_env()
+    assert inductor.cpp.dynamic_threads is False
+
+
 def test_a_state_naming_an_unknown_root_is_refused(tmp_path: Path) -> None:
     state = _state(tmp_path)
     doc = json.loads((state / "manifest.json").read_bytes())
@@ -153,11 +170,10 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     yield {"tmp": tmp, "out": out, "summary": summary, "model_dir": models, "pub": pub}
 
 
-# vLLM's engine core in the serving process: 20 s less a start on two cores. Only for starts that
-# use no warm state (refused, missed, or not asked for): with the engine core in process vLLM
-# 0.32 compiles again instead of loading the state's compiled graph, so the tests that take a
-# state start vLLM with the process layout a pod has.
-NO_STATE_USED = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# vLLM's engine core in the serving process: 20 s less a start on two cores. The starts that use
+# no warm state (refused, missed, or not asked for) run so; the starts that take a state run with
+# vLLM's default process layout, as a pod has, but one (the logprobs test) in process as well.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def serve(tmp: Path, model_dir: Path, max_len: int = 64, load_format: str = "packer",
@@ -218,7 +234,7 @@ def test_the_signed_warm_image_starts_under_the_signature_requirement(warmed: di
     assert log.count(LINE) == 1 and HIT in log, log[-3000:]
     assert "Directly load AOT compilation from path" in log, log[-3000:]
     assert "Compiling model again" not in log and "finalize_loading" not in log
-    cold, log, _ = serve(tmp, model_dir, PACKER_WARM="off", **NO_STATE_USED)
+    cold, log, _ = serve(tmp, model_dir, PACKER_WARM="off", **IN_PROCESS)
     assert LINE not in log and "Directly load AOT compilation" not in log, log[-3000:]
     assert got == cold and all(len(ids) == 8 for ids in got)
     # an unsigned state in the served directory: the whole directory is refused before vLLM reads it
@@ -235,7 +251,7 @@ def test_the_signed_warm_image_starts_under_the_signature_requirement(warmed: di
 def test_a_plain_vllm_serve_reads_the_model_directory_as_data(warmed: dict[str, Any]) -> None:
     # the image's model directory holds a loader, a manifest and a warm state keyed for exactly
     # this path: without --load-format packer (or PACKER_WARM) none of it is looked at
-    got, log, caches = serve(warmed["tmp"], warmed["model_dir"], load_format="safetensors", **NO_STATE_USED)
+    got, log, caches = serve(warmed["tmp"], warmed["model_dir"], load_format="safetensors", **IN_PROCESS)
     assert LINE not in log and "Directly load AOT compilation" not in log, log[-3000:]
     assert _own_compile_cache(caches), "the engine compiled into its own cache"
     assert all(len(ids) == 8 for ids in got)
@@ -250,7 +266,7 @@ def test_a_tampered_state_is_refused(warmed: dict[str, Any]) -> None:
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0x01
     model.write_bytes(bytes(data))
-    got, log, _ = serve(tmp, warmed["model_dir"], PACKER_WARM=str(state), **NO_STATE_USED)
+    got, log, _ = serve(tmp, warmed["model_dir"], PACKER_WARM=str(state), **IN_PROCESS)
     assert log.count(LINE) == 1, log[-3000:]
     assert f"{MISS}refused: {model}: sha256" in log, log[-3000:]
     assert "Directly load AOT compilation" not in log
@@ -261,7 +277,7 @@ def test_a_tampered_state_is_refused(warmed: dict[str, Any]) -> None:
 def test_a_miss_after_the_configuration_puts_the_engine_caches_back(warmed: dict[str, Any]) -> None:
     # the key's first half matches (versions, device, path); vLLM's configuration hash does not:
     # the engine must compile into its own cache, not into the private copy of the state
-    got, log, caches = serve(warmed["tmp"], warmed["model_dir"], max_len=48, **NO_STATE_USED)
+    got, log, caches = serve(warmed["tmp"], warmed["model_dir"], max_len=48, **IN_PROCESS)
     assert log.count(LINE) == 1, log[-3000:]
     assert f"{MISS}engine argument max_model_len: 48, warmed with 64)" in log, log[-3000:]
     assert _own_compile_cache(caches), "the engine compiled into the state's copy, not its own cache"
@@ -275,7 +291,7 @@ def test_an_unsigned_state_is_refused_where_a_signature_is_required(warmed: dict
     shutil.copytree(warmed["out"] / "warm" / warmed["summary"]["name"], state)
     (state / "state.sig").unlink()
     got, log, _ = serve(tmp, warmed["model_dir"], PACKER_WARM=str(state),
-                        PACKER_REQUIRE_SIGNATURE=str(warmed["pub"]), **NO_STATE_USED)
+                        PACKER_REQUIRE_SIGNATURE=str(warmed["pub"]), **IN_PROCESS)
     lines = [x for x in log.splitlines() if x.startswith(LINE)]
     assert lines == [f"{MISS}refused: {state / 'state.sig'}: missing; the state is unsigned (sign it with packer "
                      "warm --sign-key, the key that signed the build))"], log[-3000:]
@@ -338,9 +354,17 @@ def test_a_hit_compiles_nothing_at_the_first_logprobs_request(warmed: dict[str, 
     assert compiles(log) == [], compiles(log)[:5]
     answer = json.loads(next(x for x in out.splitlines() if x.startswith('{"ids": ')))
     assert answer["logprobs"][0] >= 5, answer  # the logprobs path ran
+    # the engine core in this process (one process instead of three): Inductor was imported
+    # before the state's variables were set, and the hit still loads the captured graph
+    tmpdir = short_tmpdir("inproc")
+    inproc, out, _ = serve(warmed["tmp"], warmed["model_dir"], prompts=one, sampling={"logprobs": 5},
+                           TMPDIR=str(tmpdir), **fresh, **IN_PROCESS)
+    assert out.count(LINE) == 1 and HIT in out and "Directly load AOT compilation" in out, out[-3000:]
+    assert compiles(log) == [], compiles(log)[:5]
+    assert inproc == got
     # the wrapper sees compiles where there are some: the same request, the state switched off
     tmpdir = short_tmpdir("cold")
     cold, out, _ = serve(warmed["tmp"], warmed["model_dir"], prompts=one, sampling={"logprobs": 5},
-                         TMPDIR=str(tmpdir), PACKER_WARM="off", **fresh, **NO_STATE_USED)
+                         TMPDIR=str(tmpdir), PACKER_WARM="off", **fresh, **IN_PROCESS)
     assert LINE not in out and compiles(log), out[-3000:]
     assert got == cold and len(got[0]) == 8

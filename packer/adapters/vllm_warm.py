@@ -18,7 +18,8 @@ inspected or compiled:
 2. after it, vLLM's own hash of the configuration is compared, and one line goes to stderr:
    ``packer: warm state: hit (...)`` or ``packer: warm state: miss (<the part that differs>)``.
    On a miss every variable step 1 changed is put back (and the copy removed) before the engine
-   looks for its cache.
+   looks for its cache. On a hit, an Inductor this process imported already gets the options
+   those variables set (:func:`inductor_config_from_env`), for an engine core in this process.
 
 A plain ``vllm serve DIR`` (another load format, no ``PACKER_WARM``) reads ``DIR`` as data: its
 ``warm/`` is never looked at, whatever files lie beside it, and no line is printed.
@@ -242,8 +243,33 @@ def after_config(engine_args: Any, config: Any, plan: Plan | None) -> None:
     if why:
         _decide(f"miss ({why})")  # the caller puts the engine's variables back
         return
+    inductor_config_from_env()
     _decide(f"hit ({now['engine']} {now['engine_version']}, {state_name(now)}, {plan.redirect.nbytes / 1e6:.1f} MB "
             f"checked against the pins of {plan.state} in {plan.seconds:.2f} s)")
+
+
+# Inductor reads these once, when ``torch._inductor.config`` is first imported; the state's
+# variables (STATE_ENV) and vLLM's CPU platform (``check_and_update_config``) set them later.
+# A process that imported Inductor first and then runs the model itself (the engine core in the
+# caller's process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) would compile with the values of its
+# import, which enter vLLM's AOT cache key (``get_inductor_factors``): its hash would not be
+# the state's and the "hit" would compile everything again. Processes started later read them.
+INDUCTOR_ENV = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": ("cpp_cache_precompile_headers",),
+                "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": ("cpp", "dynamic_threads")}
+
+
+def inductor_config_from_env() -> None:
+    """Set Inductor's options of :data:`INDUCTOR_ENV` from the environment, as a process that
+    imports Inductor now would read them (``"1"`` is true); nothing where Inductor is not imported."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:
+        return
+    for name, path in INDUCTOR_ENV.items():
+        if name in os.environ:
+            owner: Any = config
+            for part in path[:-1]:
+                owner = getattr(owner, part)
+            setattr(owner, path[-1], os.environ[name] == "1")
 
 
 def _decide(text: str) -> None:
