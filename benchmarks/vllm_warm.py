@@ -15,8 +15,13 @@ folder first on ``PATH`` whose C/C++ compilers log each run (the compiles are co
 * ``warm``: packer's warm state, which the plugin checks and points vLLM at;
 * ``warm-fork``: the same with ``VLLM_WORKER_MULTIPROC_METHOD=fork`` (the installed vLLM's
   other worker start method);
-* ``warm-inproc``: the same with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core in the
-  caller's process: one process fewer importing torch and vLLM).
+* ``warm-inproc``: the same with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (for ``LLM``, the engine
+  core and the model in the caller's process: one process importing torch and vLLM instead of
+  three; for the API server, the model inside the engine core's process: two).
+
+``--entry serve`` starts vLLM's OpenAI API server instead (``python -m
+vllm.entrypoints.openai.api_server`` with the same arguments) and asks it, over HTTP, for the
+same completion as soon as it answers.
 
 Neither variable enters vLLM's compile hash, so all warm contenders hit the same state.
 
@@ -27,21 +32,26 @@ compiler runs that compiled or linked. Every warm run must print the hit line an
 AOT artifact; token ids are compared across all runs.
 
 Usage: .venv/bin/python benchmarks/vllm_warm.py [--rounds 3] [--layers 4] [--width 1024] [--rewarm]
-       [--contenders cold,warm,warm-fork,warm-inproc]
+       [--contenders cold,warm,warm-fork,warm-inproc] [--entry llm|serve]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_startup import REPO, VENV, build_out, env, make_model  # noqa: E402
@@ -116,7 +126,41 @@ def compile_runs(log: Path) -> int:
     return sum(1 for x in lines if {"-c", "-o"} & set(x.split()))
 
 
-def run(model_dir: Path, contender: str) -> dict[str, object]:
+def serve_first_answer(proc: subprocess.Popen[str], port: int, model_dir: Path, start: float,
+                       box: dict[str, Any]) -> None:
+    """Poll the API server until it answers one completion (greedy, 8 tokens, logprobs 5); record
+    the times of ``/health`` and of that answer in ``box``, then stop the server's session."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": str(model_dir), "prompt": list(range(2, 34)), "max_tokens": 8, "temperature": 0,
+                       "logprobs": 5, "return_token_ids": True}).encode()
+    while proc.poll() is None:
+        try:
+            if "ready" not in box:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    box["ready"] = time.time()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                choice = json.loads(r.read())["choices"][0]
+            box.update(first=time.time(), ids=choice.get("token_ids") or choice["text"],
+                       logprobs=len((choice.get("logprobs") or {}).get("top_logprobs", [{}])[0]))
+            box.setdefault("ready", box["first"])
+            break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object]:
     caches = Path(tempfile.mkdtemp(prefix="vllm-warm-bench-"))
     (caches / "tmp").mkdir()  # Inductor keeps its precompiled headers under $TMPDIR: fresh, as in a new pod
     compiler_wrappers(caches / "bin", caches / "compilers.log")
@@ -125,20 +169,31 @@ def run(model_dir: Path, contender: str) -> dict[str, object]:
              "PATH": f"{caches / 'bin'}:{os.environ.get('PATH', '')}", **CONTENDERS[contender]}
     start = time.time()
     logs = caches / "log"
+    box: dict[str, Any] = {}
     try:
         with logs.open("w+") as f:
-            proc = subprocess.Popen([str(VENV / "bin" / "python"), "-c", CHILD, str(model_dir)], stdout=f,
+            if entry == "serve":
+                port = free_port()
+                cmd = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *ARGS,
+                       "--port", str(port)]
+            else:
+                cmd = ["-c", CHILD, str(model_dir)]
+            proc = subprocess.Popen([str(VENV / "bin" / "python"), *cmd], stdout=f,
                                     stderr=subprocess.STDOUT, text=True, env={**env(), **extra}, cwd=caches,
                                     start_new_session=True)
+            if entry == "serve":
+                threading.Thread(target=serve_first_answer, args=(proc, port, model_dir, start, box),
+                                 daemon=True).start()
             cpu = session_cpu(proc)
             f.seek(0)
             log = f.read()
         compiles = compile_runs(caches / "compilers.log")
     finally:
         shutil.rmtree(caches, ignore_errors=True)
-    if proc.returncode != 0:
+    if (proc.returncode != 0 and entry != "serve") or (entry == "serve" and "first" not in box):
         raise SystemExit(f"{contender}: vLLM failed:\n{log[-3000:]}")
-    res = json.loads(next(x for x in log.splitlines() if x.startswith('{"ready"')))
+    answers = [x for x in log.splitlines() if x.startswith('{"ready"')]
+    res: dict[str, Any] = box if entry == "serve" else json.loads(answers[0])
     line = next((x for x in log.splitlines() if x.startswith("packer: warm state:")), "")
     return {"ready": res["ready"] - start, "first": res["first"] - start, "cpu": cpu, "ids": res["ids"],
             "compiles": compiles, "logprobs": res["logprobs"], "hit": log.count(HIT) == 1 and AOT in log,
@@ -182,6 +237,8 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024, help="hidden size of the generated Llama (1024, or 256 ...)")
     ap.add_argument("--rewarm", action="store_true")
     ap.add_argument("--contenders", default="cold,warm", help=f"comma-separated, of {', '.join(CONTENDERS)}")
+    ap.add_argument("--entry", choices=("llm", "serve"), default="llm",
+                    help="llm: vLLM's LLM class in a script; serve: vLLM's OpenAI API server, asked over HTTP")
     args = ap.parse_args()
     who_all = args.contenders.split(",")
     if not who_all or any(w not in CONTENDERS for w in who_all) or "cold" not in who_all:
@@ -194,7 +251,7 @@ def main() -> int:
     for i in range(args.rounds):
         order = who_all[i % len(who_all):] + who_all[:i % len(who_all)]  # each contender in turn first
         for who in order:
-            results[who].append(run(model_dir, who))
+            results[who].append(run(model_dir, who, args.entry))
             last = results[who][-1]
             print(f"round {i + 1} {who}: first answer {last['first']:.1f} s, {last['cpu']:.1f} CPU-s, "
                   f"{last['compiles']} compiles  {last['line']}", file=sys.stderr)
@@ -204,7 +261,8 @@ def main() -> int:
     hits = all(r["hit"] for r in warm) and not any(r["hit"] for r in results["cold"])
     logprobs = all(int(r["logprobs"]) >= 5 for rs in results.values() for r in rs)  # type: ignore[call-overload]
     size = sum(p.stat().st_size for p in (out / "warm").rglob("*") if p.is_file())
-    print(f"model dir {model_dir} ({args.layers} layers, width {args.width}), warm state {size / 1e6:.1f} MB, "
+    print(f"entry {args.entry}; model dir {model_dir} ({args.layers} layers, width {args.width}), "
+          f"warm state {size / 1e6:.1f} MB, "
           f"{args.rounds} rounds, {os.cpu_count()} cores; token ids equal: {same}; hit line and AOT load in every "
           f"warm run: {hits}; logprobs in every answer: {logprobs}")
     print("| (min / median / max) | " + " | ".join(who_all) + " |")
