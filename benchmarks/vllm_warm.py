@@ -126,8 +126,7 @@ def compile_runs(log: Path) -> int:
     return sum(1 for x in lines if {"-c", "-o"} & set(x.split()))
 
 
-def serve_first_answer(proc: subprocess.Popen[str], port: int, model_dir: Path, start: float,
-                       box: dict[str, Any]) -> None:
+def serve_first_answer(proc: subprocess.Popen[str], port: int, model_dir: Path, box: dict[str, Any]) -> None:
     """Poll the API server until it answers one completion (greedy, 8 tokens, logprobs 5); record
     the times of ``/health`` and of that answer in ``box``, then stop the server's session."""
     import urllib.error
@@ -182,7 +181,7 @@ def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object
                                     stderr=subprocess.STDOUT, text=True, env={**env(), **extra}, cwd=caches,
                                     start_new_session=True)
             if entry == "serve":
-                threading.Thread(target=serve_first_answer, args=(proc, port, model_dir, start, box),
+                threading.Thread(target=serve_first_answer, args=(proc, port, model_dir, box),
                                  daemon=True).start()
             cpu = session_cpu(proc)
             f.seek(0)

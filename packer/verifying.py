@@ -109,8 +109,8 @@ def _check_files(out: Path, listed: dict[str, Any], checked_blobs: set[str],
         inode = (st.st_dev, st.st_ino)
         if blob_hex(rel) == want["sha256"] and "sha256:" + want["sha256"] in checked_blobs:
             hashed[inode] = want["sha256"]  # the image walk hashed this blob against its name
-        if rel in plain:
-            hashed[inode] = plain[rel].sha256  # the build's re-read of it, not written since (_plain_vouches)
+        if rel in plain and identity(st) == plain[rel].identity:
+            hashed[inode] = plain[rel].sha256  # the build's re-read of it, not written since (checked here, at use)
         if inode not in hashed:
             early = ahead[inode].result() if inode in ahead else None  # None: hash it here
             hashed[inode] = (early or sha256_file(path))[1]
