@@ -61,14 +61,27 @@ def check_request(out: Path, *, engine: str, engine_args: list[str], model_dir: 
 
     Raises:
         WarmStateError: an unknown engine, or ``out`` has no stub.
+        UsageError: as :func:`check_engine_args`.
+    """
+    check_engine_args(out, engine=engine, engine_args=engine_args, model_dir=model_dir)
+    if not (out / LOADER_NAME).is_file():
+        raise WarmStateError(f"{show(str(out))}: no {LOADER_NAME}; `packer warm` takes a build output "
+                             "(packer build -o OUT)")
+
+
+def check_engine_args(out: Path, *, engine: str, engine_args: list[str], model_dir: Path | None) -> None:
+    """The checks of a warm request that need no build (``packer build`` makes them before its first stage).
+
+    Args:
+        out: the build output to be warmed (named in the messages; it need not exist yet).
+
+    Raises:
+        WarmStateError: an unknown engine.
         UsageError: the engine flags name a model or a config file (``--model X``, ``--model=X``,
             ``--config F``, a positional first argument), or ``model_dir`` is not an existing directory.
     """
     if engine not in ENGINES:
-        raise WarmStateError(f"--engine {engine!r}: packer warms {', '.join(ENGINES)}")
-    if not (out / LOADER_NAME).is_file():
-        raise WarmStateError(f"{show(str(out))}: no {LOADER_NAME}; `packer warm` takes a build output "
-                             "(packer build -o OUT)")
+        raise WarmStateError(f"--engine {show(engine)!r}: packer warms {', '.join(ENGINES)}")
     for arg in engine_args:
         flag = arg.split("=", 1)[0]
         if flag.replace("_", "-") in _MODEL_FLAGS:
