@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from packer.util.show import shell_word
+from packer.util.show import shell_word, show
 
 
 def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
@@ -160,8 +160,13 @@ class EngineAdapterError(PackerError):
     """A serving engine's packer adapter (the vLLM load format) cannot find or use the build.
 
     Raised inside the engine's process: the message names the model directory or the option,
-    and how to point the adapter at the build.
+    and how to point the adapter at the build. The engine prints it as it is, outside packer's
+    CLI, so the message is escaped here (:func:`packer.util.show.show`): a path or option value
+    holding control characters reaches the engine's log as visible escapes.
     """
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(show(str(message)), *args)
 
 
 class WarmStateError(PackerError):
