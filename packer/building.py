@@ -27,7 +27,7 @@ from packer.util.formats import MANIFEST_NAME
 from packer.util.fsutil import atomic_write_bytes, canonical_json, disk_usage, remove_tree, sha256_file_or_none
 from packer.util.timing import StageTimer
 from packer.verifying import verify
-from packer.warm_step import warm_after_build
+from packer.warm_step import check_warm_table, warm_after_build
 
 
 @dataclass
@@ -143,7 +143,10 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
 
     With a ``[warm]`` table, the published build is then warmed (:func:`packer.warm_step.
     warm_after_build`) where the engine is installed on the device kind named; elsewhere a
-    note says why not. A failed warm run raises after ``out`` was published.
+    note says why not. What the table needs no build for (its engine flags, the engine's
+    interpreter and device kind, its model directory) is checked before the first stage
+    (:func:`packer.warm_step.check_warm_table`): a table that cannot run is refused with ``out``
+    untouched. A failed warm run raises after ``out`` was published.
 
     Raises:
         PackerError: any stage failed (SignError: the key cannot be used; DependencyError:
@@ -151,6 +154,8 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
     """
     out = Path(out).absolute()
     timer = StageTimer()
+    # what the [warm] table needs no build for is checked before anything is built or out touched
+    warm_check = check_warm_table(recipe, out) if recipe.warm.engine and not dry_run else None
     if not dry_run:
         _check_out(out)
     if recipe.sign_key():  # a bad key fails now, not after the weights are converted
@@ -184,7 +189,7 @@ def build(recipe: Recipe, out: str | Path, *, dry_run: bool = False, sandbox: bo
     warm = None
     if recipe.warm.engine:  # after the publish: the state lies beside the build, pinned apart
         with timer.stage("warm"):
-            warm, more = warm_after_build(out, recipe)
+            warm, more = warm_after_build(out, recipe, checked=warm_check)
         notes = [*notes, *more]
         on_disk = disk_usage(out)  # the state and its image layer count too
     return BuildResult(out, manifest, timer, notes, checked=checked, disk_bytes=on_disk, warm=warm)

@@ -40,7 +40,7 @@ from packer.util.formats import (
     variant_of,
     with_variant,
 )
-from packer.util.idents import check_rel_name, shown
+from packer.util.idents import check_rel_name, confined, link_roots, shown
 
 MARKERS = (("diffusers", "model_index.json"), ("sentence-transformers", "modules.json"),
            ("peft", "adapter_config.json"))
@@ -305,7 +305,19 @@ def detect_layout(root: Path, layout: str = "auto", only: tuple[str, ...] = ()) 
         way = ("set weights.layout = \"model\" to convert the root alone" if at_root
                else "nor does the root: there are no weights here to build")
         raise WeightsError(f"{root}: a {layout} layout ({marker}) but no component holds a checkpoint; {way}")
+    _confine_folders(root, comps)
     return SourceLayout(layout, tuple(comps))
+
+
+def _confine_folders(root: Path, comps: list[Component]) -> None:
+    """Refuse a component folder that is a link leading out of the source: each stage confines a
+    component's files to where its folder resolves, so a folder that is itself such a link would
+    make the folder's target the root (the rule of :func:`packer.util.idents.link_roots`)."""
+    roots = link_roots(root)
+    for c in comps:
+        if c.path:
+            confined(root / c.path, roots, error=WeightsError, what=f"component folder {shown(c.path)}",
+                     hint="copy the folder into the model directory")
 
 
 def with_variants(layout: SourceLayout, root: Path, variants: tuple[str, ...]) -> SourceLayout:

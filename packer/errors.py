@@ -13,13 +13,32 @@ member name) and, where there is one, what to do about it. The CLI turns any
 
 from __future__ import annotations
 
-from packer.util.show import shell_word
+from typing import Any
+
+from packer.util.show import shell_word, show
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An error of class ``cls`` with ``args`` and attributes ``state``, its ``__init__`` not called."""
+    new = cls.__new__(cls)
+    BaseException.__init__(new, *args)
+    new.__dict__.update(state)
+    return new
 
 
 class PackerError(Exception):
-    """Base class: a failed build, bad input or a mismatch (exit code 1)."""
+    """Base class: a failed build, bad input or a mismatch (exit code 1).
+
+    Every subclass pickles to its own class, message and attributes whatever its ``__init__``
+    takes (:meth:`__reduce__`), so an error raised in a worker process arrives as itself.
+    """
 
     exit_code = 1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the default calls ``cls(*self.args)`` on unpickling: a subclass whose __init__ takes other
+        # arguments (BlobDigestError's ``found``) would arrive as a TypeError
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
 
     def with_context(self, context: str) -> PackerError:
         """Return a copy of this error whose message is prefixed with ``context: ``.
@@ -141,8 +160,13 @@ class EngineAdapterError(PackerError):
     """A serving engine's packer adapter (the vLLM load format) cannot find or use the build.
 
     Raised inside the engine's process: the message names the model directory or the option,
-    and how to point the adapter at the build.
+    and how to point the adapter at the build. The engine prints it as it is, outside packer's
+    CLI, so the message is escaped here (:func:`packer.util.show.show`): a path or option value
+    holding control characters reaches the engine's log as visible escapes.
     """
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(show(str(message)), *args)
 
 
 class WarmStateError(PackerError):

@@ -5,8 +5,10 @@ first (as ``packer push`` does); :func:`packer.warm.capture.warm` runs the engin
 it wrote into a staging directory renamed to ``OUT/warm/<name>/``, signed with the build's key when one is given
 (:mod:`packer.warm.trust`); then the state becomes its own image in ``OUT/image``
 (:mod:`packer.oci.warm_layer`), tagged ``<tag>-warm-<name>``. :func:`warm_after_build` is the
-recipe's version: it first asks the engine's interpreter whether the engine is installed and on
-which device kind, and says why in a note when it does not warm.
+recipe's version; :func:`check_warm_table` makes every check of the ``[warm]`` table that needs no
+build before the build starts (the engine flags, whether the engine is installed in its
+interpreter and on which device kind, the model directory), refusing a table that cannot run
+before anything is built, and saying why in a note when it will not warm on this machine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from packer.recipe import Recipe
 from packer.util.fsutil import atomic_write_bytes, quiet_cleanup, remove_tree
 from packer.util.show import show
 from packer.verifying import verify
-from packer.warm.capture import check_request, warm
+from packer.warm.capture import check_engine_args, check_request, warm
 from packer.warm.pins import WARM_DIR, plain_dir, plain_file, write_state
 from packer.warm.requests import DEFAULT_REQUESTS
 from packer.warm.swap import Renames
@@ -172,8 +175,56 @@ def _check_image(out: Path, image: dict[str, Any], manifest: dict[str, Any]) -> 
                           signed=bool(manifest.get("signature")))
 
 
-def warm_after_build(out: Path, recipe: Recipe, *, timeout: float = 1800.0) -> tuple[dict[str, Any] | None, list[str]]:
+@dataclass(frozen=True)
+class WarmCheck:
+    """What :func:`check_warm_table` found before the build: the engine's interpreter and device
+    kind, or why the warm step will not run on this machine (a note)."""
+
+    python: str
+    skip: str | None
+
+
+def check_warm_table(recipe: Recipe, out: Path, *, timeout: float = 1800.0) -> WarmCheck | None:
+    """Every check of the recipe's ``[warm]`` table that needs no build, made before the build starts.
+
+    The engine flags (no model named, no positional argument), then the engine's interpreter
+    asked whether the engine is installed and on which device kind; where it will warm here,
+    ``warm.model_dir`` must exist. A table that cannot run is refused now, in one line, before
+    anything is built or ``out`` is touched; one that runs elsewhere gives the note said after the build.
+
+    Returns:
+        None when the recipe has no ``[warm]`` table; else the check :func:`warm_after_build` takes.
+
+    Raises:
+        RecipeError: ``warm.args`` name a model, or ``warm.model_dir`` does not exist where the
+            engine is installed; ``warm.device`` is not the engine's device kind is a note, not an error.
+        WarmStateError: the engine reports a device kind packer does not warm.
+    """
+    cfg = recipe.warm
+    if cfg.engine is None:
+        return None
+    model_dir = Path(cfg.model_dir) if cfg.model_dir else None
+    python = cfg.python or sys.executable
+    try:
+        check_engine_args(out, engine=cfg.engine, engine_args=list(cfg.args), model_dir=None)
+        kind, why = _device_kind(python, timeout)
+        if kind is None:
+            return WarmCheck(python, f"[warm] skipped: {why}; run packer warm {out} on the machine that has it")
+        if cfg.device and kind != cfg.device:
+            return WarmCheck(python, f"[warm] skipped: warm.device is {cfg.device!r} and {python}'s {cfg.engine} "
+                                     f"runs on {kind!r}; run packer warm {out} on a {cfg.device} runner")
+        check_engine_args(out, engine=cfg.engine, engine_args=list(cfg.args), model_dir=model_dir)
+    except UsageError as e:  # the recipe's, not a flag given on the command line
+        raise RecipeError(f"the recipe's [warm] table (warm.args, warm.model_dir): {e}; nothing was built") from e
+    return WarmCheck(python, None)
+
+
+def warm_after_build(out: Path, recipe: Recipe, *, timeout: float = 1800.0,
+                     checked: WarmCheck | None = None) -> tuple[dict[str, Any] | None, list[str]]:
     """The recipe's ``[warm]`` table for the build just published at ``out``.
+
+    Args:
+        checked: :func:`check_warm_table`'s answer before the build (default: asked now).
 
     Returns:
         ``(the warm summary, notes)``; ``(None, [why])`` when the engine is not installed in
@@ -184,22 +235,18 @@ def warm_after_build(out: Path, recipe: Recipe, *, timeout: float = 1800.0) -> t
         others: as :func:`warm_output`.
     """
     cfg = recipe.warm
-    if cfg.engine is None:
+    checked = checked or check_warm_table(recipe, out, timeout=timeout)
+    if cfg.engine is None or checked is None:
         return None, []
-    python = cfg.python or sys.executable
-    kind, why = _device_kind(python, timeout)
-    if kind is None:
-        return None, [f"[warm] skipped: {why}; run packer warm {out} on the machine that has it"]
-    if cfg.device and kind != cfg.device:
-        return None, [f"[warm] skipped: warm.device is {cfg.device!r} and {python}'s {cfg.engine} runs on {kind!r}; "
-                      f"run packer warm {out} on a {cfg.device} runner"]
+    if checked.skip is not None:
+        return None, [checked.skip]
     model_dir = Path(cfg.model_dir) if cfg.model_dir else None
     try:
         check_request(out, engine=cfg.engine, engine_args=list(cfg.args), model_dir=model_dir)
     except UsageError as e:  # the recipe's, not a flag given on the command line
         raise RecipeError(f"the recipe's [warm] table (warm.args, warm.model_dir): {e}") from e
-    summary = warm_output(out, engine=cfg.engine, engine_args=list(cfg.args), python=python, model_dir=model_dir,
-                          timeout=timeout, sign_key=recipe.sign_key(), requests=cfg.requests)
+    summary = warm_output(out, engine=cfg.engine, engine_args=list(cfg.args), python=checked.python,
+                          model_dir=model_dir, timeout=timeout, sign_key=recipe.sign_key(), requests=cfg.requests)
     return summary, list(summary["notes"])
 
 

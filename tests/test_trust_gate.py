@@ -25,15 +25,17 @@ from pathlib import Path
 
 import pytest
 
+from packer.warm.roots import CACHE_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "packer"
 
 GATES = {"packer/adapters/gate.py", "packer/stub/template.py"}
 # what engines and libraries read code or compiled artifacts from: set only by a gate
+# (every warm cache root's variable, from the one table packer.warm.roots.CACHE_ROOTS)
 CACHE_VARS = frozenset({
-    "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS",
-    "CUDA_CACHE_PATH", "FLASHINFER_WORKSPACE_BASE", "DG_JIT_CACHE_DIR", "TILELANG_CACHE_DIR", "CUTE_DSL_CACHE_DIR",
-    "TORCH_EXTENSIONS_DIR", "HF_HOME", "HF_MODULES_CACHE", "TRANSFORMERS_CACHE", "PYTHONPATH", "PYTHONPYCACHEPREFIX",
+    *CACHE_ENV.values(), "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "TORCH_EXTENSIONS_DIR",
+    "HF_HOME", "HF_MODULES_CACHE", "TRANSFORMERS_CACHE", "PYTHONPATH", "PYTHONPYCACHEPREFIX",
     "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH"})
 # (file, what the scan calls it) -> why it runs no input's code
 ALLOWED: dict[tuple[str, str], str] = {

@@ -62,11 +62,13 @@ print(json.dumps({"ids": [1, 2, 3, 4], "requests": 7}))
 """
 
 
-def stand_in(tmp: Path) -> Path:
-    """An engine interpreter whose warm run writes each cache root (but :data:`ABSENT`)."""
+def stand_in(tmp: Path, then: str = "") -> Path:
+    """An engine interpreter whose warm run writes each cache root (but :data:`ABSENT`), then runs
+    the Python code ``then`` (a hostile engine's extra moves) before it reports."""
     engine = tmp / "stand_in_gpu_engine.py"
     engine.write_text(f"KEY = {KEY!r}\nCACHE_ENV = {gate.CACHE_ENV!r}\nSTATE_ENV = {STATE_ENV!r}\n"
-                      f"LIBRARIES = {LIBRARIES!r}\nWRITES = {WRITES!r}\nABSENT = {ABSENT!r}\n" + ENGINE)
+                      f"LIBRARIES = {LIBRARIES!r}\nWRITES = {WRITES!r}\nABSENT = {ABSENT!r}\n"
+                      + ENGINE.replace("print(json.dumps(", then + "\nprint(json.dumps("))
     python = tmp / "python-stand-in"
     python.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "packer.adapters.vllm_warm_run" ]; '
                       f'then shift 2; exec {sys.executable} {engine} "$@"; fi\nexec {sys.executable} "$@"\n')

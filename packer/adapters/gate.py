@@ -48,18 +48,13 @@ from packer.runtime.settings import RuntimeSettings
 from packer.util.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
 from packer.util.fsutil import quiet_cleanup, remove_tree
 from packer.warm.key import STATE_ENV
-from packer.warm.pins import ROOTS, WARM_DIR, read_state, verified_copy, verify_states
+from packer.warm.pins import WARM_DIR, read_state, verified_copy, verify_states
+from packer.warm.roots import CACHE_ENV, ROOTS  # each root of a warm state, and the variable naming its directory
 from packer.warm.trust import build_digest, check_signature
 
 RUNTIME_DIR = "packer_runtime"  # the stub's runtime folder (packer.stub.RUNTIME_DIR)
 STUB_MODULE = "packer_loader"
 LOAD_FORMAT = "packer"  # vLLM's --load-format that serves a packer build through its loader
-# each root of a warm state (packer.warm.pins.ROOTS), and the variable that names its cache directory:
-# vLLM's, Inductor's, Triton's, FlashInfer's JIT (its workspace base), DeepGEMM's JIT, TileLang's,
-# CuTe DSL's and the CUDA driver's JIT cache (PTX compiled for this GPU)
-CACHE_ENV = {"vllm": "VLLM_CACHE_ROOT", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR",
-             "flashinfer": "FLASHINFER_WORKSPACE_BASE", "deepgemm": "DG_JIT_CACHE_DIR",
-             "tilelang": "TILELANG_CACHE_DIR", "cutedsl": "CUTE_DSL_CACHE_DIR", "cuda": "CUDA_CACHE_PATH"}
 
 
 def required_key() -> str:

@@ -297,5 +297,5 @@ def load_into_vllm(model: Any, model_config: Any, opts: dict[str, Any], *, tp_si
                                      f"weights from {path.parent}: {left[:8]}")
     proof = f", {hashed} bytes of chunks proven" if hashed else ", sha256 verified" if opts.get("verify") else ""
     _log.info("packer: %d tensors (aliases included) of %s loaded through %s on %s%s (tensor parallel %d) in %.2f s",
-              n, path.parent, path.name, device, proof, tp, time.perf_counter() - start)
+              n, show(str(path.parent)), show(path.name), show(str(device)), proof, tp, time.perf_counter() - start)
     return set(loaded or ())

@@ -307,7 +307,10 @@ def _why(e: Exception, root: Path | str | None = None) -> str:
         text = str(e).removeprefix("packer_loader: ")
     where = f", artifacts in {root}" if root is not None and str(root) not in text else ""
     hint = "" if _debug() else "; PACKER_DEBUG=1 prints the traceback"
-    return f"{text} [{type(e).__name__}{where}{hint}]"
+    line = f"{text} [{type(e).__name__}{where}{hint}]"
+    # a message names paths, members and references from inputs: every character a terminal would
+    # act on (ESC, CR, LF, C1, bidi overrides, lone surrogates) is shown as its escape, as the CLI does
+    return line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def _debug() -> bool:

