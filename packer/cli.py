@@ -172,8 +172,8 @@ def _reason(error: BaseException) -> tuple[str, int]:
     if isinstance(error, OSError):  # the file system said no: still one line, still exit 1
         where = f"{error.filename}: " if getattr(error, "filename", None) else ""
         return f"{where}{error.strerror or error}", 1
-    if isinstance(error, click.exceptions.Abort):  # Ctrl-C (click turns it into Abort)
-        return "aborted", 1
+    if isinstance(error, (click.exceptions.Abort, KeyboardInterrupt)):  # Ctrl-C: 128 + SIGINT, as shells do
+        return "interrupted", 130
     if isinstance(error, SystemExit):  # SIGTERM (_terminated): 128 + the signal
         code = error.code if isinstance(error.code, int) else 1
         return f"stopped (exit code {code})", code
