@@ -56,6 +56,22 @@ def test_inspect_of_a_directory_says_which_file_to_name(tmp_path: Path) -> None:
         "e.g. out/weights/model.safetensors")
 
 
+def test_build_of_a_model_directory_builds_it_with_the_recipe_defaults(tmp_path: Path) -> None:
+    from packer.demo import write_demo
+    from packer.verifying import verify
+
+    src = tmp_path / "My Model (v2)"
+    src.mkdir()
+    write_demo(src)
+    proc = packer("build", src.name, "-o", "out", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    assert (manifest["recipe"]["name"], manifest["recipe"]["version"]) == ("my-model-v2", "0.0.0")
+    assert manifest["source"]["uri"] == str(src)
+    assert json.loads(proc.stdout)["image"]["tag"] == "my-model-v2:0.0.0"
+    verify(tmp_path / "out")
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [(["convert", "nowhere.bin", "-o", "x"], "error: nowhere.bin: does not exist"),
