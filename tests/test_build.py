@@ -388,7 +388,8 @@ def test_a_stopped_build_removes_staging_and_scratch(tmp_path: Path, sig: signal
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig  # the shells' convention: 143 for SIGTERM, 130 for Ctrl-C
-    assert err.strip().splitlines() == [f"error: {'interrupted' if sig == signal.SIGINT else 'stopped (exit code 143)'}"]
+    said = "interrupted" if sig == signal.SIGINT else "stopped (exit code 143)"
+    assert err.strip().splitlines() == [f"error: {said}"]
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
