@@ -453,3 +453,11 @@ def test_convert_takes_a_directory_named_with_controls_and_shows_it_escaped(tmp_
     assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(2))
     assert "\x1b" not in proc.stdout and proc.stdout.count("\n") == 1
     assert "out\\nnote: ok/model.safetensors" in proc.stdout
+
+
+def test_stream_into_a_missing_parent_names_the_parent(tmp_path: Path) -> None:
+    proc = packer("stream", "oci://127.0.0.1:9/m@sha256:" + "0" * 64, "--dir", "a/b", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: stream: a does not exist; create it first (mkdir -p a), "
+                                   "or name a --dir whose parent exists")
+    assert not (tmp_path / "a").exists()
