@@ -172,8 +172,8 @@ def _reason(error: BaseException) -> tuple[str, int]:
     if isinstance(error, OSError):  # the file system said no: still one line, still exit 1
         where = f"{error.filename}: " if getattr(error, "filename", None) else ""
         return f"{where}{error.strerror or error}", 1
-    if isinstance(error, click.exceptions.Abort):  # Ctrl-C (click turns it into Abort)
-        return "aborted", 1
+    if isinstance(error, (click.exceptions.Abort, KeyboardInterrupt)):  # Ctrl-C: 128 + SIGINT, as shells do
+        return "interrupted", 130
     if isinstance(error, SystemExit):  # SIGTERM (_terminated): 128 + the signal
         code = error.code if isinstance(error.code, int) else 1
         return f"stopped (exit code {code})", code
@@ -274,7 +274,7 @@ _ALLOW_HELP = ("Read globals matching this 'module.Name' pattern (fnmatch) as in
 
 
 @main.command()
-@click.argument("recipe", required=False, type=InputPath(dir_okay=False))
+@click.argument("recipe", required=False, type=InputPath())
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("dist"), show_default=True,
               help="Output directory (replaced atomically when the build succeeds).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bundle members, layers); write nothing.")
@@ -288,9 +288,14 @@ def build(ctx: Ctx, recipe: Path | None, out: Path, dry_run: bool, no_sandbox: b
           allow_globals: tuple[str, ...], sign_key: Path | None) -> None:
     """Build RECIPE (default: the embedded demo) into OUT.
 
+    RECIPE may be a model directory instead: it is built with every recipe key at its default
+    (the image named after the folder, version 0.0.0); write a recipe with source = "DIR" to
+    change any of them.
+
     \b
     Examples:
       packer build
+      packer build ./my-model -o out
       packer build recipes/demo.toml -o out --json
       packer build recipes/hf-model.toml --dry-run
       packer build recipes/hf-model.toml -o out --sign-key signing-key.pem

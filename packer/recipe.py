@@ -534,7 +534,7 @@ def recipe_from_options(path: str | Path | None, *, allow_globals: Sequence[str]
     Raises:
         RecipeError: as :func:`load_recipe`, or a pattern that is not ``module.Name``.
     """
-    recipe = load_recipe(path) if path else demo_recipe()
+    recipe = demo_recipe() if not path else directory_recipe(path) if Path(path).is_dir() else load_recipe(path)
     if allow_globals:
         recipe = with_allowed_globals(recipe, allow_globals)
     if sign_key:
@@ -581,6 +581,20 @@ def load_recipe(path: str | Path) -> Recipe:
         return recipe_from_dict(raw, base_dir=path.resolve().parent)
     except RecipeError as e:
         raise e.with_context(str(path)) from e.__cause__
+
+
+DIRECTORY_VERSION = "0.0.0"
+
+
+def directory_recipe(directory: str | Path) -> Recipe:
+    """The recipe ``packer build DIR`` builds for a model directory: every key at its default,
+    ``source`` the directory (absolute), ``name`` its folder's name as an image name takes it
+    (lower case; each run of other characters one ``-``; ``model`` where nothing is left) and
+    ``version`` :data:`DIRECTORY_VERSION`. A recipe file says anything else.
+    """
+    source = Path(directory).expanduser().absolute()
+    name = re.sub(r"[^a-z0-9._]+", "-", source.name.lower()).strip("-._") or "model"
+    return recipe_from_dict({"name": name, "version": DIRECTORY_VERSION, "source": str(source)})
 
 
 def demo_recipe() -> Recipe:

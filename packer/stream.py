@@ -16,6 +16,7 @@ from packer.errors import ImageError, UsageError
 from packer.runtime.env import ArtifactMismatchError, is_ref
 from packer.runtime.remote import RemoteImage
 from packer.util.fsutil import remove_tree
+from packer.util.show import shell_word
 
 
 def lay_out(ref: str, dest: Path | None = None) -> tuple[Path, str]:
@@ -37,6 +38,10 @@ def lay_out(ref: str, dest: Path | None = None) -> tuple[Path, str]:
     made = dest is not None and not dest.exists()
     if dest is not None and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"stream: {dest} exists and is not an empty directory")
+    if dest is not None and not dest.parent.is_dir():  # checked before the registry is asked anything
+        parent = dest.parent
+        raise UsageError(f"stream: {parent} does not exist; create it first (mkdir -p {shell_word(str(parent))}), "
+                         "or name a --dir whose parent exists")
     try:
         image = RemoteImage.fetch(ref)
         where = image.materialize(dest)

@@ -159,8 +159,12 @@ class TokenServer:
 
 @contextmanager
 def docker_registry(tmp: Path, *, htpasswd: str | None = None, token: TokenServer | None = None,
-                    tls: LoopbackCA | None = None) -> Iterator[str]:
-    """A running ``docker-registry`` on a free loopback port; yields ``127.0.0.1:PORT``."""
+                    tls: LoopbackCA | None = None, htpasswd_path: Path | None = None) -> Iterator[str]:
+    """A running ``docker-registry`` on a free loopback port; yields ``127.0.0.1:PORT``.
+
+    ``htpasswd_path``: an htpasswd section naming that path as it is (Debian's default config
+    names a directory, ``/etc/docker/registry``), instead of a file written from ``htpasswd``.
+    """
     if not Path(REGISTRY).exists():
         pytest.skip(f"{REGISTRY} is not installed (apt-get install docker-registry)")
     port = free_port()
@@ -171,7 +175,9 @@ def docker_registry(tmp: Path, *, htpasswd: str | None = None, token: TokenServe
         text += f"  tls:\n    certificate: {tls.cert}\n    key: {tls.key}\n"
     if htpasswd is not None:
         (tmp / "htpasswd").write_text(htpasswd)
-        text += f"auth:\n  htpasswd:\n    realm: packer-test\n    path: {tmp / 'htpasswd'}\n"
+        htpasswd_path = tmp / "htpasswd"
+    if htpasswd_path is not None:
+        text += f"auth:\n  htpasswd:\n    realm: packer-test\n    path: {htpasswd_path}\n"
     if token is not None:
         text += (f"auth:\n  token:\n    realm: {token.realm}\n    service: {SERVICE}\n    issuer: {ISSUER}\n"
                  f"    rootcertbundle: {token.bundle}\n")

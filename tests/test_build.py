@@ -377,14 +377,19 @@ def test_sigkill_at_every_stage_leaves_out_absent_or_previous(demo_out: Path, tm
     assert not list((tmp_path / "tmpdir").iterdir())
 
 
-def test_sigterm_removes_staging_and_scratch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stopped_build_removes_staging_and_scratch(tmp_path: Path, sig: signal.Signals) -> None:
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "packer", "build", "-q", "-o", str(out)])
+    proc = subprocess.Popen([sys.executable, "-m", "packer", "build", "-q", "-o", str(out)],
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".out.packer-staging-*/weights")) and time.monotonic() < deadline:
         time.sleep(0.01)  # until the weights stage has begun
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig  # the shells' convention: 143 for SIGTERM, 130 for Ctrl-C
+    said = "interrupted" if sig == signal.SIGINT else "stopped (exit code 143)"
+    assert err.strip().splitlines() == [f"error: {said}"]
     assert not out.exists() and not list(tmp_path.iterdir())
 
 

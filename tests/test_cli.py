@@ -56,6 +56,22 @@ def test_inspect_of_a_directory_says_which_file_to_name(tmp_path: Path) -> None:
         "e.g. out/weights/model.safetensors")
 
 
+def test_build_of_a_model_directory_builds_it_with_the_recipe_defaults(tmp_path: Path) -> None:
+    from packer.demo import write_demo
+    from packer.verifying import verify
+
+    src = tmp_path / "My Model (v2)"
+    src.mkdir()
+    write_demo(src)
+    proc = packer("build", src.name, "-o", "out", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    assert (manifest["recipe"]["name"], manifest["recipe"]["version"]) == ("my-model-v2", "0.0.0")
+    assert manifest["source"]["uri"] == str(src)
+    assert json.loads(proc.stdout)["image"]["tag"] == "my-model-v2:0.0.0"
+    verify(tmp_path / "out")
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [(["convert", "nowhere.bin", "-o", "x"], "error: nowhere.bin: does not exist"),
@@ -437,3 +453,11 @@ def test_convert_takes_a_directory_named_with_controls_and_shows_it_escaped(tmp_
     assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(2))
     assert "\x1b" not in proc.stdout and proc.stdout.count("\n") == 1
     assert "out\\nnote: ok/model.safetensors" in proc.stdout
+
+
+def test_stream_into_a_missing_parent_names_the_parent(tmp_path: Path) -> None:
+    proc = packer("stream", "oci://127.0.0.1:9/m@sha256:" + "0" * 64, "--dir", "a/b", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: stream: a does not exist; create it first (mkdir -p a), "
+                                   "or name a --dir whose parent exists")
+    assert not (tmp_path / "a").exists()

@@ -21,7 +21,7 @@ from packer.recipe import ImageConfig, demo_recipe, with_sign_key
 from packer.util.fsutil import canonical_json
 from tests.built import weight_location
 from tests.oci_validate import REF, make_out, require_tool, run, validate_layout, validate_referrer
-from tests.registry_fixtures import docker_registry
+from tests.registry_fixtures import docker_registry, htpasswd_line
 from tests.sign_fixtures import make_keypair
 
 
@@ -222,3 +222,19 @@ def test_a_plain_http_registry_is_told_to_use_no_tls_verify(tmp_path: Path, sign
     proc = _packer("push", str(signed_out), f"{registry}/models/demo:1.0")  # TLS verified: the default
     _one_line(proc, 1, "the registry answers in plain HTTP: for a local or test registry pass --no-tls-verify")
     assert _packer("push", str(signed_out), f"{registry}/models/demo:1.0", "--no-tls-verify").returncode == 0
+
+
+@pytest.mark.parametrize("auth", ["default Debian config", "htpasswd"])
+def test_a_registry_asking_for_credentials_is_named_as_the_cause(tmp_path: Path, signed_out: Path, auth: str) -> None:
+    """Debian's docker-registry as installed answers a push with a bare 400 (its config names an
+    htpasswd directory); a registry with a real htpasswd file answers 401. Each gets its cause."""
+    require_tool("skopeo")
+    kwargs = ({"htpasswd_path": tmp_path / "etc-docker-registry"} if auth != "htpasswd"
+              else {"htpasswd": htpasswd_line("user", "secret")})
+    if auth != "htpasswd":
+        (tmp_path / "etc-docker-registry").mkdir()
+    with docker_registry(tmp_path / "registry", **kwargs) as address:  # type: ignore[arg-type]
+        proc = _packer("push", str(signed_out), f"{address}/models/demo:1.0", "--no-tls-verify")
+    cause = ("remove the auth section" if auth != "htpasswd" else "the registry asks for credentials: log in")
+    _one_line(proc, 1, cause)
+    assert "docs/troubleshooting.md#images-and-registries" in proc.stderr

@@ -48,6 +48,22 @@ def image_tags(out_dir: Path) -> tuple[str, str | None]:
     return str(images[0]), (str(views[0]) if views else None)
 
 
+TROUBLESHOOTING = "docs/troubleshooting.md#images-and-registries"
+
+
+def _hint(stderr: str, *, tls_verify: bool) -> str:
+    """The likely cause of a failed copy, from skopeo's message, and where it is explained."""
+    if tls_verify and "HTTP response to HTTPS client" in stderr:
+        return "; the registry answers in plain HTTP: for a local or test registry pass --no-tls-verify"
+    if any(k in stderr for k in ("401 (Unauthorized)", "unauthorized", "authentication required")):
+        return (f"; the registry asks for credentials: log in (skopeo login HOST, or an auth file in "
+                f"REGISTRY_AUTH_FILE) or serve a test registry without an auth section (see {TROUBLESHOOTING})")
+    if "400 (Bad Request)" in stderr:
+        return ("; a registry with an auth section it cannot use answers 400 (Debian's docker-registry's default "
+                f"config names an htpasswd file that does not exist): remove the auth section (see {TROUBLESHOOTING})")
+    return ""
+
+
 def _copy(skopeo: str, src: str, dest: str, *, tls_verify: bool, timeout: float, every: bool = False) -> str:
     with tempfile.TemporaryDirectory(prefix="packer-push-") as tmp:
         digest_file = Path(tmp) / "digest"
@@ -60,9 +76,7 @@ def _copy(skopeo: str, src: str, dest: str, *, tls_verify: bool, timeout: float,
             raise ImageError(f"push to {dest}: skopeo timed out after {timeout:.0f} s") from e
         if proc.returncode != 0:
             msg = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-            hint = ("; the registry answers in plain HTTP: for a local or test registry pass --no-tls-verify"
-                    if tls_verify and "HTTP response to HTTPS client" in proc.stderr else "")
-            raise ImageError(f"push to {dest}: skopeo failed: {msg}{hint}")
+            raise ImageError(f"push to {dest}: skopeo failed: {msg}{_hint(proc.stderr, tls_verify=tls_verify)}")
         digest = read_text(digest_file, error=ImageError, where=f"push to {dest}: skopeo's digest file").strip()
         if digest_parts(digest) is None:
             raise ImageError(f"push to {dest}: skopeo reported {shown(digest)}, not a digest")
