@@ -34,7 +34,7 @@ from .chunks import FileChunks, parse_table, table_in_tree
 from .env import ArtifactMismatchError
 from .place import FilePlace, place_of
 from .proof import SpanCheck, check_sha256, hash_span
-from .reading import check_rel, open_regular, read_bytes
+from .reading import PositionalSource, check_rel, open_regular, read_bytes
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -98,6 +98,17 @@ class BuildView:
 
     def fetch_line(self, timeline: Timeline, before: int, started: float) -> None:
         """Record what a load fetched since ``started`` (``before``: :meth:`fetched` then)."""
+
+    @property
+    def origin(self) -> str:
+        """Where the build's bytes come from, in words: its root, or its image's pinned reference."""
+        return str(self.root)
+
+    def open_bytes(self, rel: str) -> tuple[int | PositionalSource, int, str]:
+        """``(source, offset of the file's first byte in it, name for messages)`` of the file
+        ``rel``, unchecked (its header not read): for a reader of raw spans (``packer verify``);
+        close a descriptor with :func:`close_source`."""
+        raise NotImplementedError
 
     def served_dir(self) -> Path | None:
         """A directory engines read as it is (``model_dir()``), or None: one is made of links."""
@@ -195,3 +206,9 @@ class BuildView:
             for s, digest in zip(shards, digests, strict=True):
                 s.check_sha256(digest, self.manifest["files"][s.rel]["sha256"])
                 box["bytes"] += s.size
+
+
+def close_source(src: int | PositionalSource) -> None:
+    """Close what :meth:`BuildView.open_bytes` opened (a descriptor; a source holds none)."""
+    if isinstance(src, int):
+        os.close(src)

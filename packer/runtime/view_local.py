@@ -8,10 +8,13 @@ mapped, read with ``preadv``, hashed by :mod:`.proof` when a reader asks.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .env import ArtifactMismatchError
 from .place import FilePlace
+from .reading import PositionalSource, open_regular
 from .shards import Shard, open_shard
 from .view import BuildView
 
@@ -82,6 +85,15 @@ class LocalView(BuildView):
         path, base = self.locate(rel)
         return open_shard(rel, path, self.manifest["files"][rel], tensors, random_access=random_access,
                           base=base, label=self.root / rel if base else None)
+
+    def open_bytes(self, rel: str) -> tuple[int | PositionalSource, int, str]:
+        path, base = self.locate(rel)
+        try:
+            fd = open_regular(path)  # a FIFO or a device is refused by type, never read
+        except FileNotFoundError:
+            raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
+        where = f"{os.path.abspath(path)} ({rel} at offset {base})" if base else os.path.abspath(path)
+        return fd, base, where
 
     def proof_buffers(self, torch: ModuleType, shards: list[Shard],
                       timeline: Timeline) -> list[tuple[torch.Tensor, int]]:

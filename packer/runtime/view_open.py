@@ -26,7 +26,8 @@ Check = Callable[[Path, dict[str, Any]], None]  # (the view's root, its manifest
 
 
 def open_view(manifest: dict[str, Any] | None, base: str | Path, *, weights_dir: str | Path | None = None,
-              named: str = "root=", check: Check | None = None, dest: Path | None = None) -> BuildView:
+              named: str = "root=", check: Check | None = None, dest: Path | None = None,
+              keep: bool = False) -> BuildView:
     """The view of the build at ``base``.
 
     Args:
@@ -40,14 +41,15 @@ def open_view(manifest: dict[str, Any] | None, base: str | Path, *, weights_dir:
         check: run with the view's root and manifest before it is returned (the signature
             check under ``PACKER_REQUIRE_SIGNATURE``: the view never imports it).
         dest: for a registry image, where its small files go (default: a new private directory,
-            removed when the process exits).
+            removed when the process exits unless ``keep``).
+        keep: leave a new private directory of small files behind (``packer stream``).
 
     Raises:
         ArtifactMismatchError: ``base`` holds no build, or another build than ``manifest``.
         RegistryError: the registry or the image refused (one line: reference and reason).
     """
     if is_ref(base) or _streams(manifest, Path(base), weights_dir):
-        view: BuildView = _registry(manifest, base, dest)
+        view: BuildView = _registry(manifest, base, dest, keep)
     else:
         if entry_kind(base) != "dir":  # an explicit root that holds no build: never a fall back
             raise ArtifactMismatchError(f"{Path(base).absolute()}: not a directory, and {named} names it "
@@ -68,7 +70,7 @@ def _streams(manifest: dict[str, Any] | None, base: Path, weights_dir: str | Pat
     return not any(local.locate(rel)[0].exists() for rel in local.manifest["weights"]["files"])
 
 
-def _registry(manifest: dict[str, Any] | None, base: str | Path, dest: Path | None) -> RegistryView:
+def _registry(manifest: dict[str, Any] | None, base: str | Path, dest: Path | None, keep: bool) -> RegistryView:
     """The view of a registry image: ``base`` a reference (its small files fetched) or a streamed
     directory (its ``packer-stream.json`` names the image)."""
     from .remote import RemoteImage, stream_ref
@@ -76,7 +78,7 @@ def _registry(manifest: dict[str, Any] | None, base: str | Path, dest: Path | No
     if is_ref(base):
         image = RemoteImage.fetch(str(base))
         where = image.materialize(dest)
-        if dest is None:
+        if dest is None and not keep:
             atexit.register(shutil.rmtree, where, True)  # this process's private copy of the small files
     else:
         where = Path(base)

@@ -70,6 +70,18 @@ class RegistryView(LocalView):
         return read_header(rel, self.root / rel, src, place.size, tensors, base=place.offset, label=src.label,
                            proven_as_read=True)
 
+    @property
+    def origin(self) -> str:
+        return self.ref
+
+    def open_bytes(self, rel: str) -> tuple[int | PositionalSource, int, str]:
+        """A weight file held in a blob: its source, which proves every chunk it serves."""
+        place = self.held(rel)
+        if place is None:
+            return super().open_bytes(rel)
+        src = self.image.source(place, self.chunk_table().get(rel), rank_name())
+        return src, place.offset, src.label
+
     def proof_buffers(self, torch: ModuleType, shards: list[Shard],
                       timeline: Timeline) -> list[tuple[torch.Tensor, int]]:
         """Empty private buffers whose chunks are fetched (and proven) when first used; the
