@@ -6,12 +6,12 @@ The build hashes each weight file's chunks in the read it already makes of the f
 the manifest pins and ``model.sig`` signs (:func:`packer.runtime.signature.model_layout`).
 :func:`verify_chunks` is ``packer verify``'s check of the table against the bytes: for the
 build's own final verification the table must equal what the re-read hashed (nothing is read
-again); otherwise every chunk is read and hashed, and the first that differs is named.
+again); otherwise every chunk is read and hashed, and the first that differs is named by the
+runtime's one prover (:func:`packer.runtime.proof.prove_chunk`).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from packer.place import FilePlace
 from packer.reading import JSON_DOC, open_regular, read_bytes
 from packer.runtime.chunks import CHUNKS_NAME, CHUNKS_REL, MAX_CHUNK, MIN_CHUNK, FileChunks, parse_table, table_doc
 from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.proof import hash_span, prove_chunk
 from packer.util.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
 from packer.util.fsutil import FileEntry, canonical_json, sha256_chunked
 
@@ -62,9 +63,9 @@ def _read_table(out: Path, manifest: Mapping[str, Any]) -> dict[str, FileChunks]
                           "pinned in files")
     data = read_bytes(out / rel, JSON_DOC, error=VerifyError)
     pinned = manifest["files"][rel].get("sha256") if isinstance(manifest["files"][rel], dict) else None
-    if hashlib.sha256(data).hexdigest() != pinned:  # before its digests are believed
-        raise VerifyError(f"{out / rel}: sha256 {hashlib.sha256(data).hexdigest()[:16]}... differs from the "
-                          f"manifest's {str(pinned)[:16]}...")
+    got = hash_span(data, 0, len(data), str(out / rel))
+    if got != pinned:  # before its digests are believed
+        raise VerifyError(f"{out / rel}: sha256 {got[:16]}... differs from the manifest's {str(pinned)[:16]}...")
     try:
         return parse_table(data, str(out / rel), manifest["files"])
     except ArtifactMismatchError as e:
@@ -112,11 +113,11 @@ def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, F
             got = mine[1]
         else:
             got, hashed = _hashed(out, places[rel], fc.chunk), hashed + fc.size
-        bad = next((i for i, (a, b) in enumerate(zip(got, fc.digests, strict=True)) if a != b), None)
-        if bad is not None:
-            a, b = fc.bounds(bad)
-            raise VerifyError(f"{_where(out, places[rel])}: chunk {bad} (bytes [{a}, {b}) of {fc.size}) has sha256 "
-                              f"{got[bad][:16]}..., {CHUNKS_REL} pins {fc.digests[bad][:16]}...")
+        try:
+            for i, digest in enumerate(got):  # the runtime's one prover, its one message
+                prove_chunk(_where(out, places[rel]), fc, i, digest, table=CHUNKS_REL)
+        except ArtifactMismatchError as e:
+            raise VerifyError(str(e)) from None
     return hashed
 
 

@@ -103,6 +103,20 @@ class InputPath(click.ParamType):
             check_regular(path)
 
 
+class BuildRoot(InputPath):
+    """A build's directory, or a registry image (``oci://HOST/REPO@sha256:...``, kept as text:
+    a path would fold its ``//``), which only the runtime's view opens."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        from packer.runtime.env import is_ref
+
+        return value if is_ref(value) else Path(value)
+
+    def check(self, path: Path) -> None:
+        if isinstance(path, Path):
+            super().check(path)
+
+
 class WeightFilePath(InputPath):
     """A file argument that may also be a build output's weight file held in its layer blob
     (``OUT/weights/model.safetensors``, listed by the manifest, not on disk by itself)."""
@@ -484,22 +498,32 @@ def unbundle(ctx: Ctx, archive: Path, out: Path) -> None:
 
 
 @main.command()
-@click.argument("out", type=InputPath(file_okay=False))
+@click.argument("out", type=BuildRoot(file_okay=False))
 @click.option("--public-key", type=InputPath(dir_okay=False), metavar="PUB",
               help="PEM public key: model.sig and the provenance must verify with it.")
 @_common
-def verify(ctx: Ctx, out: Path, public_key: Path | None) -> None:
+def verify(ctx: Ctx, out: Path | str, public_key: Path | None) -> None:
     """Check every file and image blob in OUT against its manifest (and its signatures).
+
+    OUT may be a pushed image, oci://HOST/REPO@sha256:...: every chunk of its weights is
+    proven as it arrives, nothing of them written to disk.
 
     \b
     Examples:
       packer verify dist
       packer verify dist --public-key signing-key.pub
+      packer verify oci://registry.example/models/demo@sha256:...
     """
     from packer.verifying import verify as run_verify
+    from packer.verifying import verify_ref
 
-    summary = run_verify(out, public_key=public_key)
-    ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / MANIFEST_NAME}")
+    if isinstance(out, str):
+        summary = verify_ref(out, public_key=public_key)
+        ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes ({summary['chunks']} chunks) of "
+                f"{summary['ref']} proven against its manifest")
+    else:
+        summary = run_verify(out, public_key=public_key)
+        ctx.log(f"ok: {summary['files']} files, {summary['bytes']} bytes match {out / MANIFEST_NAME}")
     if public_key is not None:
         ctx.log(f"ok: model.sig and the provenance verify with {public_key} and match the manifest")
     elif summary["signed"]:

@@ -1,8 +1,9 @@
 """``packer stream``: a model directory whose weights stream from a registry.
 
-The build side's door to :mod:`packer.runtime.remote`: the image's small files (config,
-tokenizer, chunk table, loader) are fetched, each layer proven by its digest, into a new
-directory with ``packer-stream.json``; its ``packer_loader.py`` (and the vLLM load format,
+The build side's door to the runtime's view of a registry image
+(:func:`packer.runtime.view_open.open_view`): the image's small files (config, tokenizer, chunk
+table, manifest, loader) are fetched, each layer proven by its digest, into a new directory with
+``packer-stream.json``; its ``packer_loader.py`` (and the vLLM load format,
 which runs it) then reads every weight from the registry, chunk by chunk, proven.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from packer.errors import ImageError, UsageError
 from packer.runtime.env import ArtifactMismatchError, is_ref
-from packer.runtime.remote import RemoteImage
+from packer.runtime.view_open import open_view
 from packer.util.fsutil import remove_tree
 from packer.util.show import shell_word
 
@@ -43,15 +44,14 @@ def lay_out(ref: str, dest: Path | None = None) -> tuple[Path, str]:
         raise UsageError(f"stream: {parent} does not exist; create it first (mkdir -p {shell_word(str(parent))}), "
                          "or name a --dir whose parent exists")
     try:
-        image = RemoteImage.fetch(ref)
-        where = image.materialize(dest)
+        view = open_view(None, ref, dest=dest, keep=True)
     except BaseException as e:
         if dest is not None:
             _clean(dest, made)
         if isinstance(e, ArtifactMismatchError):
             raise ImageError(f"stream: {e}") from None
         raise
-    return where, str(image.ref)
+    return view.root, view.origin
 
 
 def _clean(dest: Path, made: bool) -> None:

@@ -301,3 +301,106 @@ def _check_warm(out: Path, public_key: Path | None) -> tuple[set[str], int, list
         return verify_states(out, public_key=str(public_key) if public_key is not None else None)
     except WarmStateError as e:
         raise VerifyError(str(e)) from e
+
+
+def verify_ref(ref: str, *, public_key: Path | None = None) -> dict[str, Any]:
+    """Prove a pushed build in its registry, chunk by chunk, writing none of its weights.
+
+    The image is opened as the loader opens it (:func:`packer.runtime.view_open.open_view`):
+    its manifest's digest is the reference's, its small layers are proven by their digests and
+    laid out in a private directory (removed after), and the manifest the build ships there is
+    the one every file is checked against. Each weight file is then read through its source,
+    which proves every chunk against the chunk table (:func:`packer.runtime.proof.prove_chunk`)
+    as it arrives, and its whole sha256 is compared with the manifest's. A signed build's
+    ``model.sig`` must sign exactly the manifest's files (with ``public_key``, verify with it).
+
+    Args:
+        ref: ``oci://HOST[:PORT]/REPO@sha256:<hex>`` (a tag is resolved once and reported).
+        public_key: a PEM public key the signature must verify with.
+
+    Returns:
+        A summary: files and bytes proven, chunks, whether signed and verified, the pinned ref.
+
+    Raises:
+        VerifyError: the registry, the image, a small file, a chunk or the signature refused,
+            in one line naming it (a chunk: file, index and byte range).
+    """
+    from tempfile import TemporaryDirectory
+
+    from packer.runtime.env import ArtifactMismatchError
+    from packer.runtime.view_open import open_view
+
+    with TemporaryDirectory(prefix="packer-verify-") as tmp:
+        try:
+            view = open_view(None, ref, dest=Path(tmp) / "small", named="packer verify")
+            proven = _prove_view(view)
+            signed = _check_view_signature(view, public_key)
+        except ArtifactMismatchError as e:
+            raise VerifyError(str(e)) from None
+    return {**proven, "signed": signed, "signature_verified": signed and public_key is not None,
+            "ref": view.origin}
+
+
+def _prove_view(view: Any) -> dict[str, Any]:
+    """Every weight file of ``view``'s build read through its source, each chunk proven; the
+    small files checked against the manifest (their size and sha256)."""
+    from packer.runtime.chunks import chunk_count
+    from packer.runtime.proof import SpanCheck, check_sha256, hash_span
+    from packer.runtime.view import close_source
+
+    table, files = view.chunk_table(), view.manifest["files"]
+    weights = sorted(rel for rel in files if view.held(rel) is not None or rel in table)
+    small = sorted(rel for rel in files if rel not in weights and view.path(rel).is_file())
+    missing = [rel for rel in weights if rel not in table]
+    if missing:
+        raise VerifyError(f"{view.origin}: the build has no chunk digests of {missing[0]} (built before "
+                          "packer-chunks.json): pull the image and verify its directory")
+    nbytes = chunks = 0
+    for rel in weights:
+        src, base, where = view.open_bytes(rel)
+        try:
+            size, want = files[rel]["size"], files[rel]["sha256"]
+            if view.proves_reads:  # its reads prove each chunk as it arrives: read it once, whole
+                check_sha256(where, hash_span(src, base, size, where), want)
+            else:
+                SpanCheck(table).check_file(rel, src, base, where)
+        finally:
+            close_source(src)
+        nbytes, chunks = nbytes + size, chunks + chunk_count(size, table[rel].chunk)
+    for rel in small:
+        view.check_small(rel, verify=True)
+        nbytes += files[rel]["size"]
+    return {"files": len(weights) + len(small), "bytes": nbytes, "chunks": chunks}
+
+
+def _check_view_signature(view: Any, public_key: Path | None) -> bool:
+    """Whether the build is signed; its ``model.sig`` (under the view's root) checked: it signs
+    exactly the manifest's model files, and with ``public_key`` it verifies with it."""
+    from packer.runtime.reading import read_bytes
+    from packer.runtime.signature import (
+        SIGNATURE_FILE,
+        digest_difference,
+        model_files,
+        read_bundle,
+        require_signature,
+        signed_digests,
+        statement_of,
+    )
+
+    sig = view.root / SIGNATURE_FILE
+    if not view.manifest.get("signature"):
+        if public_key is not None:
+            raise VerifyError(f"{view.origin}: the build is not signed (built without --sign-key)")
+        return False
+    if public_key is not None:
+        require_signature(view.root, str(public_key), manifest=view.manifest)
+        return True
+    try:
+        data = read_bytes(sig, "signature")
+    except FileNotFoundError:
+        raise VerifyError(f"{view.origin}: {SIGNATURE_FILE} missing; the manifest says the build is signed") from None
+    signed = signed_digests(statement_of(read_bundle(data, str(sig))[0], str(sig)), str(sig))
+    problem = digest_difference(signed, model_files(view.manifest), str(sig), "the manifest")
+    if problem:
+        raise VerifyError(problem)
+    return True

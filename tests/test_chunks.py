@@ -26,8 +26,9 @@ from packer.building import build
 from packer.chunks import CHUNKS_REL
 from packer.errors import VerifyError
 from packer.recipe import demo_recipe, with_sign_key
-from packer.runtime.chunks import FileChunks, SpanCheck, parse_table
+from packer.runtime.chunks import FileChunks, parse_table
 from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.proof import SpanCheck
 from packer.runtime.signature import model_layout, require_signature
 from packer.util.fsutil import canonical_json, sha256_chunked
 from packer.verifying import verify

@@ -305,7 +305,7 @@ def test_a_traceback_names_the_runtime_file_line_and_source(out: tuple[Path, dic
     frames = re.findall(r'^  File "([^"]+)", line (\d+), in (\w+)\n    (.+)$', r.stderr, flags=re.M)
     runtime = [(Path(f), int(n), fn, src) for f, n, fn, src in frames if Path(f).parent == d / RUNTIME_DIR]
     assert [(p.name, fn) for p, _, fn, _ in runtime][-4:] == [
-        ("loading.py", "open_shards"), ("shards.py", "open_shard"), ("shards.py", "read_header"),
+        ("view_local.py", "open_weight"), ("shards.py", "open_shard"), ("shards.py", "read_header"),
         ("shards.py", "_check_header")], r.stderr
     for path, line, _, src in runtime:  # each frame's line is the shipped file's line, as in packer/runtime
         assert path.read_text().splitlines()[line - 1].strip() == src.strip()

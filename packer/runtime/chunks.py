@@ -8,9 +8,9 @@ chunk of its bytes (the last one shorter). The manifest pins that file like any 
 ``model.sig`` signs its digest: under ``PACKER_REQUIRE_SIGNATURE`` the table is proven by the
 signature, and each chunk by the table.
 
-A reader that uses some bytes of a file (a tensor-parallel rank's spans) hashes only the
-chunks covering them (:class:`SpanCheck`); a flipped byte is refused by the reader whose span
-holds it, naming the file, the chunk (index and byte range) and the rank. A build without the
+The table's format and its reading live here; its use, the proof of a chunk, lives in
+:mod:`.proof` (one prover for every reader: a flipped byte is refused by the reader whose span
+holds it, naming the file, the chunk (index and byte range) and the rank). A build without the
 table keeps whole-file verification.
 
 Standard library only: the runtime ships without the build side, which imports this module.
@@ -18,14 +18,13 @@ Standard library only: the runtime ships without the build side, which imports t
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .env import ArtifactMismatchError
-from .reading import PositionalSource, check_rel, loads_json, read_at
+from .reading import check_rel, loads_json
 
 CHUNKS_NAME = "packer-chunks.json"  # the table's name in the model directory
 CHUNKS_REL = "weights/" + CHUNKS_NAME  # and in OUT, beside the weight files it covers
@@ -151,74 +150,3 @@ def rank_name() -> str:
     import torch.distributed as dist
 
     return f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
-
-
-class SpanCheck:
-    """Check the chunks covering the bytes a reader uses, as it reads them.
-
-    Args:
-        table: the build's chunk table (:func:`parse_table`).
-        rank: the reader's name in messages (``"rank 1 of 2"``; "" for a single process).
-
-    ``hashed`` counts the bytes hashed (whole chunks), ``chunks`` the chunks checked (one
-    check per thread: the counts are not locked).
-    """
-
-    def __init__(self, table: Mapping[str, FileChunks], rank: str = "") -> None:
-        self.table, self.rank = table, rank
-        self.hashed = self.chunks = 0
-
-    def covers(self, rel: str) -> bool:
-        """Whether the table holds the file ``rel`` (else the caller verifies it whole)."""
-        return rel in self.table
-
-    def check_file(self, rel: str, fd: int | PositionalSource, base: int, where: str | None = None) -> None:
-        """Verify every chunk of the file ``rel`` (a reader of all its bytes), read chunk by chunk.
-
-        Raises:
-            ArtifactMismatchError: as :meth:`check`, for the first chunk that differs.
-        """
-        fc = self.table[rel]
-        buf = memoryview(bytearray(min(fc.chunk, fc.size)))
-        for i in range(len(fc.hexes) // 64):
-            a, b = fc.bounds(i)
-            read_at(fd, buf[: b - a], base + a, rel)
-            self.check(rel, fd, base, a, buf[: b - a], where)
-
-    def check(self, rel: str, fd: int | PositionalSource, base: int, start: int, data: memoryview | bytes,
-              where: str | None = None) -> None:
-        """Verify every chunk covering ``data``, the bytes at ``start`` of the file ``rel``.
-
-        Args:
-            rel: the file's path in OUT (a key of the table).
-            fd: an open descriptor of the file or the layer blob that holds it.
-            base: where the file's first byte is in ``fd`` (its offset in the blob; 0 for a file).
-            start: where ``data`` starts in the file (bytes).
-            data: the bytes the reader uses; the rest of each covering chunk is read here.
-            where: the file as found on this machine, for messages (default ``rel``).
-
-        Raises:
-            ArtifactMismatchError: a chunk whose sha256 is not the table's, naming the file,
-                the chunk (index, byte range) and the rank; or the file ends early.
-        """
-        fc, view = self.table[rel], memoryview(data).cast("B")
-        end = start + len(view)
-        for i in fc.cover(start, end):
-            a, b = fc.bounds(i)
-            h = hashlib.sha256()
-            for lo, hi in ((a, min(start, b)), (max(a, start), min(b, end)), (max(a, end), b)):
-                if hi <= lo:
-                    continue
-                if start <= lo and hi <= end:
-                    h.update(view[lo - start: hi - start])
-                else:  # the part of the chunk outside the span: read here
-                    extra = memoryview(bytearray(hi - lo))
-                    read_at(fd, extra, base + lo, rel)
-                    h.update(extra)
-            self.hashed, self.chunks = self.hashed + (b - a), self.chunks + 1
-            if h.hexdigest() != fc.digest(i):
-                by = f" on {self.rank}" if self.rank else ""
-                raise ArtifactMismatchError(
-                    f"{where or rel}: chunk {i} (bytes [{a}, {b}) of {fc.size}) has sha256 {h.hexdigest()[:16]}..., "
-                    f"the chunk table pins {fc.digest(i)[:16]}...{by}; the file is corrupt or from "
-                    "another build")

@@ -40,8 +40,8 @@ def component_loader(loader: Loader, name: str | None) -> Loader:
     if name not in cache:
         table = {"chunks": w["chunks"]} if "chunks" in (w := loader.manifest["weights"]) else {}  # build-wide
         cache[name] = type(loader)({**loader.manifest, "weights": {**comps[name], **table}}, loader.root,
-                                   weights_dir=loader.weights_dir, timeline=loader.timeline,
-                                   settings=loader.settings, remote=loader.remote)
+                                   timeline=loader.timeline, settings=loader.settings,
+                                   view=loader.view)  # the build's view: its files, chunk table and source
     return cache[name]
 
 

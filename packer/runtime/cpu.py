@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .env import ArtifactMismatchError
 from .reading import open_regular
@@ -56,9 +56,9 @@ def map_shards(torch: ModuleType, shards: list[Shard], timeline: Timeline) -> li
     out = []
     with timeline.stage("map"):
         for s in shards:
-            if not isinstance(s.fd, int):
-                raise TypeError(f"{s.label}: a streamed file cannot be mapped")  # the caller reads it instead
-            mm = mmap.mmap(s.fd, s.size, access=mmap.ACCESS_COPY, offset=s.base)
+            if s.proven_as_read:
+                raise TypeError(f"{s.label}: a file proven as it is read cannot be mapped")  # the caller reads it
+            mm = mmap.mmap(cast(int, s.fd), s.size, access=mmap.ACCESS_COPY, offset=s.base)
             out.append((torch.frombuffer(mm, dtype=torch.uint8), len(s.head)))
     return out
 

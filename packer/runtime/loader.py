@@ -27,9 +27,7 @@ Run ``python packer_loader.py --selftest [--device cpu|cuda] [--verify]`` to che
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import sys
 import threading
 import time
@@ -39,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 from .assign import LoadResult
 from .components import all_loaders, component_loader
 from .empty import init_empty
-from .env import POOL_ENV, STREAM_FILE, ArtifactMismatchError, is_ref, torch_dtype
+from .env import POOL_ENV, ArtifactMismatchError, torch_dtype
 from .loading import Loader
-from .reading import entry_kind, inside, loads_json, read_bytes, sha256_regular
+from .reading import entry_kind, inside, loads_json, sha256_regular
 from .settings import RuntimeSettings, setting
 from .shards import pread_exact
 from .timeline import TIMELINE, Timeline, import_torch
+from .view_open import Check, open_view, root_name
 
 # The stub compiles each runtime module from its checked source at every start (no bytecode is
 # trusted), so the modules of the other paths (graphs, the ring, the warm pool) are imported
@@ -99,53 +98,12 @@ class Build:
         settings = self.settings()
         base = root or settings.artifacts or self.home
         key = (str(base), settings.weights_dir)
-        if key not in self._loaders and (is_ref(base) or self._streams(Path(base), settings)):
-            self._loaders[key] = self._streamed(str(base), settings)
         if key not in self._loaders:
-            if entry_kind(base) != "dir":  # an explicit root that holds no build: never a fall back
-                named = "root=" if root else "PACKER_ARTIFACTS"
-                raise ArtifactMismatchError(f"{Path(base).absolute()}: not a directory, and {named} names it "
-                                            "as this build's artifacts")
-            if settings.require_signature:  # PACKER_REQUIRE_SIGNATURE: refuse before anything is loaded
-                from .signature import require_signature
-
-                require_signature(Path(base), settings.require_signature, manifest=self.manifest())
-            self._loaders[key] = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None,
-                                        settings=settings)
+            view = open_view(self.manifest(), base, weights_dir=settings.weights_dir or None,
+                             named="root=" if root else "PACKER_ARTIFACTS",
+                             check=_signature_check(settings.require_signature))
+            self._loaders[key] = Loader(self.manifest(), view.root, settings=settings, view=view)
         return self._loaders[key]
-
-    def _streams(self, base: Path, settings: RuntimeSettings) -> bool:
-        """Whether ``base`` is a directory ``packer stream`` made: its ``packer-stream.json`` names
-        an image, and it holds none of the weight files (a directory that has them loads them:
-        a file beside never diverts a load to the network)."""
-        if not (base / STREAM_FILE).is_file():
-            return False
-        local = Loader(self.manifest(), base, weights_dir=settings.weights_dir or None, settings=settings)
-        return not any(local.locate(rel)[0].exists() for rel in self.manifest()["weights"]["files"])
-
-    def _streamed(self, base: str, settings: RuntimeSettings) -> Loader:
-        """The loader of a build streamed from a registry: ``base`` an ``oci://`` reference (its
-        small files fetched into a new private directory) or a directory ``packer stream`` made."""
-        from .remote import RemoteImage, stream_ref
-
-        if is_ref(base):
-            image = RemoteImage.fetch(base)
-            where = image.materialize()
-            atexit.register(shutil.rmtree, where, True)  # this process's private copy of the small files
-        else:
-            where = Path(base)
-            image = RemoteImage.fetch(str(stream_ref(where)))
-        shipped = where / "manifest.json"
-        if shipped.is_file():  # the image's own artifact manifest: another build is one clear line
-            theirs, ours = loads_json(read_bytes(shipped, "json"), str(shipped)).get("files"), self.manifest()["files"]
-            if not isinstance(theirs, dict) or any(theirs.get(rel) != entry for rel, entry in ours.items()):
-                raise ArtifactMismatchError(f"{image.ref}: the image holds another build than this loader's "
-                                            "(its manifest.json pins other files)")
-        if settings.require_signature:
-            from .signature import require_signature
-
-            require_signature(where, settings.require_signature, manifest=self.manifest())
-        return Loader(self.manifest(), where, settings=settings, remote=image)
 
     def warmup_inputs(self, device: str = "cuda") -> list[dict[str, torch.Tensor]]:
         """Zero-filled example inputs from the recipe's ``[runtime] warmup`` shapes, one per entry."""
@@ -219,9 +177,8 @@ class Build:
         from .hf import hf_model_dir
 
         loader = self.loader(root)
-        if loader.remote is not None:
-            return loader.root
-        return hf_model_dir(loader, root=out)
+        served = loader.view.served_dir()  # a streamed build's directory of small files is one already
+        return served if served is not None else hf_model_dir(loader, root=out)
 
     def prepare(self, *, prefetch: bool = False, root: str | Path | None = None) -> dict[str, Any]:
         """Everything before CUDA (headers, bundle, config; optionally the page cache), done once."""
@@ -327,7 +284,7 @@ def _artifacts(build: Build, root: str | None) -> Path | str | None:
         base = root or build.settings().artifacts or build.home
     except ValueError:
         return None
-    return str(base) if is_ref(base) else Path(base).resolve()
+    return root_name(base)
 
 
 def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -338,8 +295,7 @@ def check_loaded(loader: Loader, tensors: dict[str, torch.Tensor]) -> list[str]:
     for alias, kept in w.get("aliases", {}).items():
         if tensors.get(alias) is not tensors.get(kept):
             problems.append(f"alias {alias!r} is not the same tensor as {kept!r}")
-    quiet = Loader(loader.manifest, loader.root, weights_dir=loader.weights_dir, timeline=Timeline(),
-                   remote=loader.remote)
+    quiet = Loader(loader.manifest, loader.root, timeline=Timeline(), settings=loader.settings, view=loader.view)
     shards = quiet.open_shards()
     try:
         for s in shards:
@@ -430,3 +386,16 @@ def main(build: Build, argv: list[str] | None = None) -> int:
     sys.stderr.write(f"packer_loader: self-test passed ({count} tensors{where} on {device})\n")
     return 0
 
+
+def _signature_check(public_key: str) -> Check | None:
+    """``PACKER_REQUIRE_SIGNATURE``'s check of a view's root (``model.sig`` against the embedded
+    manifest) before anything is loaded; None without one."""
+    if not public_key:
+        return None
+
+    def check(root: Path, manifest: dict[str, Any]) -> None:
+        from .signature import require_signature
+
+        require_signature(root, public_key, manifest=manifest)
+
+    return check

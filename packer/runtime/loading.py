@@ -4,15 +4,16 @@ Not ``loader.py``: that is the entry of the emitted ``packer_loader.py`` (its do
 public functions such as ``load_weights`` and ``load_into``, ``__all__`` and command line),
 which drive a default :class:`Loader` made here.
 
-It drives the other runtime modules: shard checks (``shards``), the CPU target (``cpu``),
-the staging ring and its engines (``ring``, ``engines``), ``load_into`` (``assign`` matches
-the module's tensors, ``into`` fills real ones) and the bundle reader, recording every stage
-on a :class:`Timeline`.
+The Loader plans and copies: where the bytes lie, how a span is read and how a chunk is
+proven are its build's view's (:mod:`.view`, opened by :func:`~.view_open.open_view`: local
+files or a registry image, one contract). It drives the CPU target (``cpu``), the staging ring
+and its engines (``ring``, ``engines``), ``load_into`` (``assign`` matches the module's
+tensors, ``into`` fills real ones) and the bundle reader, recording every stage on a
+:class:`Timeline`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -22,15 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 from .assign import LoadResult, TensorSlot, assign_device, assign_tensors, copy_targets, match_slots, module_slots
 from .bundle_cache import cache_root, cached
-from .chunks import FileChunks, SpanCheck, parse_table, rank_name, table_in_tree
+from .chunks import FileChunks, rank_name
 from .cpu import map_shards, prefetch_files, read_shards
-from .env import ArtifactMismatchError, torch_dtype
-from .place import FilePlace, place_of
-from .reading import check_rel, open_regular, read_bytes
+from .env import ArtifactMismatchError
+from .place import FilePlace
+from .proof import SpanCheck, running_sha256
 from .served import check_extracted
 from .settings import RuntimeSettings
-from .shards import CPU_ALIGN, Shard, check_sha256, open_shard, read_header, sha256_fd, shard_tensors
+from .shards import CPU_ALIGN, Shard, shard_tensors
 from .timeline import TIMELINE, Timeline, import_torch
+from .view import BuildView
+from .view_local import LocalView
 
 # The ring, its engines and the copy-into paths are imported where they are used: the stub
 # compiles every runtime module from its checked source at each start (no bytecode is trusted),
@@ -43,24 +46,21 @@ if TYPE_CHECKING:
 
     from .engines import CopyEngine
     from .layout import Layout
-    from .remote import RemoteImage
     from .ring import Chunk, RingStats, Segment
 
 
-STREAM_READERS = 16  # benchmarks/stream_load.py: 2 readers took 2.8x the time of 16 for 1 GB on loopback
-
-
 class Loader:
-    """A build's artifacts under ``root``, checked against ``manifest``; the loader's verbs.
+    """A build's artifacts, seen through ``view``, checked against ``manifest``; the loader's verbs.
 
     Args:
-        manifest: the embedded manifest (files, weights tensor table, aliases, bundle).
-        root: artifact root; weight files resolve under ``weights_dir`` when given.
+        manifest: the embedded manifest (files, weights tensor table, aliases, bundle); a
+            component's loader has the component's weights section and its build's view.
+        root: artifact root; weight files resolve under ``weights_dir`` when given (the view
+            made when none is given: :class:`~.view_local.LocalView`).
         weights_dir: directory that holds the ``model*.safetensors`` files (mounted weights).
         timeline: where stage timings go (the process-wide one by default).
-        remote: the registry image a streamed load reads the weight files from (``root`` then
-            holds its small files, :meth:`~.remote.RemoteImage.materialize`); every chunk read is
-            proven by the chunk table, so ``verify`` costs nothing more.
+        view: the build's view (:func:`~.view_open.open_view`; a registry image's proves every
+            chunk it serves, so ``verify`` costs nothing more).
         settings: the knobs (default: from the environment over ``manifest["runtime"]``);
             ``slots``, ``chunk`` and ``readers`` start from them and may be set per loader.
         With ``settings.require_signature`` every load checks sha256 (the signature pins
@@ -70,11 +70,10 @@ class Loader:
     def __init__(self, manifest: dict[str, Any], root: str | Path, *,
                  weights_dir: str | Path | None = None,
                  timeline: Timeline | None = None, settings: RuntimeSettings | None = None,
-                 remote: RemoteImage | None = None) -> None:
-        self.manifest = manifest
-        self.remote = remote  # the image the weights stream from (:mod:`.remote`), else None
-        self.root = Path(root)
-        self.weights_dir = Path(weights_dir) if weights_dir else None
+                 view: BuildView | None = None) -> None:
+        if view is None:
+            view = LocalView(manifest, root, weights_dir)
+        self.view = view if view.manifest is manifest else view.with_manifest(manifest)
         self.timeline = timeline or TIMELINE
         self.last_stats: RingStats | None = None
         self.last_copied: list[str] = []  # tensors the last load copied to aligned memory (CPU)
@@ -82,88 +81,51 @@ class Loader:
         self.settings = settings or RuntimeSettings.from_sources(os.environ, manifest.get("runtime"))
         self.slots = self.settings.ring_slots
         self.chunk = self.settings.chunk_bytes
-        # a streamed load's readers wait on the network, not the disk: at least STREAM_READERS requests in flight
-        self.readers = self.settings.readers if remote is None else max(self.settings.readers, STREAM_READERS)
+        self.readers = max(self.settings.readers, self.view.min_readers)  # a registry's: requests in flight
         self.make_engine: Callable[[torch.device], CopyEngine] = _make_engine  # tests slow the engine down
         self.component_loaders: dict[str, Loader] = {}  # by components.component_loader, made once
         self._checked_bundles: set[Path] = set()  # extracted bundles checked by this loader
-        self._places: dict[str, FilePlace] = {}  # files entries read so far (:meth:`held`)
-        self._chunks: dict[str, FileChunks] | None = None  # the chunk table, read once (:meth:`chunk_table`)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The manifest this loader loads (its view's: a component's weights section, for one)."""
+        return self.view.manifest
+
+    @manifest.setter
+    def manifest(self, manifest: dict[str, Any]) -> None:
+        self.view = self.view.with_manifest(manifest)
+
+    @property
+    def root(self) -> Path:
+        """The directory of the build's small files (the view's root)."""
+        return self.view.root
+
+    @property
+    def weights_dir(self) -> Path | None:
+        """Where the weight files are mounted, when not under the root."""
+        return getattr(self.view, "weights_dir", None)
 
     def path(self, rel: str) -> Path:
-        """Where the artifact ``rel`` (a manifest path) is on this machine.
-
-        A weight file (``weights/...``) is under ``weights_dir`` when one is given; else under
-        the root as in OUT, or, in an image's model directory, at the root's top beside the
-        config (where packer's image puts it), whichever exists.
-
-        Raises:
-            ArtifactMismatchError: ``rel`` is not a plain relative path (absolute, ``..``...).
-        """
-        return self.locate(rel)[0]
+        """Where the artifact ``rel`` (a manifest path) is on this machine (:meth:`.BuildView.path`)."""
+        return self.view.path(rel)
 
     def locate(self, rel: str) -> tuple[Path, int]:
-        """Where the artifact ``rel``'s bytes are: ``(file, offset of its first byte in it)``.
-
-        A plain file where one exists (under ``weights_dir``, as in OUT, or at the top of an
-        image's model directory), offset 0; else, for a weight file the build holds in its
-        image layer blob (:meth:`held`), that blob under the root and the page offset of the
-        file's bytes in it.
-
-        Raises:
-            ArtifactMismatchError: ``rel`` is not a plain relative path, or its files entry is
-                malformed (:func:`~.place.parse_place`).
-        """
-        place = self.held(rel)
-        if place is not None:
-            return place.path(self.root)[:2]
-        return self._plain(rel) or self.root / rel, 0
+        """Where the artifact ``rel``'s bytes are: ``(file, offset)`` (:meth:`.BuildView.locate`)."""
+        return self.view.locate(rel)
 
     def held(self, rel: str) -> FilePlace | None:
-        """The place of the artifact ``rel`` when its bytes are read inside a layer blob: no plain
-        file of it is where :meth:`locate` looks first, and the manifest holds it in one.
-
-        Raises:
-            ArtifactMismatchError: as :meth:`locate`.
-        """
-        check_rel(rel, "the manifest's files")
-        if rel not in self.manifest["files"] or (self.remote is None and self._plain(rel) is not None):
-            return None  # streamed: a held file is read from the registry, whatever lies here
-        if rel not in self._places:  # each entry read once, by the one rule
-            self._places[rel] = place_of(rel, self.manifest["files"][rel], "the manifest")
-        place = self._places[rel]
-        return place if place.in_blob else None
-
-    def _plain(self, rel: str) -> Path | None:
-        """Where a plain file of ``rel`` is, or None: a weight file found in none of its places."""
-        if not rel.startswith("weights/"):
-            return self.root / rel
-        if self.weights_dir is not None:
-            return self.weights_dir / rel[len("weights/"):]
-        nested, flat = self.root / rel, self.root / rel[len("weights/"):]
-        if nested.exists():
-            return nested
-        return flat if flat.exists() else None
+        """The place of ``rel`` when its bytes lie in a layer blob (:meth:`.BuildView.held`)."""
+        return self.view.held(rel)
 
     def open_shards(self, verify: bool = False, *, random_access: bool = False) -> list[Shard]:
         """Open and check every weight file (size, header; the index file's sha256 when ``verify``);
         ``random_access``: readahead off (see ``open_shard``)."""
         w = self.manifest["weights"]
-        files = self.manifest["files"]
         shards: list[Shard] = []
         with self.timeline.stage("headers") as box:
             try:
                 for rel in w["files"]:
-                    place = self.held(rel) if self.remote is not None else None
-                    if place is not None and self.remote is not None:
-                        src = self.remote.source(place, self.chunk_table().get(rel), rank_name())
-                        shards.append(read_header(rel, self.root / rel, src, place.size, w["tensors"],
-                                                  base=place.offset, label=src.label))
-                        box["bytes"] += len(shards[-1].head)
-                        continue
-                    path, base = self.locate(rel)
-                    shards.append(open_shard(rel, path, files[rel], w["tensors"], random_access=random_access,
-                                             base=base, label=self.root / rel if base else None))
+                    shards.append(self.view.open_weight(rel, w["tensors"], random_access=random_access))
                     box["bytes"] += len(shards[-1].head)
                 if w.get("index"):
                     self.check_file(w["index"], verify)
@@ -174,82 +136,20 @@ class Loader:
         return shards
 
     def check_file(self, rel: str, verify: bool) -> None:
-        """Check the plain artifact ``rel`` (index, bundle): present, its size; sha256 when ``verify``.
-
-        Raises:
-            ArtifactMismatchError: missing, or another size or sha256 than the manifest's.
-        """
-        (path, base), meta = self.locate(rel), self.manifest["files"].get(rel) or self.manifest["bundle"]
-        try:
-            fd = open_regular(path)  # a FIFO or a device is refused by type, never read
-        except FileNotFoundError:
-            raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
-        try:
-            size = os.fstat(fd).st_size - base  # in a layer blob: what follows the file is the blob's
-            where = os.path.abspath(path) + (f" (at offset {base})" if base else "")
-            if size < meta["size"] if base else size != meta["size"]:
-                raise ArtifactMismatchError(f"{where}: {size} bytes, the manifest says {meta['size']}")
-            if verify:
-                check_sha256(where, sha256_fd(fd, meta["size"], offset=base), meta["sha256"])
-        finally:
-            os.close(fd)
+        """Check the plain artifact ``rel`` (:meth:`.BuildView.check_small`)."""
+        self.view.check_small(rel, verify)
 
     def chunk_table(self) -> dict[str, FileChunks]:
-        """The build's chunk table (:mod:`.chunks`), read once; empty for a build without one.
-
-        Its bytes must have the sha256 the manifest pins for it (a file ``model.sig`` signs:
-        under ``PACKER_REQUIRE_SIGNATURE`` the signature proves it), and each record the size
-        and sha256 the manifest pins for its weight file.
-
-        Raises:
-            ArtifactMismatchError: the table is missing, over its cap, or does not match.
-        """
-        if self._chunks is None:
-            pairs = table_in_tree(self.manifest["weights"])
-            self._chunks = {} if not pairs else self._read_table(pairs[0][1])
-        return self._chunks
-
-    def _read_table(self, rel: str) -> dict[str, FileChunks]:
-        path = self.path(rel)
-        try:
-            data = read_bytes(path, "chunks")
-        except FileNotFoundError:
-            raise ArtifactMismatchError(f"{rel}: missing (looked for {path})") from None
-        where = os.path.abspath(path)
-        check_sha256(where, hashlib.sha256(data).hexdigest(), self.manifest["files"][rel]["sha256"])
-        return parse_table(data, where, self.manifest["files"])
+        """The build's chunk table, read once (:meth:`.BuildView.chunk_table`)."""
+        return self.view.chunk_table()
 
     def span_check(self, rank: str = "") -> SpanCheck | None:
-        """A :class:`~.chunks.SpanCheck` of this build's chunk table, or None without one (an
-        older build: its readers verify whole files). ``rank`` names the reader in messages."""
-        table = self.chunk_table()
-        return SpanCheck(table, rank) if table else None
+        """A check of the chunk table, or None without one (:meth:`.BuildView.span_check`)."""
+        return self.view.span_check(rank)
 
     def _verify_shards(self, shards: list[Shard]) -> None:
-        """Every byte of ``shards``: chunk by chunk with the build's chunk table (a changed byte
-        named by its chunk), else each file's sha256. Streamed shards are proven as they are
-        read (:class:`~.remote.RemoteFile`): nothing is read here for them."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        shards = [s for s in shards if not s.remote]
-        if not shards:
-            return
-        table = self.chunk_table()
-        if table and all(s.rel in table for s in shards):
-            with self.timeline.stage("verify chunks") as box, ThreadPoolExecutor(self.readers) as ex:
-                checks = [SpanCheck(table) for _ in shards]  # one per thread: its counts are its own
-                list(ex.map(lambda i: checks[i].check_file(shards[i].rel, shards[i].fd, shards[i].base,
-                                                                   shards[i].label),
-                            range(len(shards))))
-                box["bytes"], box["chunks"] = sum(c.hashed for c in checks), sum(c.chunks for c in checks)
-            return
-        with self.timeline.stage("verify sha256") as box, ThreadPoolExecutor(self.readers) as ex:
-            # hashlib releases the GIL: shards hash in parallel
-            # exactly the file's bytes: inside a layer blob, the range the manifest pins
-            digests = list(ex.map(lambda s: sha256_fd(s.fd, s.size, offset=s.base), shards))
-            for s, digest in zip(shards, digests, strict=True):
-                s.check_sha256(digest, self.manifest["files"][s.rel]["sha256"])
-                box["bytes"] += s.size
+        """Every byte of ``shards`` proven (:meth:`.BuildView.verify_shards`)."""
+        self.view.verify_shards(shards, self.readers, self.timeline)
 
     def load_weights(self, device: str = "cuda", *, dtype: torch.dtype | None = None, verify: bool = False,
                      pipeline: bool | None = None, copy: bool = False,
@@ -285,36 +185,29 @@ class Loader:
         dev = self._device(torch, device)
         verify = verify or bool(self.settings.require_signature)
         use_ring = dev.type != "cpu" if pipeline is None else pipeline
-        streamed = self.remote is not None
-        before, started = self.remote.stats.fetched if self.remote is not None else 0, time.perf_counter()
+        before, started = self.view.fetched(), time.perf_counter()
         shards = self.open_shards(verify=verify)
         try:
-            check = self._proof_on_use((verify or streamed) and proven and dtype is None and not copy and not use_ring)
+            # a view whose sources prove every read proves on use for free: no verify needed
+            check = self._proof_on_use((verify or self.view.proves_reads) and proven and dtype is None
+                                       and not copy and not use_ring)
             if dev.type == "cpu" and check is not None:
                 out = self._proven(torch, shards, check)
             elif dev.type == "cpu" and not use_ring:
                 if verify:
                     self._verify_shards(shards)
                 bufs = (read_shards(torch, shards, self.readers, self.timeline, hugepages=self.settings.hugepages)
-                        if copy or streamed else map_shards(torch, shards, self.timeline))
+                        if copy or any(s.proven_as_read for s in shards) else map_shards(torch, shards, self.timeline))
                 out = self._tensors(torch, shards, bufs, dtype)
             else:
                 out = self._ringed(torch, dev, shards, verify, dtype)
         finally:
             for s in shards:
                 s.close()
-        self._record_stream(before, started)
+        self.view.fetch_line(self.timeline, before, started)
         if self.auto_flush:
             self.timeline.flush()
         return out
-
-    def _record_stream(self, before: int, started: float) -> None:
-        """A streamed load's ``fetch`` line: the bytes it fetched (every one proven) since ``started``."""
-        if self.remote is not None and self.remote.stats.fetched > before:
-            st = self.remote.stats
-            self.timeline.add("fetch (registry, proven)", started, time.perf_counter(), st.fetched - before,
-                              chunks=st.chunks,
-                              requests=self.remote.registry.requests, resumed=self.remote.registry.resumed)
 
     def _proof_on_use(self, wanted: bool) -> SpanCheck | None:
         """The check of a load whose chunks are proven on use, if ``wanted`` and the build has a table."""
@@ -325,19 +218,7 @@ class Loader:
     def _proven(self, torch: ModuleType, shards: list[Shard], check: SpanCheck) -> dict[str, torch.Tensor]:
         from .proven import prove_mapped
 
-        if self.remote is not None:  # nothing to map: buffers whose chunks are fetched when first used
-            from .cpu import fetch_on_use
-            from .engines import host_view
-
-            bufs = fetch_on_use(torch, shards, self.timeline)
-            for s, (buf, base) in zip(shards, bufs, strict=True):  # what _tensors copies (misaligned) is read now
-                view = host_view(buf)
-                for e in s.tensors:
-                    at = base + e.begin
-                    if e.end > e.begin and ((buf.data_ptr() + at) % CPU_ALIGN or at % torch_dtype(e.code, e.name)[1]):
-                        s.fd.read_at(view[at: base + e.end], s.base + at)  # type: ignore[union-attr]
-        else:
-            bufs = map_shards(torch, shards, self.timeline)
+        bufs = self.view.proof_buffers(torch, shards, self.timeline)
         return prove_mapped(torch, shards, bufs, self._tensors(torch, shards, bufs, None), self.chunk_table(), check)
 
     def _device(self, torch: ModuleType, device: str) -> torch.device:
@@ -365,8 +246,8 @@ class Loader:
         with self.timeline.stage("device alloc", sum(x.nbytes for x in layouts)):
             bufs = [engine.device_buffer(x.nbytes) for x in layouts]
         segs = _segments(shards, layouts, bufs)
-        hashers = ({i: hashlib.sha256(s.head) for i, s in enumerate(shards)}
-                   if verify and not any(s.remote for s in shards) else None)  # streamed: proven as read
+        hashers = ({i: running_sha256(s.head) for i, s in enumerate(shards)}
+                   if verify and not any(s.proven_as_read for s in shards) else None)
         self._run_ring(shards, plan_chunks(segs, ring_chunk(self.chunk)), engine, hashers)
         if hashers is not None:
             for i, s in enumerate(shards):
@@ -374,7 +255,7 @@ class Loader:
         return self._tensors(torch, shards, [(b, 0) for b in bufs], dtype, offsets=[x.offsets for x in layouts])
 
     def _run_ring(self, shards: list[Shard], chunks: list[Chunk], engine: CopyEngine,
-                  hashers: dict[int, hashlib._Hash] | None) -> None:
+                  hashers: dict[int, Any] | None) -> None:
         from .ring import ring_chunk, run_ring
 
         self.last_stats = run_ring(shards, chunks, engine, slots=self.slots, chunk=ring_chunk(self.chunk),

@@ -4,9 +4,9 @@ A files entry pins a file by ``size`` and ``sha256``. A weight file the build ho
 image layer blob, as its one copy, also says where: ``blob`` (``image/blobs/sha256/<hex>``,
 relative to OUT) and ``offset`` (a page offset in that blob; the tar framing comes before).
 :func:`parse_place` is the one rule set for such an entry and :class:`FilePlace` what it
-makes, once per file; the loader (``Loader.locate``), the model directory (``dirtree``) and,
-through :mod:`packer.place`, the build, ``packer verify`` and ``packer inspect`` take the
-file's place from it and never read ``blob`` or ``offset`` themselves
+makes, once per file; the build's view (:meth:`~.view.BuildView.place`, which the loader and the
+model directory (``dirtree``) ask) and, through :mod:`packer.place`, the build, ``packer verify``
+and ``packer inspect`` take the file's place from it and never read ``blob`` or ``offset`` themselves
 (tests/test_file_place.py holds them to it).
 
 Standard library only: the runtime ships without the build side, which imports this module.

@@ -7,7 +7,7 @@ out views of the private mapping (:func:`~.cpu.map_shards`) as :class:`Proven` t
 operation (``narrow``, ``view``, indexing that keeps the storage...) gives another, unproven;
 any other operation (``copy_`` into a parameter, ``to``, arithmetic) first proves the chunks
 covering the bytes its :class:`Proven` arguments span, hashing them from the mapping, each chunk
-once per process (:class:`~.chunks.SpanCheck` counts them), and refuses a changed one naming file,
+once per process (:class:`~.proof.SpanCheck` counts them), and refuses a changed one naming file,
 chunk and rank. Metadata (``shape``, ``dtype``, ``stride``...) reads no data and proves nothing.
 
 torch is imported only here, when such a load runs.
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from .chunks import FileChunks, SpanCheck
+from .chunks import FileChunks
 from .env import ArtifactMismatchError
+from .proof import SpanCheck
 from .reading import PositionalSource
 
 if TYPE_CHECKING:
@@ -42,15 +43,16 @@ METADATA = frozenset({"shape", "dtype", "device", "size", "dim", "ndim", "numel"
 class _Mapped:
     """One shard's mapping: where it starts in memory, its file's chunks, which are proven.
 
-    A streamed shard (:mod:`.remote`) has no mapping: its buffer starts empty and a chunk is
-    fetched from the registry, proven as it arrives, when first used (the buffer is held
-    weakly: a mapping whose tensors are gone is dropped).
+    A shard proven as it is read (a registry's, :mod:`.view_registry`) has no mapping: its
+    buffer starts empty and a chunk is fetched from its source, proven as it arrives, when first
+    used (the buffer is held weakly: a mapping whose tensors are gone is dropped).
     """
 
     def __init__(self, shard: Shard, buf: Any, chunks: FileChunks, check: SpanCheck) -> None:
         self.rel, self.label, self.start = shard.rel, shard.label, buf.data_ptr()
         self.chunks, self.check = chunks, check
-        self.source: PositionalSource | None = None if isinstance(shard.fd, int) else shard.fd
+        # a source that proves what it serves fills the buffer; a mapping is hashed here
+        self.source: PositionalSource | None = cast(PositionalSource, shard.fd) if shard.proven_as_read else None
         self.base = shard.base
         self.buf = weakref.ref(buf) if self.source is not None else (lambda b=buf: b)
         self.proven: set[int] = set()
@@ -68,7 +70,7 @@ class _Mapped:
             if self.source is None:
                 for i in todo:
                     a, b = self.chunks.bounds(i)
-                    self.check.check(self.rel, -1, 0, a, view[a:b], self.label)  # the whole chunk: nothing read
+                    self.check.check(self.rel, None, 0, a, view[a:b], self.label)  # the whole chunk: nothing read
             else:
                 runs = [[todo[0], todo[0] + 1]]
                 for i in todo[1:]:

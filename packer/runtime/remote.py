@@ -1,7 +1,8 @@
 """The streamed load: a build's weights read straight from its image in a registry.
 
 ``load_weights(root="oci://HOST/REPO@sha256:...")`` (and every verb that takes ``root``)
-opens the image here instead of a directory:
+sees the build through a :class:`~.view_registry.RegistryView` (:func:`~.view_open.open_view`),
+whose image and byte sources are made here:
 
 1. :meth:`RemoteImage.fetch` fetches the image manifest (its sha256 must be the pinned digest;
    a tag is resolved once and the digest reported) and its config.
@@ -14,10 +15,11 @@ opens the image here instead of a directory:
 3. A weight file the manifest places in a layer blob (``blob`` + ``offset``) becomes a
    :class:`RemoteFile`: a read of any span is one or more HTTP ``Range`` requests for the
    chunks covering it (the build's chunk table, pinned by the loader's manifest), each chunk
-   hashed as it arrives and refused, naming file, chunk, blob and rank, unless it is the
-   table's. Edge chunks shared by two reads are kept (a few) and fetched once. The reader
-   threads of the ring or the CPU copy run several requests at once; a bulk read is cut into
-   requests of about :data:`REQUEST` bytes on the chunk grid (:meth:`RemoteFile.spans`).
+   hashed as it arrives and refused by the one prover (:func:`~.proof.prove_chunk`), naming
+   file, chunk, blob and rank, unless it is the table's. Edge chunks shared by two reads are
+   kept (a few) and fetched once. The reader threads of the ring or the CPU copy run several
+   requests at once; a bulk read is cut into requests of about :data:`REQUEST` bytes on the chunk
+   grid (:meth:`RemoteFile.spans`).
 
 What is proven: the loader's embedded manifest pins the chunk table's sha256 and each weight
 file's place; the table pins every chunk. So every byte a load uses is proven before it is
@@ -30,7 +32,6 @@ Standard library only (:mod:`.registry` for HTTP); torch is not imported here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -45,6 +46,7 @@ from typing import Any
 from .chunks import FileChunks
 from .env import STREAM_FILE, ArtifactMismatchError
 from .place import FilePlace
+from .proof import hash_span, prove_chunk
 from .registry import MAX_DOC, OciRef, Registry, RegistryError, parse_ref
 
 MAX_SMALL_LAYER = 1 << 30  # a packer small layer (tokenizer, bundle, loader) compressed: far above any
@@ -174,15 +176,10 @@ class RemoteFile:
         view[s - lo: e - lo] = memoryview(data)[s - a: e - a]
 
     def _prove(self, i: int, data: memoryview | bytearray) -> None:
-        got = hashlib.sha256(data).hexdigest()
+        got = hash_span(data, 0, len(data), self.label)
         self.image.stats.add(hashed=len(data), chunks=1)
-        if got != self.chunks.digest(i):
-            a, b = self.chunks.bounds(i)
-            by = f" on {self.rank}" if self.rank else ""
-            raise ArtifactMismatchError(
-                f"{self.label}: chunk {i} (bytes [{a}, {b}) of {self.chunks.size}) from blob {self.digest[:19]}... "
-                f"has sha256 {got[:16]}..., the chunk table pins {self.chunks.digest(i)[:16]}...{by}; the "
-                "registry's copy is corrupt or not this build's")
+        prove_chunk(self.label, self.chunks, i, got, rank=self.rank, source=f" from blob {self.digest[:19]}...",
+                    why="the registry's copy is corrupt or not this build's")
 
 
 class WholeBlob:

@@ -7,15 +7,14 @@ its data section (a mapping, a private copy or one device allocation).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .env import MAX_HEADER, ArtifactMismatchError, torch_dtype
+from .proof import check_sha256
 from .reading import PositionalSource, loads_json, open_regular, read_at
-from .settings import MIB
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -40,26 +39,25 @@ class Shard:
     The file's bytes are ``size`` bytes at ``base`` of the file ``path`` (0 for a file of its
     own; a page offset inside the weight layer blob that holds it); ``data_start`` is where
     its data section starts in that file, so every read is at ``data_start + begin``.
+    ``proven_as_read``: its source proves every chunk it serves (a registry's,
+    :class:`~.remote.RemoteFile`): readers neither hash it again nor map it.
     """
 
     def __init__(self, rel: str, path: Path, fd: int | PositionalSource, size: int, head: bytes,
-                 tensors: list[TensorEntry], base: int = 0, label: str | Path | None = None) -> None:
+                 tensors: list[TensorEntry], base: int = 0, label: str | Path | None = None, *,
+                 proven_as_read: bool = False) -> None:
         self.rel, self.path, self.fd, self.size, self.head = rel, path, fd, size, head
+        self.proven_as_read = proven_as_read
         self.base = base
         self.data_start = base + len(head)
         self.data_size = size - len(head)
         self.tensors = tensors  # sorted by begin
-        self.label = str(label) if self.remote else os.path.abspath(label if label is not None else path)
+        self.label = str(label) if proven_as_read else os.path.abspath(label if label is not None else path)
 
     def check_sha256(self, got: str, want: str) -> None:
         """Raise unless ``got == want``, naming the file (and, in a layer blob, where it lies)."""
         held = f" (its bytes lie in {os.path.abspath(self.path)} at offset {self.base})" if self.base else ""
         check_sha256(self.label, got, want, held)
-
-    @property
-    def remote(self) -> bool:
-        """Whether the bytes come from a remote source (a registry blob), not an open file."""
-        return not isinstance(self.fd, int)
 
     def close(self) -> None:
         if isinstance(self.fd, int) and self.fd >= 0:
@@ -68,7 +66,7 @@ class Shard:
 
 
 def pread_exact(fd: int | PositionalSource, n: int, offset: int, rel: str) -> bytes:
-    """Exactly ``n`` bytes at ``offset`` of ``fd`` (an open file or a remote source)."""
+    """Exactly ``n`` bytes at ``offset`` of ``fd`` (an open file or a view's source)."""
     buf = bytearray(n)
     read_at(fd, memoryview(buf), offset, rel)
     return bytes(buf)
@@ -108,9 +106,10 @@ def open_shard(rel: str, path: Path, meta: dict[str, Any], table: dict[str, Any]
 
 
 def read_header(rel: str, path: Path, fd: int | PositionalSource, size: int, table: dict[str, Any], *,
-                base: int = 0, label: str | Path | None = None, where: str = "") -> Shard:
-    """The :class:`Shard` of the ``size`` bytes at ``base`` of ``fd`` (an open file, or a
-    remote source: :mod:`.remote`), its safetensors header read and checked against ``table``.
+                base: int = 0, label: str | Path | None = None, where: str = "",
+                proven_as_read: bool = False) -> Shard:
+    """The :class:`Shard` of the ``size`` bytes at ``base`` of ``fd`` (an open file, or a source
+    of a build's view: :mod:`.view`), its safetensors header read and checked against ``table``.
 
     Raises:
         ArtifactMismatchError: an impossible header length, or a header that differs.
@@ -123,7 +122,8 @@ def read_header(rel: str, path: Path, fd: int | PositionalSource, size: int, tab
         raise ArtifactMismatchError(f"{where}: header length {n} is impossible for {size} bytes")
     raw = pread_exact(fd, n, base + 8, where)
     tensors = _check_header(rel, raw, size - 8 - n, table, where)
-    return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors, base, label)
+    return Shard(rel, path, fd, size, struct.pack("<Q", n) + raw, tensors, base, label,
+                 proven_as_read=proven_as_read)
 
 
 def _check_header(rel: str, raw: bytes, data_len: int,
@@ -155,27 +155,6 @@ def _check_header(rel: str, raw: bytes, data_len: int,
         out.append(TensorEntry(name, rec["dtype"], list(rec.get("torch_shape", rec["shape"])), begin, end))
     out.sort(key=lambda t: (t.begin, t.name))
     return out
-
-
-def sha256_fd(fd: int, size: int, bufsize: int = 8 * MIB, *, offset: int = 0) -> str:
-    """sha256 of the ``size`` bytes at ``offset`` of an open file, read with preadv."""
-    h, buf, off = hashlib.sha256(), bytearray(bufsize), 0
-    view = memoryview(buf)
-    while off < size:
-        n = os.preadv(fd, [view[: min(bufsize, size - off)]], offset + off)
-        if n <= 0:
-            raise ArtifactMismatchError(f"short read at byte {off}")
-        h.update(view[:n])
-        off += n
-    return h.hexdigest()
-
-
-def check_sha256(where: str | Path, got: str, want: str, held: str = "") -> None:
-    """Raise unless ``got == want``; ``where`` is the file as found on this machine (``held``: where
-    its bytes lie, when that is not a file of its own)."""
-    if got != want:
-        raise ArtifactMismatchError(f"{where}: sha256 {got[:16]}..., the manifest says "
-                                    f"{want[:16]}...; the file is corrupt or from another build{held}")
 
 
 CPU_ALIGN = 64  # torch's CPU allocator gives this; oneDNN's kernels take another path below it

@@ -22,7 +22,7 @@ a read brings in its own pages only.
 ``verify=True`` (and ``PACKER_REQUIRE_SIGNATURE``) checks, with the build's chunk table, only the
 chunks covering what this rank reads (each header, its spans, the replicated tensors): the
 span's own bytes as read, the rest of its edge chunks read for the hash. A changed byte is
-refused by the rank whose span holds it (:class:`~.chunks.SpanCheck` names file, chunk and
+refused by the rank whose span holds it (:func:`~.proof.prove_chunk` names file, chunk and
 rank); the ``verify chunks`` stage reports the bytes hashed. A build without a table (older
 manifests) hashes every file whole, so every rank reads everything.
 """
@@ -33,10 +33,11 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .assign import module_slots
-from .chunks import SpanCheck, rank_name
+from .chunks import rank_name
 from .env import torch_dtype
 from .hf import hf_construct, hf_finish
 from .hf_convert import REFUSE, conversion_table
+from .proof import SpanCheck
 from .reading import read_at
 from .shards import Shard, TensorEntry
 from .timeline import import_torch
@@ -56,8 +57,8 @@ class Stored(NamedTuple):
 def _span_check(loader: Loader, shards: list[Shard]) -> SpanCheck | None:
     """The check of this rank's reads, each header checked now; None without a chunk table,
     which verifies every file whole (the one way an older build can be proven)."""
-    if loader.remote is not None:
-        return None  # streamed: each chunk is proven as it arrives (:class:`~.remote.RemoteFile`)
+    if loader.view.proves_reads:
+        return None  # its sources prove each chunk as it arrives (a registry's: :class:`~.remote.RemoteFile`)
     check = loader.span_check(rank_name())
     whole = [s for s in shards if check is None or not check.covers(s.rel)]
     if whole:
@@ -128,7 +129,7 @@ def load_tp(loader: Loader, model: Any, dev: Any, verify: bool) -> None:
     torch = import_torch(loader.timeline)
     w = loader.manifest["weights"]
     aliases = w.get("aliases", {})
-    before, started = loader.remote.stats.fetched if loader.remote is not None else 0, time.perf_counter()
+    before, started = loader.view.fetched(), time.perf_counter()
     shards = loader.open_shards(verify=verify, random_access=True)
     try:
         check = _span_check(loader, shards) if verify else None
@@ -156,7 +157,7 @@ def load_tp(loader: Loader, model: Any, dev: Any, verify: bool) -> None:
     finally:
         for s in shards:
             s.close()
-    loader._record_stream(before, started)
+    loader.view.fetch_line(loader.timeline, before, started)
 
 
 def _put(torch: Any, slot: Any, value: Any) -> None:
