@@ -110,9 +110,9 @@ class WeightFilePath(InputPath):
     def check(self, path: Path) -> None:
         """Checks an existing path as :class:`InputPath`; a missing one is left to the command,
         which looks for it in a build output's manifest (once) before calling it missing."""
-        if path.is_dir():
+        if path.is_dir() and not (path / ".metadata").is_file():  # a torch.distributed.checkpoint folder is one
             raise PackerError(f"{path}: is a directory; {_one_weight_file(path)}")
-        if path.exists():
+        if path.exists() and not path.is_dir():
             super().check(path)
 
 

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from packer.checkpoint.allowlist import TORCH_DTYPES
+from packer.checkpoint.dcp import describe_dcp
+from packer.checkpoint.dcp_meta import metadata_of
 from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.reader import _open, make_record, walk
 from packer.checkpoint.records import CheckpointContents, TensorRecord
@@ -57,6 +59,8 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
         UnsafeInputError / CheckpointError: as :func:`read_checkpoint`.
     """
     path = Path(path)
+    if region is None and (meta := metadata_of(path)) is not None:
+        return describe_dcp(meta)
     fmt, loaded = _open(path, verify_crc=False, allow_globals=allow_globals, region=region)
     rows: list[tuple[TensorRecord | None, str, str, tuple[int, ...], int]] = []
     unsupported: list[str] = []

@@ -72,6 +72,7 @@ def _section(plan: WeightsPlan, prefix: str, inputs: InputSet,
     section = plan.section(prefix)
     section["skipped"] = sorted({s for c in contents for s in c.skipped})
     section["inputs"] = [{"path": inputs.rel(c.path), "format": c.format} for c in contents]
+    section["inputs"] += [{"path": inputs.rel(p), "format": f"{c.format}-data"} for c in contents for p in c.data_files]
     if inputs.index is not None:  # it chose the shards: the manifest pins it with them
         section["inputs"].append({"path": inputs.rel(inputs.index), "format": "index"})
     return section
