@@ -205,11 +205,16 @@ def read_dcp(path: Path, *, key: str | None = None) -> CheckpointContents:
         files.close()
     skipped = tuple(".".join(p[1:] if part is not None else p) for p in meta.others
                     if (p[0] == part and len(p) > 1) or (part is None and len(p) == 1))
-    top_others = [".".join(p) for p in meta.others if len(p) == 1 and part is not None]
-    notes = (f"torch.distributed.checkpoint: converted the part {part!r}" if part else
-             "torch.distributed.checkpoint: converted the saved state dict",)
-    return CheckpointContents(path, "torch-dcp", tuple(records), skipped, left_out=(*others, *top_others),
-                              notes=notes, data_files=data_files)
+    # parts beside the chosen one, with or without tensors (an optimizer before its first step)
+    left = list(dict.fromkeys([*others, *(p[0] for p in meta.others if part is not None and p[0] != part)]))
+    training = [k for k in left if k in TRAINING_KEYS]
+    notes = [f"torch.distributed.checkpoint: converted the part {part!r}" if part else
+             "torch.distributed.checkpoint: converted the saved state dict"]
+    if training:
+        notes.append(f"left out as training state, not model weights: {listing(training)}")
+    return CheckpointContents(path, "torch-dcp", tuple(records), skipped,
+                              left_out=tuple(k for k in left if k not in TRAINING_KEYS),
+                              notes=tuple(notes), data_files=data_files)
 
 
 def describe_dcp(path: Path) -> dict[str, object]:
