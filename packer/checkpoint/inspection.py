@@ -11,6 +11,8 @@ from packer.checkpoint.dcp_meta import metadata_of
 from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.reader import _open, make_record, walk
 from packer.checkpoint.records import CheckpointContents, TensorRecord
+from packer.checkpoint.training import refusal
+from packer.errors import CheckpointError
 
 
 def _alias_key(r: TensorRecord) -> tuple[object, ...]:
@@ -61,6 +63,8 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
     path = Path(path)
     if region is None and (meta := metadata_of(path)) is not None:
         return describe_dcp(meta)
+    if region is None and (said := refusal(str(path), path.name)) is not None:
+        raise CheckpointError(said)
     fmt, loaded = _open(path, verify_crc=False, allow_globals=allow_globals, region=region)
     rows: list[tuple[TensorRecord | None, str, str, tuple[int, ...], int]] = []
     unsupported: list[str] = []

@@ -18,10 +18,11 @@ from packer.checkpoint.dcp_meta import metadata_of
 from packer.checkpoint.guidance import module_refusal
 from packer.checkpoint.legacy import load_legacy
 from packer.checkpoint.pickle_vm import policy_for
-from packer.checkpoint.placeholders import find_placeholders
+from packer.checkpoint.placeholders import find_placeholders, type_name
 from packer.checkpoint.records import CheckpointContents, TensorRecord, listing
 from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safetensors
 from packer.checkpoint.torch_zip import load_torch_zip
+from packer.checkpoint.training import refusal as training_refusal
 from packer.checkpoint.tree import TensorRef, children, named_walk, tensor_counts
 from packer.checkpoint.views import make_record
 from packer.errors import CheckpointError
@@ -128,7 +129,9 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
             raise CheckpointError(refusal)
     kids = children(node)
     if kids is None:
-        what = "a single tensor" if isinstance(node, TensorRef) else type(node).__name__
+        kind = type_name(node)  # a placeholder is named by the class the pickle gave it
+        what = "a single tensor" if isinstance(node, TensorRef) else \
+            f"one {kind} object (no model weights)" if kind else type(node).__name__
         where = "top level" if key is None else f"key {key}"
         raise CheckpointError(f"{path}: {where}: holds {what}, not a dict of tensors")
     counts = tensor_counts(node)
@@ -187,6 +190,8 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
     path = Path(path)
     if (meta := metadata_of(path)) is not None:  # a torch.distributed.checkpoint folder or one of its files
         return read_dcp(meta, key=key)
+    if (said := training_refusal(str(path), path.name)) is not None:  # never offered as weights
+        raise CheckpointError(said)
     fmt, loaded = _open(path, verify_crc, allow_globals)
     if isinstance(loaded, CheckpointContents):
         if key is not None:
