@@ -155,7 +155,7 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
     module = module_refusal(where, value)
     if module is not None:
         return DisallowedGlobalError(module)
-    if isinstance(value, Placeholder) and (kind := type_name(value)):  # one object, not a dict: say what it is before any flag
+    if isinstance(value, Placeholder) and (kind := type_name(value)):  # one object: say which, before any flag
         head = (f"{where}: holds one {kind} object, not a dict of tensors: no model weights at its top "
                 f"(global {qual} is not allowed{every})")
     found = _state_dict_key(value)
