@@ -99,3 +99,22 @@ def test_accelerate_save_state(tmp_path: Path) -> None:
     assert all(got[k].equal(v) for k, v in model.state_dict().items())
     one_line_refusal(tmp_path / "state" / "optimizer.bin", tmp_path, "optimizer state")
     one_line_refusal(tmp_path / "state" / "random_states_0.pkl", tmp_path, "random-number generator state")
+
+
+def test_ema_counter_left_out_by_name_and_strict_load(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    ema.update_parameters(model)
+    torch.save(ema.state_dict(), tmp_path / "ema.pt")
+    r = packer("convert", str(tmp_path / "ema.pt"), "-o", str(tmp_path / "out"), "--exclude", "n_averaged",
+               "--strip-prefix", "module.")
+    assert r.returncode == 0, r.stderr
+    assert "left out by weights.include/exclude: n_averaged" in r.stdout
+    fresh = torch.nn.Linear(4, 3)
+    fresh.load_state_dict(load_file(str(tmp_path / "out" / "model.safetensors")), strict=True)
+    assert fresh.weight.equal(ema.module.weight)
+    r = packer("convert", str(tmp_path / "ema.pt"), "-o", str(tmp_path / "none"), "--include", "online_model.*")
+    assert r.returncode == 1 and "weights.include: 'online_model.*' matches no tensor" in r.stderr
