@@ -124,9 +124,9 @@ class WeightFilePath(InputPath):
     def check(self, path: Path) -> None:
         """Checks an existing path as :class:`InputPath`; a missing one is left to the command,
         which looks for it in a build output's manifest (once) before calling it missing."""
-        if path.is_dir():
+        if path.is_dir() and not (path / ".metadata").is_file():  # a torch.distributed.checkpoint folder is one
             raise PackerError(f"{path}: is a directory; {_one_weight_file(path)}")
-        if path.exists():
+        if path.exists() and not path.is_dir():
             super().check(path)
 
 
@@ -361,6 +361,10 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--key", help="Key of the nested dict holding the state dict (e.g. state_dict).")
 @click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Prefix to strip from names (repeatable).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", help="Regex rename (repeatable).")
+@click.option("--include", "include", multiple=True, metavar="GLOB",
+              help="Convert only tensors whose name (as read) matches (repeatable).")
+@click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
+              help="Leave out tensors whose name (as read) matches, e.g. n_averaged (repeatable).")
 @click.option("--dtype", type=click.Choice(list(CAST_DTYPES)), help="Cast floats.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_shard_size,
               help='Decimal ("5GB") or binary ("4GiB") size of one shard.')
@@ -372,7 +376,8 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="PATTERN", help=_ALLOW_HELP)
 @_common
 def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tuple[str, ...],
-            renames: tuple[str, ...], dtype: str | None, max_shard_size: str,
+            renames: tuple[str, ...], include: tuple[str, ...], exclude: tuple[str, ...], dtype: str | None,
+            max_shard_size: str,
             tie_prefer: tuple[str, ...], max_expansion: float, dry_run: bool, no_sandbox: bool,
             allow_globals: tuple[str, ...]) -> None:
     """Convert pickle checkpoints (or safetensors) in SRC to safetensors in OUT.
@@ -389,7 +394,8 @@ def convert(ctx: Ctx, src: Path, out: Path, key: str | None, strip_prefixes: tup
 
     cfg = weights_from_options(key=key, strip_prefixes=strip_prefixes, renames=_rename_pairs(renames), dtype=dtype,
                                max_shard_size=max_shard_size, tie_prefer=tie_prefer, max_expansion=max_expansion,
-                               allow_globals=allow_globals)  # SRC is a file name, not a recipe string
+                               allow_globals=allow_globals, include=include,
+                               exclude=exclude)  # SRC is a file name, not a recipe string
     with ctx.progress("convert") as bar:
         result = convert_cli(src, out, cfg, ConvertOptions(dry_run=dry_run, sandbox=not no_sandbox, progress=bar))
     summary = {"files": [{"path": f.path, **f.as_json()} for f in result.files], "notes": list(result.notes),

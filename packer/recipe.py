@@ -57,6 +57,9 @@ class WeightsConfig:
     key: str | None = None  # key of the nested dict holding the state dict
     strip_prefixes: tuple[str, ...] = ()
     renames: tuple[Rename, ...] = ()
+    # tensor-name globs (fnmatch, on the names as read): only matching tensors / none matching
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
     dtype: str | None = None  # cast floating tensors to this dtype
     max_shard_size: int = 5 * 10**9
     tie_prefer: tuple[str, ...] = ()  # names preferred as the kept name of a tied group
@@ -436,6 +439,7 @@ def _shape(path: str, v: Any) -> tuple[int, ...]:
 
 _WEIGHTS = {
     "files": _str_list, "key": _str, "strip_prefixes": _str_list, "renames": _renames,
+    "include": _str_list, "exclude": _str_list,
     "dtype": _choice(DTYPES), "max_shard_size": _size, "tie_prefer": _str_list,
     "allow_globals": _global_patterns, "layout": _choice(LAYOUTS), "components": _str_list,
     "max_expansion": _ratio, "variants": _str_list, "leave_out": _str_list, "chunk_size": _chunk_size,
@@ -497,7 +501,8 @@ def recipe_from_dict(raw: Mapping[str, Any], *, base_dir: Path = Path(".")) -> R
 
 def weights_from_options(*, key: str | None, strip_prefixes: Sequence[str], renames: Sequence[tuple[str, str]],
                          dtype: str | None, max_shard_size: str, tie_prefer: Sequence[str], max_expansion: float,
-                         allow_globals: Sequence[str]) -> WeightsConfig:
+                         allow_globals: Sequence[str], include: Sequence[str] = (),
+                         exclude: Sequence[str] = ()) -> WeightsConfig:
     """The ``[weights]`` table ``packer convert``'s options make, validated as a recipe's.
 
     The source is no part of it: a path named on the command line comes from the file system,
@@ -510,6 +515,7 @@ def weights_from_options(*, key: str | None, strip_prefixes: Sequence[str], rena
             its text (``"5GB"``).
         renames: ``(pattern, replacement)`` pairs, in order (``weights.renames``).
         allow_globals: ``--allow-global`` patterns added to ``allow_globals``.
+        include, exclude: ``weights.include`` / ``weights.exclude`` tensor-name globs.
 
     Raises:
         RecipeError: ``weights.<key>: ...`` as :func:`recipe_from_dict` says it, or a pattern
@@ -517,6 +523,7 @@ def weights_from_options(*, key: str | None, strip_prefixes: Sequence[str], rena
     """
     raw: dict[str, Any] = {"max_shard_size": max_shard_size, "strip_prefixes": list(strip_prefixes),
                            "tie_prefer": list(tie_prefer), "max_expansion": max_expansion,
+                           "include": list(include), "exclude": list(exclude),
                            **({"key": key} if key else {}), **({"dtype": dtype} if dtype else {}),
                            "renames": [{"pattern": pattern, "replace": repl} for pattern, repl in renames]}
     refuse_controls("weights", raw)

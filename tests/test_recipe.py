@@ -44,8 +44,8 @@ def test_shipped_recipes_load() -> None:
         ({"weights": {"max_shard_sise": "5GB"}}, "weights.max_shard_sise: unknown key"),
         ({"colour": "red"}, "colour: unknown key"),
         ({"weights": {"dtyp": "float16"}}, "weights.dtyp: unknown key (allowed: allow_globals, chunk_size, "
-         "components, dtype, files, key, layout, leave_out, max_expansion, max_shard_size, renames, strip_prefixes, "
-         "tie_prefer, variants); did you mean 'dtype'?"),
+         "components, dtype, exclude, files, include, key, layout, leave_out, max_expansion, max_shard_size, "
+         "renames, strip_prefixes, tie_prefer, variants); did you mean 'dtype'?"),
         ({"weight": {"dtype": "float16"}}, "weight: unknown key (allowed: bundle, image, name, runtime, sign, "
          "source, version, warm, weights); did you mean 'weights'?"),
         ({"weights": {"dtype": "fp8"}}, "weights.dtype: expected one of"),
@@ -127,6 +127,7 @@ def test_parse_size_rejects_garbage_cleanly(text: str) -> None:
 EVERY_STRING = {
     "name": "m", "version": "1", "source": "demo",
     "weights": {"files": ["*.bin"], "key": "state_dict", "strip_prefixes": ["module."],
+                "include": ["*"], "exclude": ["n_averaged"],
                 "renames": [{"pattern": "a", "replace": "b"}], "dtype": "float16", "max_shard_size": "5GB",
                 "chunk_size": "1MiB",
                 "tie_prefer": ["lm_head.weight"], "allow_globals": ["m.C"], "layout": "auto",

@@ -26,7 +26,7 @@ from packer.util.idents import confined, link_roots
 
 TEXT_SUFFIXES = frozenset({".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".bpe", ".yaml", ".yml"})
 NEVER = {
-    "weights": frozenset({*WEIGHT_SUFFIXES, ".gguf", ".ggml", ".onnx", ".onnx_data",
+    "weights": frozenset({*WEIGHT_SUFFIXES, ".distcp", ".gguf", ".ggml", ".onnx", ".onnx_data",
                           ".h5", ".hdf5", ".keras", ".msgpack", ".npz", ".npy", ".tflite", ".pb", ".ot", ".pdparams",
                           ".mlmodel", ".engine", ".plan", ".trt"}),
     "code": frozenset({".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll", ".exe", ".sh", ".ipynb"}),
@@ -71,6 +71,8 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
 
 
 def _never(name: str) -> str | None:
+    if Path(name).name == ".metadata":  # a torch.distributed.checkpoint's index of its .distcp weights
+        return "weights"
     suffix = Path(name).suffix.lower()
     return next((kind for kind, suffixes in NEVER.items() if suffix in suffixes), None)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from packer.checkpoint.placeholders import PLACEHOLDER_TYPES, GlobalPolicy, PlaceholderDict
+from packer.checkpoint.placeholders import PLACEHOLDER_TYPES, GlobalPolicy, Placeholder, PlaceholderDict, type_name
 from packer.checkpoint.tree import Global, PickleDict, TensorRef
 from packer.errors import CheckpointError, DisallowedGlobalError
 from packer.util.show import shell_word
@@ -155,6 +155,9 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
     module = module_refusal(where, value)
     if module is not None:
         return DisallowedGlobalError(module)
+    if isinstance(value, Placeholder) and (kind := type_name(value)):  # one object: say which, before any flag
+        head = (f"{where}: holds one {kind} object, not a dict of tensors: no model weights at its top "
+                f"(global {qual} is not allowed{every})")
     found = _state_dict_key(value)
 
     key = f"--key {shell_word(found)} " if found and any(q.startswith("torch.nn.") for q in refused) else ""

@@ -6,9 +6,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from packer.checkpoint.allowlist import TORCH_DTYPES
+from packer.checkpoint.dcp import describe_dcp
+from packer.checkpoint.dcp_meta import metadata_of
 from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.reader import _open, make_record, walk
 from packer.checkpoint.records import CheckpointContents, TensorRecord
+from packer.checkpoint.training import refusal
+from packer.errors import CheckpointError
 
 
 def _alias_key(r: TensorRecord) -> tuple[object, ...]:
@@ -57,6 +61,10 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
         UnsafeInputError / CheckpointError: as :func:`read_checkpoint`.
     """
     path = Path(path)
+    if region is None and (meta := metadata_of(path)) is not None:
+        return describe_dcp(meta)
+    if region is None and (said := refusal(str(path), path.name)) is not None:
+        raise CheckpointError(said)
     fmt, loaded = _open(path, verify_crc=False, allow_globals=allow_globals, region=region)
     rows: list[tuple[TensorRecord | None, str, str, tuple[int, ...], int]] = []
     unsupported: list[str] = []

@@ -13,21 +13,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from packer.checkpoint.allowlist import TORCH_DTYPES
+from packer.checkpoint.dcp import read_dcp
+from packer.checkpoint.dcp_meta import metadata_of
 from packer.checkpoint.guidance import module_refusal
 from packer.checkpoint.legacy import load_legacy
 from packer.checkpoint.pickle_vm import policy_for
-from packer.checkpoint.placeholders import find_placeholders
+from packer.checkpoint.placeholders import find_placeholders, type_name
 from packer.checkpoint.records import CheckpointContents, TensorRecord, listing
 from packer.checkpoint.safetensors_in import looks_like_safetensors, read_safetensors
 from packer.checkpoint.torch_zip import load_torch_zip
+from packer.checkpoint.training import refusal as training_refusal
 from packer.checkpoint.tree import TensorRef, children, named_walk, tensor_counts
+from packer.checkpoint.views import make_record
 from packer.errors import CheckpointError
 from packer.reading import open_regular
 from packer.util.formats import HEAD_BYTES, foreign_advice
-
-_I64 = 2**63
-_COMPLEX = {"complex32", "chalf", "complex64", "cfloat", "complex128", "cdouble"}
 
 
 def _detect(f: BinaryIO, path: Path, size: int) -> str:
@@ -74,44 +74,6 @@ def _open(path: Path, verify_crc: bool, allow_globals: Sequence[str] = (),
         if fmt == "torch-zip":
             return fmt, load_torch_zip(f, path, size, verify_crc=verify_crc, policy=policy)
         return fmt, load_legacy(f, path, size, policy=policy)
-
-
-def make_record(path: Path, name: str, ref: TensorRef) -> TensorRecord:
-    """Check one tensor against its storage (exact integers) and return its record.
-
-    Raises:
-        CheckpointError: an unsupported dtype or a view that does not fit its storage.
-    """
-    place = f"{path}: tensor {name}"
-    code, item = TORCH_DTYPES[ref.dtype]
-    if code is None:
-        kind = "complex " if ref.dtype in _COMPLEX else ""
-        raise CheckpointError(f"{place}: {kind}dtype {ref.dtype} cannot be stored in safetensors")
-    size, stride, offset = ref.size, ref.stride, ref.offset
-    if len(size) != len(stride):
-        raise CheckpointError(f"{place}: shape {size} and stride {stride} differ in rank")
-    if any(d < 0 for d in size) or offset < 0:
-        raise CheckpointError(f"{place}: negative shape {size} or storage offset {offset}")
-    if any(s < 0 for s in stride):
-        raise CheckpointError(f"{place}: negative stride {stride} not supported")
-    numel = 1
-    for d in size:
-        numel *= d
-    nbytes = ref.storage.range.nbytes
-    if numel * item >= _I64 or offset * item >= _I64 or any(s >= _I64 for s in stride):
-        raise CheckpointError(f"{place}: shape {size} / offset overflow int64")
-    if numel == 0:
-        end = offset * item
-    else:
-        last = offset + sum((d - 1) * s for d, s in zip(size, stride, strict=True))
-        if last * item >= _I64:
-            raise CheckpointError(f"{place}: extent of shape {size} stride {stride} overflows int64")
-        end = (last + 1) * item
-    if end > nbytes:
-        raise CheckpointError(
-            f"{place}: view ends at byte {end} past the end of its {nbytes}-byte storage {ref.storage.key}"
-        )
-    return TensorRecord(name, code, size, stride, ref.storage.range, offset)
 
 
 def _resolve(node: object, dotted: str) -> tuple[object] | None:
@@ -167,7 +129,9 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
             raise CheckpointError(refusal)
     kids = children(node)
     if kids is None:
-        what = "a single tensor" if isinstance(node, TensorRef) else type(node).__name__
+        kind = type_name(node)  # a placeholder is named by the class the pickle gave it
+        what = "a single tensor" if isinstance(node, TensorRef) else \
+            f"one {kind} object (no model weights)" if kind else type(node).__name__
         where = "top level" if key is None else f"key {key}"
         raise CheckpointError(f"{path}: {where}: holds {what}, not a dict of tensors")
     counts = tensor_counts(node)
@@ -206,8 +170,9 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
     ``verify_crc``), so this costs O(metadata).
 
     Args:
-        path: a torch zip, legacy torch or safetensors file (detected from content).
-        key: dotted path of the nested dict to use (e.g. ``state_dict``); pickle only.
+        path: a torch zip, legacy torch or safetensors file (detected from content), or a
+            ``torch.distributed.checkpoint`` folder (its ``.metadata`` or a ``.distcp`` file).
+        key: dotted path of the nested dict to use (e.g. ``state_dict``); pickle and DCP only.
         verify_crc: for torch zips, also check every storage's CRC-32 (reads all bytes).
         allow_globals: ``module.Name`` patterns (fnmatch) of the user's plain-data classes,
             read as inert placeholders beside the built-in list (never imported or called).
@@ -223,6 +188,10 @@ def read_checkpoint(path: Path, *, key: str | None = None, verify_crc: bool = Fa
         CheckpointError: malformed input, a lying record, a complex dtype, a bad key.
     """
     path = Path(path)
+    if (meta := metadata_of(path)) is not None:  # a torch.distributed.checkpoint folder or one of its files
+        return read_dcp(meta, key=key)
+    if (said := training_refusal(str(path), path.name)) is not None:  # never offered as weights
+        raise CheckpointError(said)
     fmt, loaded = _open(path, verify_crc, allow_globals)
     if isinstance(loaded, CheckpointContents):
         if key is not None:

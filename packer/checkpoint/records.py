@@ -65,6 +65,14 @@ class StorageRange:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One shard of an assembled tensor: where it starts in the whole (elements per dimension)."""
+
+    offsets: tuple[int, ...]
+    record: TensorRecord
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     """One tensor as a view of a storage: dtype code, shape, stride and offset in elements."""
 
@@ -74,6 +82,9 @@ class TensorRecord:
     stride: tuple[int, ...]
     storage: StorageRange
     storage_offset: int = 0
+    # a tensor assembled from shards (a distributed checkpoint): each piece's offsets in the
+    # whole tensor and its own record; ``storage`` then only names the tensor, it holds no bytes
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -92,10 +103,11 @@ class CheckpointContents:
     """Everything a reader found in one input file."""
 
     path: Path
-    format: str  # "torch-zip" | "torch-legacy" | "safetensors"
+    format: str  # "torch-zip" | "torch-legacy" | "safetensors" | "torch-dcp"
     tensors: tuple[TensorRecord, ...]
     skipped: tuple[str, ...] = ()  # names of non-tensor entries, reported, never fatal
     metadata: tuple[tuple[str, str], ...] = ()  # safetensors __metadata__ of an input
     left_out: tuple[str, ...] = ()  # top-level entries beside the selected key, reported
     notes: tuple[str, ...] = ()  # placeholders left out, tensor attributes dropped: reported
     placeholders: tuple[str, ...] = ()  # names of the placeholders the notes list (not again as skipped)
+    data_files: tuple[Path, ...] = ()  # files the tensors' bytes lie in besides ``path`` (DCP's .distcp)

@@ -7,6 +7,7 @@ left under the output names.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 from collections.abc import Callable, Sequence
@@ -38,6 +39,33 @@ def read_inputs(inputs: InputSet, key: str | None, allow_globals: Sequence[str] 
     from packer.checkpoint.reader import read_checkpoint
 
     return [read_checkpoint(path, key=key, allow_globals=allow_globals) for path in inputs.files]
+
+
+def name_filter(contents: Sequence[CheckpointContents],
+                cfg: WeightsConfig) -> tuple[list[CheckpointContents], list[str]]:
+    """The tensors ``weights.include`` / ``weights.exclude`` keep (globs on the names as read: an EMA's
+    ``n_averaged``, a teacher's ``online_model.*``), and a note naming what they left out.
+
+    Raises:
+        WeightsError: an ``include`` glob that matches no tensor (a typo would build nothing).
+    """
+    if not cfg.include and not cfg.exclude:
+        return list(contents), []
+    kept, dropped, used = [], [], set()
+    for c in contents:
+        keep = []
+        for r in c.tensors:
+            hit = [g for g in cfg.include if fnmatch.fnmatchcase(r.name, g)]
+            used.update(hit)
+            if (cfg.include and not hit) or any(fnmatch.fnmatchcase(r.name, g) for g in cfg.exclude):
+                dropped.append(r.name)
+            else:
+                keep.append(r)
+        kept.append(replace(c, tensors=tuple(keep)))
+    unused = [g for g in cfg.include if g not in used]
+    if unused:
+        raise WeightsError(f"weights.include: {unused[0]!r} matches no tensor of {contents[0].path}")
+    return kept, [f"left out by weights.include/exclude: {listing(dropped)}"] if dropped else []
 
 
 def _notes(inputs: InputSet, contents: Sequence[CheckpointContents]) -> list[str]:
@@ -72,6 +100,7 @@ def _section(plan: WeightsPlan, prefix: str, inputs: InputSet,
     section = plan.section(prefix)
     section["skipped"] = sorted({s for c in contents for s in c.skipped})
     section["inputs"] = [{"path": inputs.rel(c.path), "format": c.format} for c in contents]
+    section["inputs"] += [{"path": inputs.rel(p), "format": f"{c.format}-data"} for c in contents for p in c.data_files]
     if inputs.index is not None:  # it chose the shards: the manifest pins it with them
         section["inputs"].append({"path": inputs.rel(inputs.index), "format": "index"})
     return section
@@ -183,7 +212,8 @@ def convert(
     prefix = dest_dir.relative_to(root).as_posix() + "/" if dest_dir != root else ""
     inputs = find_inputs(src, cfg.files, pickles_first=cfg.key is not None)
     contents = read_inputs(inputs, cfg.key, cfg.allow_globals)
-    notes = _notes(inputs, contents)
+    contents, filtered = name_filter(contents, cfg)
+    notes = _notes(inputs, contents) + filtered
     # the model's config.json: in the source directory, or beside a single checkpoint file
     # (as the build's bundle takes it); beside a file, an unreadable one is not the model's
     ties = read_tie_config(src) if src.is_dir() else read_tie_config(src.parent, strict=False)

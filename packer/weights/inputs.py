@@ -6,7 +6,8 @@ parsed at all and hold the same tensors when a repository ships both):
 1. ``model.safetensors.index.json`` with its shards, 2. ``model.safetensors``,
 3. ``pytorch_model.bin.index.json`` with its shards, 4. ``pytorch_model.bin``,
 5. the one index of a sharded variant (``model.safetensors.index.fp16.json``),
-6. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
+6. a ``torch.distributed.checkpoint`` folder: ``.metadata`` beside ``*.distcp`` files,
+7. the only ``*.safetensors`` / ``*.pt`` / ``*.pth`` / ``*.ckpt`` / ``*.bin`` file.
 
 ``WeightsConfig.files`` globs (relative to the source) replace auto-detection.
 
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from packer.checkpoint.dcp_meta import metadata_of
 from packer.errors import WeightsError
 from packer.reading import JSON_DOC, read_json
 from packer.util.formats import WEIGHT_PATTERNS, foreign_advice, variant_of
@@ -85,7 +87,8 @@ def find_inputs(src: Path, globs: Sequence[str] = (), *, pickles_first: bool = F
     if not src.is_dir() and _is_input(src):
         if globs:
             raise WeightsError(f"{src}: weights.files needs a directory source, got a file")
-        return InputSet(src.parent, (src,))
+        # one file of a torch.distributed.checkpoint folder stands for the folder
+        return InputSet(src.parent, (metadata_of(src) or src,))
     found = _find(src, globs, pickles_first)
     roots = link_roots(src)
     for path in (*found.files, *([found.index] if found.index else [])):
@@ -106,6 +109,8 @@ def _find(src: Path, globs: Sequence[str], pickles_first: bool) -> InputSet:
             return InputSet(src, (src / name,))
     if index := variant_index(src, ("model", "pytorch_model")[::order]):
         return _from_index(src, index)
+    if (meta := metadata_of(src)) is not None:  # torch.distributed.checkpoint: its .metadata names the rest
+        return InputSet(src, (meta,))
     candidates = sorted({p for pattern in WEIGHT_PATTERNS for p in src.glob(pattern) if _is_input(p)})
     if len(candidates) == 1:
         return InputSet(src, tuple(candidates))

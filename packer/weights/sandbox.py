@@ -84,7 +84,8 @@ def _isolate(limits: dict[str, int]) -> None:
 def _cfg_from_json(data: dict[str, Any]) -> WeightsConfig:
     data = dict(data)
     data["renames"] = tuple(Rename(**r) for r in data["renames"])
-    for key in ("files", "strip_prefixes", "tie_prefer", "allow_globals", "components", "variants", "leave_out"):
+    for key in ("files", "strip_prefixes", "include", "exclude",
+                "tie_prefer", "allow_globals", "components", "variants", "leave_out"):
         data[key] = tuple(data[key])
     return WeightsConfig(**data)
 

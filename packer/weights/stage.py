@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from packer.checkpoint.training import training_state
 from packer.components import (
     STEMS,
     Component,
@@ -166,7 +167,11 @@ def _with_left_out(src: Path, out: StageOutput) -> StageOutput:
     if not missed:
         return out
     notes = list(out.notes)
-    ours = [m for m in missed if not foreign_weights(Path(m).name)]
+    state = [m for m in missed if training_state(Path(m).name)]
+    if state:
+        notes.append(f"left out as training state (optimizer, scheduler, RNG and run state; not model weights): "
+                     f"{', '.join(state[:8])}{f', ... ({len(state)} in all)' if len(state) > 8 else ''}")
+    ours = [m for m in missed if not foreign_weights(Path(m).name) and not training_state(Path(m).name)]
     if ours:
         shown = ", ".join(ours[:8]) + (f", ... ({len(ours)} in all)" if len(ours) > 8 else "")
         notes.append(f"checkpoints in the source that this build leaves out: {shown} (name them in "

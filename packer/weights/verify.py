@@ -19,7 +19,7 @@ from packer.place import FilePlace
 from packer.reading import JSON_DOC, check_regular, map_readonly, open_regular, parse_json, read_json
 from packer.util.safetensors_header import MAX_HEADER_BYTES, read_header_file
 from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
-from packer.weights.writer import CHUNK, Sources, tensor_chunks
+from packer.weights.writer import CHUNK, Sources, pieced_chunks, tensor_chunks
 
 
 def library_table(path: Path, *, offset: int = 0,
@@ -115,15 +115,17 @@ def _compare_bytes(
 
 
 def _compare_tensor(path: Path, t: Any, out: memoryview, sources: Sources) -> None:
-    _, data = sources.get(t.record.storage.path)
     pos = t.begin
     expected: Iterable[bytes | memoryview]
-    if t.contiguous and not t.cast:
+    if t.record.pieces:  # assembled from a distributed checkpoint's shards
+        expected = pieced_chunks(t, sources)
+    elif t.contiguous and not t.cast:
+        _, data = sources.get(t.record.storage.path)
         src = t.source_offset
         expected = (data[src + i:src + min(i + CHUNK, t.end - t.begin)]
                     for i in range(0, t.end - t.begin, CHUNK))
     else:
-        expected = tensor_chunks(t, data)
+        expected = tensor_chunks(t, sources.get(t.record.storage.path)[1])
     for chunk in expected:
         want = memoryview(chunk)
         if bytearray(out[pos:pos + len(want)]) != want:  # memcmp: NaN payloads compare too

@@ -36,6 +36,7 @@ from packer.reading import map_readonly
 from packer.stage import Progress
 from packer.util.formats import CAST_DTYPES
 from packer.util.fsutil import HashThread, umask
+from packer.weights.assemble import piece_blocks, row_pieces
 from packer.weights.plan import PlannedTensor, ShardPlan
 
 CHUNK = 8 * 2**20  # a gathered or cast tensor's block (few numpy/torch calls), and verify_written's compare
@@ -223,10 +224,30 @@ def _copy_span(t: PlannedTensor, fd: int, data: memoryview, out: _Output, pos: i
             progress(done)
 
 
-def _write_span(t: PlannedTensor, data: memoryview, out: _Output, pos: int,
+def pieced_chunks(t: PlannedTensor, sources: Sources) -> Iterator[bytes | memoryview]:
+    """The output bytes of a tensor assembled from pieces (:mod:`packer.weights.assemble`)."""
+    for block in piece_blocks(t, lambda rec: uint_view(rec, sources.get(rec.storage.path)[1])):
+        for part in _blocks(block):
+            yield _out_bytes(t, part)
+
+
+def _write_pieces(t: PlannedTensor, sources: Sources, out: _Output, pos: int, progress: Progress | None) -> bool:
+    """Write an assembled tensor; True when every byte went by kernel copy (and was read back)."""
+    rows = None if t.cast else row_pieces(t.record)
+    if rows is None:
+        _write_span(t, pieced_chunks(t, sources), out, pos, progress)
+        return False
+    for rec in rows:
+        fd, data = sources.get(rec.storage.path)
+        _copy_span(PlannedTensor(t.name, rec, rec.dtype, 0, rec.nbytes), fd, data, out, pos, progress)
+        pos += rec.nbytes
+    return True
+
+
+def _write_span(t: PlannedTensor, chunks: Iterator[bytes | memoryview], out: _Output, pos: int,
                 progress: Progress | None) -> None:
     start = pos
-    for chunk in tensor_chunks(t, data):
+    for chunk in chunks:
         view = memoryview(chunk)
         done = 0
         while done < len(view):
@@ -280,12 +301,17 @@ def write_shard(
         out.landed(0, memoryview(shard.header), "(header)")
         pos = len(shard.header)
         for t in shard.tensors:
+            if t.record.pieces:
+                if _write_pieces(t, sources, out, pos, progress):
+                    checked.add(t.name)
+                pos += t.end - t.begin
+                continue
             fd, data = sources.get(t.record.storage.path)
             if t.contiguous and not t.cast:
                 _copy_span(t, fd, data, out, pos, progress)
                 checked.add(t.name)
             else:
-                _write_span(t, data, out, pos, progress)
+                _write_span(t, tensor_chunks(t, data), out, pos, progress)
             pos += t.end - t.begin
         out.frame(pos)
     except BaseException:
