@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .assign import LoadResult
 from .components import all_loaders, component_loader
 from .empty import init_empty
-from .env import POOL_ENV, STREAM_FILE, ArtifactMismatchError, is_ref, torch_dtype
+from .env import POOL_ENV, STREAM_FILE, ArtifactMismatchError, is_ref, printable, torch_dtype
 from .loading import Loader
 from .reading import entry_kind, inside, loads_json, read_bytes, sha256_regular
 from .settings import RuntimeSettings, setting
@@ -307,7 +307,8 @@ def _why(e: Exception, root: Path | str | None = None) -> str:
         text = str(e).removeprefix("packer_loader: ")
     where = f", artifacts in {root}" if root is not None and str(root) not in text else ""
     hint = "" if _debug() else "; PACKER_DEBUG=1 prints the traceback"
-    return f"{text} [{type(e).__name__}{where}{hint}]"
+    # escaped whatever raised it: a registry's reason phrase or a file's name may hold ESC or a newline
+    return printable(f"{text} [{type(e).__name__}{where}{hint}]")
 
 
 def _debug() -> bool:
