@@ -100,6 +100,9 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     owner: HostileRegistry
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client cut off by its deadline, a reset on purpose: expected here, not news
+
 
 class HostileRegistry:
     """A registry on 127.0.0.1 serving what its ``routes`` say (``{path: route}``).

@@ -14,7 +14,6 @@ import base64
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 from packer.runtime import remote
 from packer.runtime.registry import Registry, RegistryError, parse_ref
 from packer.runtime.remote import RemoteImage
-from tests.hostile_registry import GZIP_LAYER, ZSTD_LAYER, Handler, HostileRegistry, serve_bytes, tar_gz
+from tests.hostile_registry import GZIP_LAYER, ZSTD_LAYER, Handler, HostileRegistry, Route, serve_bytes, tar_gz
 from tests.registry_fixtures import LoopbackCA
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,11 +68,11 @@ def _one_line(e: BaseException) -> str:
     return text
 
 
-def _small_image(h: HostileRegistry, repo: str = "m/hostile", **kw: object) -> str:
-    return h.image(repo, [(tar_gz({"config.json": b"{}"}), GZIP_LAYER)], **kw)  # type: ignore[arg-type]
+def _small_image(h: HostileRegistry, repo: str = "m/hostile") -> str:
+    return h.image(repo, [(tar_gz({"config.json": b"{}"}), GZIP_LAYER)])
 
 
-def _bearer(realm: str) -> object:
+def _bearer(realm: str) -> Route:
     """A route answering 401 with a Bearer challenge naming ``realm`` until a token arrives."""
     def route(h: Handler) -> None:
         if h.headers.get("Authorization") == "Bearer good-token":
@@ -91,7 +90,7 @@ def test_an_http_realm_named_by_a_tls_registry_receives_nothing(ca: LoopbackCA, 
     with HostileRegistry(tls=ca) as reg, HostileRegistry() as realm:
         ref = _small_image(reg)
         digest = ref.rpartition("@")[2]
-        reg.routes[f"/v2/m/hostile/manifests/{digest}"] = _bearer(f"{realm.url}/token")  # type: ignore[assignment]
+        reg.routes[f"/v2/m/hostile/manifests/{digest}"] = _bearer(f"{realm.url}/token")
         monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
         _auth_file(monkeypatch, tmp_path, reg.address)
         with pytest.raises(RegistryError) as e:
@@ -115,7 +114,7 @@ def test_a_realm_on_another_https_host_gets_no_credentials_yet_a_public_image_lo
             if h.headers.get("Authorization") == "Bearer good-token":
                 h.answer(200, data, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
             else:
-                _bearer(f"https://localhost:{realm.port}/token")(h)  # type: ignore[operator]
+                _bearer(f"https://localhost:{realm.port}/token")(h)
         reg.routes[f"/v2/m/hostile/manifests/{digest}"] = manifest
         realm.routes["/token"] = lambda h: h.answer(200, b'{"token": "good-token"}')
         monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
@@ -130,7 +129,7 @@ def test_a_realm_on_another_host_that_wants_credentials_says_they_were_withheld(
         ca: LoopbackCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with HostileRegistry(tls=ca) as reg, HostileRegistry(tls=ca) as realm:
         ref = _small_image(reg)
-        reg.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _bearer(  # type: ignore[assignment]
+        reg.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _bearer(
             f"https://localhost:{realm.port}/token")
         realm.routes["/token"] = lambda h: h.answer(401, b"")
         monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
@@ -249,7 +248,7 @@ def test_a_load_past_its_request_cap_is_refused(hostile: HostileRegistry, tmp_pa
 
 def test_a_token_answer_over_its_cap_is_refused(hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _small_image(hostile)
-    hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _bearer(  # type: ignore[assignment]
+    hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _bearer(
         f"{hostile.url}/token")
     hostile.routes["/token"] = lambda h: h.answer(200, json.dumps({"token": "x" * 200_000}).encode())
     monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
@@ -347,7 +346,7 @@ def test_a_reset_before_the_headers_is_retried_five_times(hostile: HostileRegist
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _small_image(hostile)
     path = f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"
-    serve, resets = hostile.routes[path], []
+    serve, resets = hostile.routes[path], list[int]()
 
     def flaky(h: Handler) -> None:
         if len(resets) < 4:
