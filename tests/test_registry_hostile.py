@@ -221,6 +221,26 @@ def test_a_load_has_one_deadline_for_all_its_requests(hostile: HostileRegistry,
     assert 3 <= len(hostile.seen) <= 5
 
 
+def test_idle_time_between_reads_does_not_count_against_the_load(hostile: HostileRegistry,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lazy reads come long after the load began: only time with requests in flight counts,
+    also after a request that failed (its clock stopped with it)."""
+    data = os.urandom(1024)
+    digest = hostile.blob("m/hostile", data)
+    hostile.routes["/v2/m/hostile/blobs/" + "sha256:" + "1" * 64] = _bearer("https://localhost:1/token")
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setenv("PACKER_REGISTRY_DEADLINE", "1")
+    reg = Registry(parse_ref(f"oci://{hostile.address}/m/hostile@{digest}"))
+    with pytest.raises(RegistryError, match="cannot reach localhost:1 after 5 tries"):
+        reg.read_range("sha256:" + "1" * 64, 0, memoryview(bytearray(10)))
+    busy = reg.budget.busy()
+    time.sleep(1.1)
+    assert reg.budget.busy() == busy < 1
+    view = memoryview(bytearray(10))
+    reg.read_range(digest, 5, view)
+    assert bytes(view) == data[5:15]
+
+
 # --- 3. caps: layers, requests, the token ---
 
 

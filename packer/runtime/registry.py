@@ -325,8 +325,11 @@ class Registry:
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
         netloc = urllib.parse.urlsplit(url).netloc
         deadline = Deadline(self.budget, f"a token from {netloc}")
-        with self.conns.send(url, {"Authorization": basic} if basic and same_host else {}, deadline) as resp:
+        try:
+            resp = self.conns.send(url, {"Authorization": basic} if basic and same_host else {}, deadline)
             body = resp.read(MAX_TOKEN_ANSWER, f"the token server {netloc}'s answer")
+        finally:
+            deadline.end()
         if resp.status != 200:
             raise RegistryError(f"{self.ref}: the token server {netloc} answered {resp.status} {resp.reason()}"
                                 f"{_why(body)}{self._advice(401, '' if same_host else netloc)}")
