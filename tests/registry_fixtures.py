@@ -74,7 +74,8 @@ class LoopbackCA:
         cert = (x509.CertificateBuilder().subject_name(subject)
                 .issuer_name(ca_name).public_key(key.public_key()).serial_number(2)
                 .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                            x509.DNSName("localhost")]),  # "another host"
                                critical=False)
                 .sign(ca_key, hashes.SHA256()))
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -301,7 +301,8 @@ def test_a_bearer_token_registry(pushed: Pushed, tmp_path: Path, monkeypatch: py
     os.symlink(pushed.data, tmp_path / "registry" / "registry-data")
     try:
         with docker_registry(tmp_path / "registry", token=tokens) as address:
-            insecure(monkeypatch, address)
+            # its realm is plain HTTP too: credentials go there only as it is listed (registry_hostile.py)
+            insecure(monkeypatch, address, tokens.realm.split("/")[2])
             pl = stub(out)
             ref = pushed.ref("plain", address)
             with pytest.raises(pl.ArtifactMismatchError, match="the token server 127.0.0.1:[0-9]+ answered 401"):

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
 
 import zstandard
@@ -30,6 +31,7 @@ import zstandard
 from .bundle_cache import cache_root, cached
 from .bundle_cache import is_dir as _is_dir
 from .env import ArtifactMismatchError
+from .inflate import STEP, InflateError, collect
 from .reading import open_regular
 
 DEFAULT_MAX_BYTES = 512 * 2**20  # decompressed tar stream; the largest tokenizers are ~50 MB
@@ -185,23 +187,26 @@ def decompress(data: bytes | bytearray, max_bytes: int, max_window: int = DEFAUL
 
 def _decompress(data: bytes | bytearray, max_bytes: int, max_window: int) -> bytearray:
     frames = _frames(data, max_window, max_bytes)
-    out = bytearray()
-    view = memoryview(data)
     try:
-        dctx = zstandard.ZstdDecompressor(max_window_size=max(max_window, 1 << 10))
-        for start, end, declared in frames:
-            before = len(out)
-            with dctx.stream_reader(view[start:end], read_size=1 << 20, read_across_frames=False) as reader:
-                while chunk := reader.read(1 << 20):
-                    out += chunk
-                    if len(out) > max_bytes:
-                        raise BundleFormatError(f"decompresses to more than the cap of {max_bytes} bytes")
-            if declared is not None and len(out) - before != declared:
-                raise BundleFormatError(f"zstd frame at byte {start} declares {declared} bytes "
-                                        f"but holds {len(out) - before}")
+        return collect(_zstd_pieces(memoryview(data), frames, max_window), max_bytes)
+    except InflateError as e:
+        raise BundleFormatError(str(e)) from None
     except zstandard.ZstdError as e:
         raise BundleFormatError(f"corrupt zstd data: {e}") from e
-    return out
+
+
+def _zstd_pieces(view: memoryview, frames: list[tuple[int, int, int | None]], max_window: int) -> Iterator[bytes]:
+    """Each frame's output in pieces of at most :data:`~.inflate.STEP` bytes (the growth and the
+    cap are :func:`~.inflate.collect`'s), every frame holding the size it declares."""
+    dctx = zstandard.ZstdDecompressor(max_window_size=max(max_window, 1 << 10))
+    for start, end, declared in frames:
+        got = 0
+        with dctx.stream_reader(view[start:end], read_size=STEP, read_across_frames=False) as reader:
+            while chunk := reader.read(STEP):
+                got += len(chunk)
+                yield chunk
+        if declared is not None and got != declared:
+            raise BundleFormatError(f"zstd frame at byte {start} declares {declared} bytes but holds {got}")
 
 
 # ---------------------------------------------------------------------------------------

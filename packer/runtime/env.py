@@ -34,6 +34,13 @@ def is_ref(text: object) -> bool:
     return isinstance(text, str) and text.startswith(STREAM_SCHEME)
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (ESC, a newline, a bidi control) written as
+    its visible backslash escape, as ``repr`` writes it: text an input or a server chose, shown
+    on a terminal or in one error line, is never interpreted there."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 POOL_ENV = "PACKER_WARM_SERVER"  # set only while warm_context's fork server starts: "you are the server"
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's allocator settings
 DTYPES = {

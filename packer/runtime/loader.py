@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from .assign import LoadResult
 from .components import all_loaders, component_loader
 from .empty import init_empty
-from .env import POOL_ENV, ArtifactMismatchError, torch_dtype
+from .env import POOL_ENV, ArtifactMismatchError, printable, torch_dtype
 from .loading import Loader
 from .reading import entry_kind, inside, loads_json, sha256_regular
 from .settings import RuntimeSettings, setting
@@ -264,10 +264,8 @@ def _why(e: Exception, root: Path | str | None = None) -> str:
         text = str(e).removeprefix("packer_loader: ")
     where = f", artifacts in {root}" if root is not None and str(root) not in text else ""
     hint = "" if _debug() else "; PACKER_DEBUG=1 prints the traceback"
-    line = f"{text} [{type(e).__name__}{where}{hint}]"
-    # a message names paths, members and references from inputs: every character a terminal would
-    # act on (ESC, CR, LF, C1, bidi overrides, lone surrogates) is shown as its escape, as the CLI does
-    return line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    # escaped whatever raised it: a registry's reason phrase or a file's name may hold ESC or a newline
+    return printable(f"{text} [{type(e).__name__}{where}{hint}]")
 
 
 def _debug() -> bool:

@@ -46,8 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .env import STREAM_SCHEME, ArtifactMismatchError, is_ref
+from .env import STREAM_SCHEME, ArtifactMismatchError, is_ref, printable
 from .reading import loads_json, read_bytes
+from .settings import RegistrySettings
+from .transport import TRIES, Budget, Connections, Deadline, RegistryError, Response
 
 _DOMAIN_PART = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
 _HOST = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9A-Fa-f:.]+\])"
@@ -62,12 +64,12 @@ MAX_NAME = 255  # the distribution's limit on host/repository
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
-MAX_DOC = 4 * 2**20  # a manifest or config: far above any image's
-TRIES = 5  # attempts of one ranged read (the first and the resumes after a dropped connection)
+MAX_DOC = 4 * 2**20  # a manifest or config: the size the distribution spec has registries accept
+MAX_TOKEN_ANSWER = 64 * 2**10  # a token server's answer: real ones are a few KiB of JWT
+MAX_LAYERS = 128  # layers of one image: Docker's overlay storage refuses more (125), no runnable image has them
 
-
-class RegistryError(ArtifactMismatchError):
-    """The registry cannot serve the streamed load: one line naming the reference and why."""
+__all__ = ["MAX_DOC", "MAX_LAYERS", "TRIES", "OciRef", "Registry", "RegistryError", "credentials", "parse_ref",
+           "tls_context"]
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,9 @@ def parse_ref(text: str) -> OciRef:
 # credentials and TLS
 
 
-def _auth_files() -> list[Path]:
+def _auth_files(settings: RegistrySettings) -> list[Path]:
     env, home = os.environ, Path.home()
-    named = [env.get("PACKER_REGISTRY_AUTH"), env.get("REGISTRY_AUTH_FILE")]
+    named = [settings.auth, env.get("REGISTRY_AUTH_FILE")]
     if env.get("XDG_RUNTIME_DIR"):
         named.append(str(Path(env["XDG_RUNTIME_DIR"]) / "containers" / "auth.json"))
     named.append(str(home / ".config" / "containers" / "auth.json"))
@@ -128,20 +130,20 @@ def _entry_keys(ref: OciRef) -> list[str]:
     return keys + [f"https://{ref.host}", f"http://{ref.host}", f"https://{ref.host}/v1/", f"https://{ref.host}/v2/"]
 
 
-def credentials(ref: OciRef) -> tuple[str, str] | None:
+def credentials(ref: OciRef, settings: RegistrySettings | None = None) -> tuple[str, str] | None:
     """``(user, password)`` for ``ref`` from the first auth file that names its registry.
 
     Raises:
         RegistryError: an auth file that names the registry but cannot be read, or whose
             entry is not ``{"auth": base64("user:password")}``.
     """
-    for path in _auth_files():
+    for path in _auth_files(settings or _settings(ref)):
         try:
             doc = loads_json(read_bytes(path, "json"), str(path))
         except (OSError, ArtifactMismatchError) as e:
             if isinstance(e, FileNotFoundError) or not path.exists():
                 continue
-            raise RegistryError(f"{path}: not an auth file ({e})") from None
+            raise RegistryError(f"{path}: not an auth file ({printable(str(e))})") from None
         auths = doc.get("auths") if isinstance(doc, dict) else None
         if not isinstance(auths, dict):
             raise RegistryError(f"{path}: not an auth file (JSON with \"auths\")")
@@ -164,24 +166,30 @@ def _decode_entry(path: Path, key: str, entry: Any) -> tuple[str, str]:
     return user, password
 
 
-def tls_context(host: str) -> ssl.SSLContext:
-    """The system's CAs, plus ``PACKER_REGISTRY_CA`` and the registry's certs.d folder."""
+def tls_context(host: str, ca: str = "") -> ssl.SSLContext:
+    """The system's CAs, plus ``ca`` (``PACKER_REGISTRY_CA``) and the registry's certs.d folder."""
     ctx = ssl.create_default_context()
-    extra = [os.environ.get("PACKER_REGISTRY_CA") or ""]
+    extra = [ca]
     for base in ("/etc/containers/certs.d", "/etc/docker/certs.d"):
         extra += sorted(glob.glob(os.path.join(base, glob.escape(host), "*.crt")))
-    for ca in filter(None, extra):
+    for path in filter(None, extra):
         try:
-            ctx.load_verify_locations(cafile=ca)
+            ctx.load_verify_locations(cafile=path)
         except (OSError, ssl.SSLError) as e:
-            raise RegistryError(f"{ca}: cannot be read as a PEM CA bundle ({e})") from None
+            raise RegistryError(f"{path}: cannot be read as a PEM CA bundle ({printable(str(e))})") from None
     return ctx
 
 
-def plain_http(host: str) -> bool:
-    """Whether ``host`` is listed in ``PACKER_REGISTRY_INSECURE`` (plain HTTP, no TLS)."""
-    listed = (os.environ.get("PACKER_REGISTRY_INSECURE") or "").replace(" ", "").split(",")
-    return host in listed
+def _settings(ref: OciRef) -> RegistrySettings:
+    """The registry knobs from the environment, a bad value one line naming the variable."""
+    try:
+        return RegistrySettings.from_environ()
+    except ValueError as e:
+        raise RegistryError(f"{ref}: {str(e).removeprefix('packer_loader: ')}") from None
+
+
+def _hostname(netloc: str) -> str:
+    return (urllib.parse.urlsplit(f"//{netloc}").hostname or "").lower()
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,131 +204,102 @@ def _challenge(header: str) -> tuple[str, dict[str, str]]:
     return scheme.lower(), params
 
 
-class _Response:
-    """A response whose status was taken: its headers and a body to read (or drain)."""
-
-    def __init__(self, resp: http.client.HTTPResponse, conn: http.client.HTTPConnection) -> None:
-        self.resp, self.conn, self.status = resp, conn, resp.status
-
-    def header(self, name: str) -> str:
-        return self.resp.getheader(name) or ""
-
-    def read(self, cap: int) -> bytes:
-        data = self.resp.read(cap + 1)
-        if len(data) > cap:
-            self.conn.close()
-            raise RegistryError(f"a registry answer over {cap} bytes")
-        return data
-
-
 class Registry:
-    """One repository of one registry: its connections (one per thread and origin) and its token.
+    """One repository of one registry for one load: its settings (read from the environment
+    once, here), connections, token, and limits (:class:`~.transport.Budget`).
+
+    Where credentials go: the Authorization this repository takes (Basic, or a token) is sent
+    only to the registry's own scheme and host:port, never after a redirect elsewhere; Basic
+    credentials go to a token realm only on the registry's own host name, over HTTPS or over
+    plain HTTP to a ``host:port`` listed in ``PACKER_REGISTRY_INSECURE``; a realm elsewhere over
+    HTTPS is asked for a token with no credentials; one over plain HTTP not listed is refused
+    and asked nothing.
 
     Args:
         ref: the image reference (its ``host`` and ``repo``).
         auth: ``(user, password)``, else looked up in the auth files (:func:`credentials`).
+
+    Raises:
+        RegistryError: a registry variable of the environment that is malformed.
     """
 
     def __init__(self, ref: OciRef, auth: tuple[str, str] | None = None) -> None:
+        self.settings = _settings(ref)
         self.ref = ref
-        self.base = f"{'http' if plain_http(ref.host) else 'https'}://{ref.host}"
-        self._auth = auth if auth is not None else credentials(ref)
+        self.scheme = "http" if ref.host in self.settings.insecure else "https"
+        self.base = f"{self.scheme}://{ref.host}"
+        self._auth = auth if auth is not None else credentials(ref, self.settings)
         self._header: str | None = None  # the Authorization this repository takes
         self._lock = threading.Lock()
-        self._local = threading.local()
-        self._ctx: ssl.SSLContext | None = None
-        self.requests = 0  # HTTP requests made (redirects and token requests included)
+        self.budget = Budget(self.settings, str(ref))
+        self.conns = Connections(self.budget, lambda: tls_context(self.ref.host, self.settings.ca),
+                                 f"; if it answers in plain HTTP (a test registry), set PACKER_REGISTRY_INSECURE="
+                                 f"{ref.host} (now {','.join(self.settings.insecure)!r})")
         self.resumed = 0  # ranged reads re-asked after a dropped connection
 
-    # -- connections
+    @property
+    def requests(self) -> int:
+        """HTTP requests made so far (redirects, retries and token requests included)."""
+        return self.budget.requests
 
-    def _timeout(self) -> float:
-        """``PACKER_REGISTRY_TIMEOUT``: seconds per socket operation (default 60)."""
-        text = os.environ.get("PACKER_REGISTRY_TIMEOUT") or "60"
-        try:
-            value = float(text)
-        except ValueError:
-            value = 0.0
-        if not value > 0:
-            raise RegistryError(f"PACKER_REGISTRY_TIMEOUT: expected seconds above 0, got {text[:40]!r}")
-        return value
-
-    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
-        conns: dict[tuple[str, str], http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
-        key = (scheme, netloc)
-        if key not in conns:
-            if scheme == "https":
-                if self._ctx is None:
-                    self._ctx = tls_context(self.ref.host)
-                conns[key] = http.client.HTTPSConnection(netloc, timeout=self._timeout(), context=self._ctx)
-            else:
-                conns[key] = http.client.HTTPConnection(netloc, timeout=self._timeout())
-        return conns[key]
-
-    def _drop(self, scheme: str, netloc: str) -> None:
-        conn = self._local.__dict__.get("conns", {}).pop((scheme, netloc), None)
-        if conn is not None:
-            conn.close()
-
-    def _send(self, url: str, headers: dict[str, str]) -> _Response:
-        """One GET of ``url``; a stale kept-alive connection is reopened once."""
+    def _own(self, url: str) -> bool:
+        """Whether ``url`` is the registry itself (scheme and host:port): the one place its
+        Authorization goes."""
         u = urllib.parse.urlsplit(url)
-        path = u.path + (f"?{u.query}" if u.query else "")
-        for attempt in (0, 1):
-            conn = self._conn(u.scheme, u.netloc)
-            try:
-                self._count("requests")
-                conn.request("GET", path, headers=headers)
-                return _Response(conn.getresponse(), conn)
-            except ssl.SSLCertVerificationError as e:
-                self._drop(u.scheme, u.netloc)
-                raise RegistryError(f"{self.ref}: TLS certificate of {u.netloc} not trusted ({e.verify_message}); "
-                                    "give its CA in PACKER_REGISTRY_CA or /etc/containers/certs.d/"
-                                    f"{self.ref.host}/ca.crt") from None
-            except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
-                self._drop(u.scheme, u.netloc)
-                if attempt:
-                    now = os.environ.get("PACKER_REGISTRY_INSECURE") or ""
-                    hint = (f"; if it answers in plain HTTP (a test registry), set PACKER_REGISTRY_INSECURE="
-                            f"{self.ref.host} (now {now!r})" if isinstance(e, ssl.SSLError) else "")
-                    raise RegistryError(f"{self.ref}: cannot reach {u.netloc} ({e}){hint}") from None
-        raise AssertionError("unreachable")
+        return (u.scheme, u.netloc) == (self.scheme, self.ref.host)
 
-    def get(self, path: str, headers: dict[str, str] | None = None) -> _Response:
-        """``GET base+path`` with the repository's auth, following redirects (5 at most).
+    def get(self, path: str, headers: dict[str, str] | None = None, *, what: str = "", size: int = 0) -> Response:
+        """``GET base+path`` with the repository's auth, following redirects (5 at most), under
+        one deadline (:class:`~.transport.Deadline`; ``size``: the bytes of a blob span asked).
 
         Returns:
-            a response of status 200 or 206 whose body is still to be read.
+            a response of status 200 or 206 whose body is still to be read: use it in ``with``.
 
         Raises:
-            RegistryError: another status (its code and reason), or no credentials where the
-                registry asks for them.
+            RegistryError: another status (its code and reason, escaped), no credentials where
+                the registry asks for them, or a limit passed.
         """
-        url, hops, renewed = self.base + path, 0, False
+        what = what or f"GET {path}"
+        self.budget.label = str(self.ref)  # a tag resolved: messages name the pinned digest
+        deadline = Deadline(self.budget, what, size)
+        try:
+            return self._follow(self.base + path, dict(headers or {}), deadline)
+        except BaseException:
+            deadline.end()
+            raise
+
+    def _follow(self, url: str, headers: dict[str, str], deadline: Deadline) -> Response:
+        hops, renewed = 0, False
         while True:
-            same = urllib.parse.urlsplit(url).netloc == self.ref.host
-            sent = dict(headers or {})
-            if same and self._header:
+            own = self._own(url)
+            sent = dict(headers)
+            if own and self._header:
                 sent["Authorization"] = self._header
-            resp = self._send(url, sent)
+            resp = self.conns.send(url, sent, deadline)
             if resp.status in (200, 206):
                 return resp
-            body = resp.read(64 * 1024)  # drained: the connection is reused
+            body = resp.read(64 * 1024, f"the answer {resp.status} to {deadline.what}")  # drained: reused
             if resp.status in (301, 302, 303, 307, 308) and hops < 5:
                 url, hops = urllib.parse.urljoin(url, resp.header("Location")), hops + 1
+                if not urllib.parse.urlsplit(url).scheme.startswith("http"):
+                    raise RegistryError(f"{self.ref}: {deadline.what}: redirected to a "
+                                        f"{printable(urllib.parse.urlsplit(url).scheme)[:20]!r} address")
                 continue
-            if resp.status == 401 and same and not renewed:
+            if resp.status == 401 and own and not renewed:
                 self._authorize(resp.header("WWW-Authenticate"))
                 renewed = True
                 continue
-            raise RegistryError(f"{self.ref}: GET {path} answered {resp.status} {resp.resp.reason}"
+            raise RegistryError(f"{self.ref}: {deadline.what} answered {resp.status} {resp.reason()}"
                                 f"{_why(body)}{self._advice(resp.status)}")
 
-    def _advice(self, status: int) -> str:
+    def _advice(self, status: int, elsewhere: str = "") -> str:
         if status == 404:
             return (f"; {self.ref.repo} on {self.ref.host} has no such image (the digest to stream is the "
                     "first one `packer push` prints)")
         if status in (401, 403):
+            if elsewhere and self._auth is not None:
+                return (f"; the credentials for {self.ref.host} were not sent to {elsewhere}, another host "
+                        "(credentials go only to the registry's own host)")
             return ("; put credentials for the registry in an auth file (podman login, docker login, "
                     "or a pull secret's .dockerconfigjson in PACKER_REGISTRY_AUTH)" if self._auth is None
                     else "; the credentials found for it are refused")
@@ -336,29 +315,53 @@ class Registry:
                 self._header = basic
             return
         if scheme != "bearer" or not params.get("realm"):
-            raise RegistryError(f"{self.ref}: the registry asks for {header[:80]!r}, "
+            raise RegistryError(f"{self.ref}: the registry asks for {printable(header[:80])!r}, "
                                 "neither Basic nor a Bearer token challenge")
+        realm = params["realm"]
+        same_host = self._realm_allowed(realm)
         query = {"scope": params.get("scope") or f"repository:{self.ref.repo}:pull"}
         if params.get("service"):
             query["service"] = params["service"]
-        realm = params["realm"]
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
-        if not urllib.parse.urlsplit(url).scheme.startswith("http"):
-            raise RegistryError(f"{self.ref}: token realm {realm[:80]!r} is not an http(s) address")
-        resp = self._send(url, {"Authorization": basic} if basic else {})
-        body = resp.read(MAX_DOC)
+        netloc = urllib.parse.urlsplit(url).netloc
+        deadline = Deadline(self.budget, f"a token from {netloc}")
+        try:
+            resp = self.conns.send(url, {"Authorization": basic} if basic and same_host else {}, deadline)
+            body = resp.read(MAX_TOKEN_ANSWER, f"the token server {netloc}'s answer")
+        finally:
+            deadline.end()
         if resp.status != 200:
-            raise RegistryError(f"{self.ref}: the token server {urllib.parse.urlsplit(url).netloc} answered "
-                                f"{resp.status}{_why(body)}{self._advice(401)}")
+            raise RegistryError(f"{self.ref}: the token server {netloc} answered {resp.status} {resp.reason()}"
+                                f"{_why(body)}{self._advice(401, '' if same_host else netloc)}")
         try:
             doc = loads_json(body, "the token server's answer")
             token = doc.get("token") or doc.get("access_token")
         except (ArtifactMismatchError, AttributeError):
             token = None
-        if not isinstance(token, str) or not token or any(c in token for c in "\r\n"):
-            raise RegistryError(f"{self.ref}: the token server's answer holds no token")
+        if not isinstance(token, str) or not token or not token.isascii() or not token.isprintable():
+            raise RegistryError(f"{self.ref}: the token server {netloc}'s answer holds no token")
         with self._lock:
             self._header = f"Bearer {token}"
+
+    def _realm_allowed(self, realm: str) -> bool:
+        """Whether the token realm ``realm`` is on the registry's own host name (it may then get
+        the Basic credentials); a realm that may be asked nothing is refused.
+
+        Raises:
+            RegistryError: not an http(s) address, credentials in the address, or plain HTTP to
+                a host:port not listed in ``PACKER_REGISTRY_INSECURE``: one line naming the
+                host that asked, the realm and why.
+        """
+        u = urllib.parse.urlsplit(realm)
+        shown = printable(realm[:100])
+        if u.scheme not in ("http", "https") or not u.hostname or "@" in u.netloc:
+            raise RegistryError(f"{self.ref}: {self.ref.host} names the token realm {shown!r}, not an "
+                                "http(s) address of a host; refused")
+        if u.scheme == "http" and u.netloc not in self.settings.insecure:
+            raise RegistryError(f"{self.ref}: {self.ref.host} names the token realm {shown!r} in plain HTTP; "
+                                f"refused, nothing sent: credentials and tokens go in plain HTTP only to a "
+                                f"host:port listed in PACKER_REGISTRY_INSECURE ({u.netloc} is not)")
+        return u.hostname.lower() == _hostname(self.ref.host)
 
     # -- documents and blobs
 
@@ -371,12 +374,13 @@ class Registry:
                 digest), over 4 MiB, or bytes whose sha256 is not the pinned digest.
         """
         which = self.ref.digest or self.ref.tag
-        resp = self.get(f"/v2/{self.ref.repo}/manifests/{which}", {"Accept": ", ".join(MANIFEST_TYPES)})
-        data = resp.read(MAX_DOC)
+        with self.get(f"/v2/{self.ref.repo}/manifests/{which}", {"Accept": ", ".join(MANIFEST_TYPES)},
+                      what="the image manifest") as resp:
+            data = resp.read(MAX_DOC, "the image manifest")
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         if self.ref.digest and digest != self.ref.digest:
             raise RegistryError(f"{self.ref}: the registry's manifest has digest {digest}; not the pinned image")
-        media = resp.header("Content-Type").split(";")[0].strip()
+        media = printable(resp.header("Content-Type").split(";")[0].strip()[:80])
         if media not in MANIFEST_TYPES:
             raise RegistryError(f"{self.ref}: a {media or 'document'} of no known type, not an image manifest "
                                 "(for an index, name the platform's manifest by its digest)")
@@ -389,12 +393,16 @@ class Registry:
             RegistryError: not ``sha256:`` and 64 lowercase hex digits.
         """
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-            raise RegistryError(f"{self.ref}: the image names a blob {str(digest)[:80]!r}, not sha256:<64 hex>")
+            raise RegistryError(f"{self.ref}: the image names a blob {printable(str(digest)[:80])!r}, "
+                                "not sha256:<64 hex>")
         return f"/v2/{self.ref.repo}/blobs/{digest}"
 
     def blob(self, digest: str, size: int) -> bytes:
         """A whole small blob (config, compressed layer) of ``size`` bytes, proven by its digest."""
-        data = self.get(self._blob_path(digest)).read(size)
+        path = self._blob_path(digest)
+        what = f"blob {digest[:19]}... ({size} bytes)"
+        with self.get(path, what=what, size=size) as resp:
+            data = resp.read(size, what)
         if len(data) != size or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
             raise RegistryError(f"{self.ref}: blob {digest} as served ({len(data)} bytes) is not the one the "
                                 "image manifest pins; the registry's copy is corrupt")
@@ -405,65 +413,68 @@ class Registry:
 
         Raises:
             RegistryError: the registry ignores ``Range`` (answers 200 with the whole blob),
-                answers another range, or the connection drops 5 times.
+                answers another range, the connection drops 5 times, or a limit passed.
         """
         got, tries = 0, 0
         path = self._blob_path(digest)
         while got < len(view):
             first = at + got
+            what = f"bytes {first}-{at + len(view) - 1} of blob {digest[:19]}..."
             try:
-                resp = self.get(path, {"Range": f"bytes={first}-{at + len(view) - 1}"})
-                if resp.status != 206:
-                    resp.conn.close()
-                    self._drop_all()
-                    raise RegistryError(f"{self.ref}: the registry answered a Range request for blob {digest[:19]}... "
-                                        "with the whole blob (HTTP 200): it cannot stream; pull the image "
-                                        "(skopeo copy --preserve-digests) and load it from disk, or set "
-                                        "PACKER_STREAM_WHOLE=1 to fetch whole blobs into memory")
-                span = resp.header("Content-Range")
-                if not span.startswith(f"bytes {first}-"):
-                    raise RegistryError(f"{self.ref}: asked bytes {first}- of blob {digest[:19]}..., "
-                                        f"the registry sent {span[:60]!r}")
-                while got < len(view):
-                    n = resp.resp.readinto(view[got:])
-                    if not n:
-                        raise http.client.IncompleteRead(b"")
-                    got += n
-                    if on_bytes is not None:
-                        on_bytes(n)
+                with self.get(path, {"Range": f"bytes={first}-{at + len(view) - 1}"}, what=what,
+                              size=len(view) - got) as resp:
+                    got = self._take_range(resp, digest, first, view, got, on_bytes)
             except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
-                if isinstance(e, RegistryError):
-                    raise
-                self._drop_all()
+                self.conns.drop_all()
                 tries += 1
                 if tries >= TRIES:
                     raise RegistryError(f"{self.ref}: blob {digest[:19]}... dropped {tries} times at byte "
                                         f"{at + got} ({type(e).__name__}); giving up") from None
-                self._count("resumed")
+                with self._lock:
+                    self.resumed += 1
                 time.sleep(0.05 * tries)
+
+    def _take_range(self, resp: Response, digest: str, first: int, view: memoryview, got: int,
+                    on_bytes: Callable[[int], None] | None) -> int:
+        if resp.status != 206:
+            resp.conn.close()
+            self.conns.drop_all()
+            raise RegistryError(f"{self.ref}: the registry answered a Range request for blob {digest[:19]}... "
+                                "with the whole blob (HTTP 200): it cannot stream; pull the image "
+                                "(skopeo copy --preserve-digests) and load it from disk, or set "
+                                "PACKER_STREAM_WHOLE=1 to fetch whole blobs into memory")
+        span = resp.header("Content-Range")
+        if not span.startswith(f"bytes {first}-"):
+            raise RegistryError(f"{self.ref}: asked bytes {first}- of blob {digest[:19]}..., "
+                                f"the registry sent {printable(span[:60])!r}")
+        while got < len(view):
+            n = resp.readinto(view[got:])
+            if not n:
+                raise http.client.IncompleteRead(b"")
+            got += n
+            if on_bytes is not None:
+                on_bytes(n)
+        return got
 
     def read_whole(self, digest: str, size: int) -> bytearray:
         """A whole weight blob into memory (``PACKER_STREAM_WHOLE=1``), proven by its digest."""
-        buf = bytearray(size)
-        resp = self.get(self._blob_path(digest))
-        view, got, h = memoryview(buf), 0, hashlib.sha256()
-        while got < size:
-            n = resp.resp.readinto(view[got:])
-            if not n:
-                break
-            h.update(view[got: got + n])
-            got += n
+        path = self._blob_path(digest)
+        what = f"blob {digest[:19]}... ({size} bytes, whole)"
+        try:
+            buf = bytearray(size)
+        except MemoryError:
+            raise RegistryError(f"{self.ref}: {what}: not enough memory to hold it whole") from None
+        with self.get(path, what=what, size=size) as resp:
+            view, got, h = memoryview(buf), 0, hashlib.sha256()
+            while got < size:
+                n = resp.readinto(view[got:])
+                if not n:
+                    break
+                h.update(view[got: got + n])
+                got += n
         if got != size or "sha256:" + h.hexdigest() != digest:
             raise RegistryError(f"{self.ref}: blob {digest} as served is not the one the image manifest pins")
         return buf
-
-    def _count(self, name: str) -> None:
-        with self._lock:  # reader threads count at once
-            setattr(self, name, getattr(self, name) + 1)
-
-    def _drop_all(self) -> None:
-        for conn in self._local.__dict__.pop("conns", {}).values():
-            conn.close()
 
 
 def _why(body: bytes) -> str:

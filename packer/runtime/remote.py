@@ -33,11 +33,9 @@ Standard library only (:mod:`.registry` for HTTP); torch is not imported here.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +43,10 @@ from typing import Any
 
 from .chunks import FileChunks
 from .env import STREAM_FILE, ArtifactMismatchError
+from .inflate import InflateError, gunzip
 from .place import FilePlace
 from .proof import hash_span, prove_chunk
-from .registry import MAX_DOC, OciRef, Registry, RegistryError, parse_ref
+from .registry import MAX_DOC, MAX_LAYERS, OciRef, Registry, RegistryError, parse_ref
 
 MAX_SMALL_LAYER = 1 << 30  # a packer small layer (tokenizer, bundle, loader) compressed: far above any
 MAX_SMALL_FILES = 2 << 30  # their files, decompressed
@@ -212,7 +211,7 @@ class RemoteImage:
                 self.layers[d["digest"]] = (d["size"], str(d.get("mediaType", "")))
         self.prefix = str((manifest.get("annotations") or {}).get("dev.model-packer.prefix") or "/models")
         self.stats = StreamStats()
-        self.whole_blobs = os.environ.get("PACKER_STREAM_WHOLE", "") == "1"
+        self.whole_blobs = registry.settings.stream_whole
         self._whole: dict[str, bytearray] = {}
         self._whole_lock = threading.Lock()
 
@@ -232,6 +231,10 @@ class RemoteImage:
         pinned = OciRef(ref.host, ref.repo, None, digest)
         reg.ref = pinned
         manifest = _json(data, f"{pinned}: the image manifest")
+        layers = manifest.get("layers")
+        if isinstance(layers, list) and len(layers) > MAX_LAYERS:
+            raise RegistryError(f"{pinned}: the image manifest lists {len(layers)} layers, over the cap of "
+                                f"{MAX_LAYERS} (no runnable image has more); refused before any is fetched")
         desc = manifest.get("config") or {}
         size, cdigest = desc.get("size"), desc.get("digest")
         if type(size) is not int or not 0 < size <= MAX_DOC or not isinstance(cdigest, str):
@@ -286,11 +289,12 @@ class RemoteImage:
             raw = self.registry.blob(digest, size)
             self.stats.add(fetched=size)
             try:
-                tar = _gunzip(raw, MAX_SMALL_FILES - total) if media in _GZIP else _unzstd(raw, MAX_SMALL_FILES - total)
+                tar = _inflate(raw, media, MAX_SMALL_FILES - total)
+                del raw  # the compressed copy: only one of the two is held from here on
                 total += len(tar)
                 layer = Bundle.from_tar(tar).subtree(prefix)
-            except BundleFormatError as e:
-                raise RegistryError(f"{self.ref}: layer {digest[:19]}...: {e}") from None
+            except (BundleFormatError, InflateError) as e:
+                raise RegistryError(f"{self.ref}: layer {digest[:19]}... ({media.rpartition('+')[2]}): {e}") from None
             twice = [p for p, (_, d) in layer.items() if p in members and not (d and members[p][1])]
             if twice:
                 raise RegistryError(f"{self.ref}: {'/'.join(twice[0])} is in two layers")
@@ -363,21 +367,14 @@ def _json(data: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-def _gunzip(data: bytes, cap: int) -> bytearray:
-    d = zlib.decompressobj(wbits=31)
-    out = bytearray(d.decompress(data, cap + 1))
-    if len(out) > cap or d.unconsumed_tail:
-        raise RegistryError(f"a layer decompresses to more than the cap of {cap} bytes")
-    if not d.eof:
-        raise RegistryError("a gzip layer ends early")
-    return out
+def _inflate(data: bytes, media: str, cap: int) -> bytearray:
+    """A compressed small layer's tar, at most ``cap`` bytes: one bounded path for gzip and zstd.
 
+    Raises:
+        InflateError, BundleFormatError: over the cap, out of memory, or malformed (one line).
+    """
+    if media in _GZIP:
+        return gunzip(data, cap)
+    from .bundle_reader import decompress
 
-def _unzstd(data: bytes, cap: int) -> bytearray:
-    from .bundle_reader import BundleFormatError, decompress
-
-    try:
-        return decompress(data, cap)
-    except BundleFormatError as e:
-        raise RegistryError(f"a zstd layer: {e}") from None
-
+    return decompress(data, cap)

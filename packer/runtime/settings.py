@@ -22,6 +22,7 @@ before any build is known and so are read from the environment alone, through th
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -146,3 +147,91 @@ class RuntimeSettings(NamedTuple):
             elif name in rt:
                 given[name] = _parse(name, rt[name])
         return cls(**given)
+
+
+# ---------------------------------------------------------------------------------------
+# the registry client's knobs (a streamed load): the environment alone, parsed strictly, once
+# per load (:class:`~.registry.Registry` takes one snapshot when it is made)
+
+DEFAULT_TIMEOUT = 60.0  # seconds for one request's answer (a blob span gets more, by its size)
+DEFAULT_DEADLINE = 3600.0  # seconds a load may spend with requests in flight
+DEFAULT_MAX_REQUESTS = 100_000  # a 1 TB model at 64 MiB a request needs ~16 000, plus edge chunks
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: more is a typo, not a deadline
+# each name spelt out: tests/test_docs_reference.py finds the variables the code reads this way
+_REGISTRY_VARS = {"auth": "PACKER_REGISTRY_AUTH", "ca": "PACKER_REGISTRY_CA",
+                  "insecure": "PACKER_REGISTRY_INSECURE", "timeout": "PACKER_REGISTRY_TIMEOUT",
+                  "deadline": "PACKER_REGISTRY_DEADLINE", "max_requests": "PACKER_REGISTRY_MAX_REQUESTS",
+                  "stream_whole": "PACKER_STREAM_WHOLE"}
+_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?", re.ASCII)  # no inf, nan, sign, exponent or "_"
+_COUNT = re.compile(r"[0-9]{1,12}", re.ASCII)
+_HOSTPORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?",
+                       re.ASCII)
+
+
+class RegistrySettings(NamedTuple):
+    """The registry client's knobs, from the environment alone. Immutable.
+
+    Attributes:
+        auth: ``PACKER_REGISTRY_AUTH``: the auth file looked at first ("" = none named).
+        ca: ``PACKER_REGISTRY_CA``: a PEM CA bundle trusted besides the system's.
+        insecure: ``PACKER_REGISTRY_INSECURE``: ``host[:port]`` entries spoken to in plain HTTP.
+        timeout: ``PACKER_REGISTRY_TIMEOUT``: seconds one request may take (default 60): to
+            connect, to the answer's headers and to a document's last byte; a blob span gets one
+            more second per MiB asked.
+        deadline: ``PACKER_REGISTRY_DEADLINE``: seconds a load may spend with requests in flight
+            (default 3600; idle time between lazy reads does not count).
+        max_requests: ``PACKER_REGISTRY_MAX_REQUESTS``: requests one load may make (default 100000).
+        stream_whole: ``PACKER_STREAM_WHOLE=1``: whole weight blobs into memory, not ``Range``.
+    """
+
+    auth: str = ""
+    ca: str = ""
+    insecure: tuple[str, ...] = ()
+    timeout: float = DEFAULT_TIMEOUT
+    deadline: float = DEFAULT_DEADLINE
+    max_requests: int = DEFAULT_MAX_REQUESTS
+    stream_whole: bool = False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> RegistrySettings:
+        """The settings from ``environ`` (default ``os.environ``); an empty variable is unset.
+
+        Raises:
+            ValueError: one line naming the variable, what it accepts and what it got (``inf``,
+                ``nan``, a negative or zero count, a malformed host, a flag other than 0 or 1).
+        """
+        env = os.environ if environ is None else environ
+        given: dict[str, Any] = {}
+        for name, var in _REGISTRY_VARS.items():
+            text = env.get(var)
+            if text:
+                given[name] = _registry_value(name, var, text)
+        return cls(**given)
+
+
+def _registry_value(name: str, var: str, text: str) -> Any:
+    if name in ("timeout", "deadline"):
+        if not _SECONDS.fullmatch(text) or not 0 < float(text) <= MAX_SECONDS:
+            raise _refused_var(var, f"seconds above 0 and at most {MAX_SECONDS:.0f} (digits, a decimal point)", text)
+        return float(text)
+    if name == "max_requests":
+        if not _COUNT.fullmatch(text) or int(text) < 1:
+            raise _refused_var(var, "a count of requests, at least 1", text)
+        return int(text)
+    if name == "stream_whole":
+        if text not in ("0", "1"):
+            raise _refused_var(var, "0 or 1", text)
+        return text == "1"
+    if name == "insecure":
+        hosts = tuple(h.strip() for h in text.split(","))
+        if not all(_HOSTPORT.fullmatch(h) for h in hosts):
+            raise _refused_var(var, "host[:port] entries separated by commas", text)
+        return hosts
+    if any(c < " " or c == "\x7f" for c in text):
+        raise _refused_var(var, "a file path", text)
+    return text
+
+
+def _refused_var(var: str, accepts: str, value: str) -> ValueError:
+    shown = repr(value) if len(value) <= 60 else repr(value[:60]) + "..."
+    return ValueError(f"packer_loader: {var}: expected {accepts}, got {shown}")

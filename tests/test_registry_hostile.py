@@ -1,0 +1,417 @@
+"""The registry client against a hostile registry on 127.0.0.1 (tests/hostile_registry.py).
+
+Each fault kind the client must hold against: where credentials go (a realm in plain HTTP, a
+realm or a redirect on another host), a server that drips its answer (per request and per
+load), an image that multiplies requests (layers, a request cap, a token too large), a layer
+that decompresses without bound (gzip and zstd, over the cap and under a memory limit), a
+reason phrase holding terminal escapes, a connection reset before the answer, and environment
+values that are no values. Every refusal is one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from packer.runtime import remote
+from packer.runtime.registry import Registry, RegistryError, parse_ref
+from packer.runtime.remote import RemoteImage
+from tests.hostile_registry import GZIP_LAYER, ZSTD_LAYER, Handler, HostileRegistry, Route, serve_bytes, tar_gz
+from tests.registry_fixtures import LoopbackCA
+
+REPO = Path(__file__).resolve().parents[1]
+USER, PASSWORD = "ci", "s3cret"
+BASIC = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+VARS = ("PACKER_REGISTRY_INSECURE", "REGISTRY_AUTH_FILE", "XDG_RUNTIME_DIR", "DOCKER_CONFIG", "PACKER_REGISTRY_AUTH",
+        "PACKER_REGISTRY_CA", "PACKER_STREAM_WHOLE", "PACKER_REGISTRY_TIMEOUT", "PACKER_REGISTRY_DEADLINE",
+        "PACKER_REGISTRY_MAX_REQUESTS")
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No auth file or registry variable of the machine's."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for var in VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> LoopbackCA:
+    return LoopbackCA(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def hostile() -> Iterator[HostileRegistry]:
+    with HostileRegistry() as h:
+        yield h
+
+
+def _auth_file(monkeypatch: pytest.MonkeyPatch, tmp: Path, host: str) -> None:
+    path = tmp / "auth.json"
+    path.write_text(json.dumps({"auths": {host: {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}}}))
+    monkeypatch.setenv("PACKER_REGISTRY_AUTH", str(path))
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e)
+    assert "\n" not in text and "\x1b" not in text, text
+    return text
+
+
+def _small_image(h: HostileRegistry, repo: str = "m/hostile") -> str:
+    return h.image(repo, [(tar_gz({"config.json": b"{}"}), GZIP_LAYER)])
+
+
+def _bearer(realm: str) -> Route:
+    """A route answering 401 with a Bearer challenge naming ``realm`` until a token arrives."""
+    def route(h: Handler) -> None:
+        if h.headers.get("Authorization") == "Bearer good-token":
+            h.answer(200, b"{}")
+        else:
+            h.answer(401, b"", {"WWW-Authenticate": f'Bearer realm="{realm}",service="reg",scope="repository:m:pull"'})
+    return route
+
+
+# --- 1. credentials go only to the registry's own host, never in plain HTTP unless listed ---
+
+
+def test_an_http_realm_named_by_a_tls_registry_receives_nothing(ca: LoopbackCA, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    with HostileRegistry(tls=ca) as reg, HostileRegistry() as realm:
+        ref = _small_image(reg)
+        digest = ref.rpartition("@")[2]
+        reg.routes[f"/v2/m/hostile/manifests/{digest}"] = _bearer(f"{realm.url}/token")
+        monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
+        _auth_file(monkeypatch, tmp_path, reg.address)
+        with pytest.raises(RegistryError) as e:
+            RemoteImage.fetch(ref)
+        assert realm.seen == []  # asked nothing: no credentials, not even a connection's request
+        text = _one_line(e.value)
+        assert f"{reg.address} names the token realm" in text and "plain HTTP" in text, text
+        assert "PACKER_REGISTRY_INSECURE" in text and realm.address in text, text
+
+
+def test_a_realm_on_another_https_host_gets_no_credentials_yet_a_public_image_loads(
+        ca: LoopbackCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``localhost`` is another host name than ``127.0.0.1`` (as auth.docker.io is for
+    registry-1.docker.io): it is asked for a token anonymously."""
+    with HostileRegistry(tls=ca) as reg, HostileRegistry(tls=ca) as realm:
+        ref = _small_image(reg)
+        data = reg.manifest_bytes
+        digest = ref.rpartition("@")[2]
+
+        def manifest(h: Handler) -> None:
+            if h.headers.get("Authorization") == "Bearer good-token":
+                h.answer(200, data, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+            else:
+                _bearer(f"https://localhost:{realm.port}/token")(h)
+        reg.routes[f"/v2/m/hostile/manifests/{digest}"] = manifest
+        realm.routes["/token"] = lambda h: h.answer(200, b'{"token": "good-token"}')
+        monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
+        _auth_file(monkeypatch, tmp_path, reg.address)
+        image = RemoteImage.fetch(ref)
+    assert str(image.ref) == ref
+    assert [s.headers.get("authorization") for s in realm.seen] == [None]
+    assert "Bearer good-token" in [s.headers.get("authorization") for s in reg.seen]
+
+
+def test_a_realm_on_another_host_that_wants_credentials_says_they_were_withheld(
+        ca: LoopbackCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with HostileRegistry(tls=ca) as reg, HostileRegistry(tls=ca) as realm:
+        ref = _small_image(reg)
+        reg.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _bearer(
+            f"https://localhost:{realm.port}/token")
+        realm.routes["/token"] = lambda h: h.answer(401, b"")
+        monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
+        _auth_file(monkeypatch, tmp_path, reg.address)
+        with pytest.raises(RegistryError) as e:
+            RemoteImage.fetch(ref)
+    assert all("authorization" not in s.headers for s in realm.seen)
+    assert f"credentials for {reg.address} were not sent to localhost:{realm.port}" in _one_line(e.value)
+
+
+def test_a_redirect_to_another_host_carries_the_range_but_no_credentials(
+        hostile: HostileRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bytes(range(256)) * 64
+    with HostileRegistry() as storage:
+        digest = storage.blob("m/hostile", data)
+
+        def blob(h: Handler) -> None:
+            if h.headers.get("Authorization") != BASIC:
+                h.answer(401, b"", {"WWW-Authenticate": 'Basic realm="reg"'})
+            else:
+                h.answer(307, b"", {"Location": f"http://localhost:{storage.port}/v2/m/hostile/blobs/{digest}"})
+        hostile.routes[f"/v2/m/hostile/blobs/{digest}"] = blob
+        monkeypatch.setenv("PACKER_REGISTRY_INSECURE", f"{hostile.address},localhost:{storage.port}")
+        _auth_file(monkeypatch, tmp_path, hostile.address)
+        reg = Registry(parse_ref(f"oci://{hostile.address}/m/hostile@{digest}"))
+        view = memoryview(bytearray(1000))
+        reg.read_range(digest, 100, view)
+    assert bytes(view) == data[100:1100]
+    assert [s.headers.get("range") for s in storage.seen] == ["bytes=100-1099"]
+    assert all("authorization" not in s.headers for s in storage.seen)
+    assert hostile.seen[-1].headers.get("authorization") == BASIC  # the registry itself had them
+
+
+# --- 2. deadlines: a drip is cut off, per request and per load ---
+
+
+def test_a_dripped_manifest_is_cut_off_at_the_deadline(hostile: HostileRegistry,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _small_image(hostile)
+    data = hostile.manifest_bytes
+    hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = lambda h: h.drip(
+        data, every=0.5, until=8, headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setenv("PACKER_REGISTRY_TIMEOUT", "1")
+    started = time.monotonic()
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref)
+    took = time.monotonic() - started
+    assert took < 3, took
+    text = _one_line(e.value)
+    assert re.search(r"the image manifest: cut off after 1\.[0-9] s, over its deadline", text), text
+    assert "PACKER_REGISTRY_TIMEOUT=1" in text
+
+
+def test_a_dripped_blob_span_is_cut_off_and_not_resumed(hostile: HostileRegistry,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(4096)
+    digest = hostile.blob("m/hostile", data, lambda h: h.drip(data[:2048], every=0.5, until=8, status=206,
+                                                              headers={"Content-Range": "bytes 0-2047/4096"}))
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setenv("PACKER_REGISTRY_TIMEOUT", "1")
+    reg = Registry(parse_ref(f"oci://{hostile.address}/m/hostile@{digest}"))
+    started = time.monotonic()
+    with pytest.raises(RegistryError) as e:
+        reg.read_range(digest, 0, memoryview(bytearray(2048)))
+    assert time.monotonic() - started < 3
+    assert f"bytes 0-2047 of blob {digest[:19]}...: cut off after 1." in _one_line(e.value)
+    assert len(hostile.seen) == 1  # a drip is not resumed: that would be five deadlines
+
+
+def test_a_load_has_one_deadline_for_all_its_requests(hostile: HostileRegistry,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(1024)
+
+    def slow(h: Handler) -> None:
+        time.sleep(0.4)
+        serve_bytes(h, data)
+    digest = hostile.blob("m/hostile", data, slow)
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setenv("PACKER_REGISTRY_TIMEOUT", "1")
+    monkeypatch.setenv("PACKER_REGISTRY_DEADLINE", "1.5")
+    reg = Registry(parse_ref(f"oci://{hostile.address}/m/hostile@{digest}"))
+    started = time.monotonic()
+    with pytest.raises(RegistryError) as e:
+        for i in range(20):
+            reg.read_range(digest, i, memoryview(bytearray(10)))
+    assert time.monotonic() - started < 2.5
+    assert "PACKER_REGISTRY_DEADLINE=1.5" in _one_line(e.value)
+    assert 3 <= len(hostile.seen) <= 5
+
+
+def test_idle_time_between_reads_does_not_count_against_the_load(hostile: HostileRegistry,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lazy reads come long after the load began: only time with requests in flight counts,
+    also after a request that failed (its clock stopped with it)."""
+    data = os.urandom(1024)
+    digest = hostile.blob("m/hostile", data)
+    hostile.routes["/v2/m/hostile/blobs/" + "sha256:" + "1" * 64] = _bearer("https://localhost:1/token")
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setenv("PACKER_REGISTRY_DEADLINE", "1")
+    reg = Registry(parse_ref(f"oci://{hostile.address}/m/hostile@{digest}"))
+    with pytest.raises(RegistryError, match="cannot reach localhost:1 after 5 tries"):
+        reg.read_range("sha256:" + "1" * 64, 0, memoryview(bytearray(10)))
+    busy = reg.budget.busy()
+    time.sleep(1.1)
+    assert reg.budget.busy() == busy < 1
+    view = memoryview(bytearray(10))
+    reg.read_range(digest, 5, view)
+    assert bytes(view) == data[5:15]
+
+
+# --- 3. caps: layers, requests, the token ---
+
+
+def test_an_image_of_5000_layers_is_refused_before_a_layer_is_fetched(hostile: HostileRegistry,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = tar_gz({})
+    ref = hostile.image("m/hostile", [(layer, GZIP_LAYER)] * 5000)
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref).materialize()
+    assert "lists 5000 layers, over the cap of 128" in _one_line(e.value)
+    assert len(hostile.seen) == 1  # the manifest alone
+
+
+def test_a_load_past_its_request_cap_is_refused(hostile: HostileRegistry, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = hostile.image("m/hostile", [(tar_gz({f"f{i}": b"x"}), GZIP_LAYER) for i in range(6)])
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setenv("PACKER_REGISTRY_MAX_REQUESTS", "5")
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref).materialize(tmp_path / "out")
+    assert "made 5 requests already, its cap (PACKER_REGISTRY_MAX_REQUESTS)" in _one_line(e.value)
+    assert len(hostile.seen) == 5
+
+
+def test_a_token_answer_over_its_cap_is_refused(hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _small_image(hostile)
+    hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _bearer(
+        f"{hostile.url}/token")
+    hostile.routes["/token"] = lambda h: h.answer(200, json.dumps({"token": "x" * 200_000}).encode())
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref)
+    assert f"the token server {hostile.address}'s answer is over its cap of 65536 bytes" in _one_line(e.value)
+
+
+# --- 4. decompression: bounded before allocation, one line whatever the memory ---
+
+
+def _gzip_bomb(size: int) -> bytes:
+    c = zlib.compressobj(1, zlib.DEFLATED, 31)  # fast to make; still ~230:1
+    zeros = bytes(16 << 20)
+    return b"".join(c.compress(zeros) for _ in range(size // len(zeros))) + c.flush()
+
+
+def _zstd_bomb(size: int) -> bytes:
+    import zstandard
+
+    c = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    zeros = bytes(16 << 20)
+    return b"".join(c.compress(zeros) for _ in range(size // len(zeros))) + c.flush()
+
+
+@pytest.mark.parametrize("media", [GZIP_LAYER, ZSTD_LAYER])
+def test_a_layer_over_the_decompression_cap_is_one_line(media: str, hostile: HostileRegistry, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    bomb = _gzip_bomb(64 << 20) if media == GZIP_LAYER else _zstd_bomb(64 << 20)
+    ref = hostile.image("m/hostile", [(bomb, media)])
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setattr(remote, "MAX_SMALL_FILES", 8 << 20)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref).materialize(tmp_path / "out")
+    assert "decompresses to more than the cap of 8388608 bytes" in _one_line(e.value)
+
+
+@pytest.mark.parametrize("media", [GZIP_LAYER, ZSTD_LAYER])
+def test_a_bomb_under_the_cap_but_over_the_memory_is_one_line(media: str, hostile: HostileRegistry, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 GiB of output, below the 2 GiB cap, in a process allowed 700 MiB more than it uses at rest."""
+    bomb = _gzip_bomb(1 << 30) if media == GZIP_LAYER else _zstd_bomb(1 << 30)
+    ref = hostile.image("m/hostile", [(bomb, media)])
+    env = {**os.environ, "PACKER_REGISTRY_INSECURE": hostile.address, "PYTHONPATH": str(REPO)}
+    limit = 700 << 20
+    code = ("import resource, sys\n"
+            "from packer.cli import main\n"
+            "import packer.stream, packer.runtime.remote, packer.runtime.bundle_reader\n"
+            "vm = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, (vm + {limit}, vm + {limit}))\n"
+            "sys.argv = ['packer', 'stream', sys.argv[1], '--dir', sys.argv[2]]\n"
+            "main()\n")
+    proc = subprocess.run([sys.executable, "-c", code, ref, str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "out of memory after" in lines[0] or "not enough memory" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+# --- 5. the registry's words are escaped on every entry point ---
+
+
+@pytest.fixture(scope="module")
+def stub_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.built import build_dir
+    from tests.hf_fixtures import llama
+
+    tmp = tmp_path_factory.mktemp("stub")
+    llama(tmp / "hf")
+    build_dir(tmp / "hf", tmp / "out", image={"compression": "gzip"})
+    return tmp / "out"
+
+
+def test_a_reason_phrase_with_escapes_reaches_no_terminal_raw(hostile: HostileRegistry, stub_out: Path) -> None:
+    evil = "Not Found \x1b]0;owned\x07\x1b[31mRED"
+    ref = _small_image(hostile)
+    hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = lambda h: h.answer(404, b"", reason=evil)
+    env = {**os.environ, "PACKER_REGISTRY_INSECURE": hostile.address, "PACKER_STARTUP_LOG": "off",
+           "PYTHONPATH": str(REPO)}
+    for argv in ([sys.executable, str(stub_out / "packer_loader.py"), "--selftest", "--root", ref],
+                 [sys.executable, str(stub_out / "packer_loader.py"), "--model-dir", "--root", ref],
+                 [sys.executable, "-m", "packer", "stream", ref]):
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr, (argv, proc.stderr)
+        assert "404 Not Found \\x1b]0;owned\\x07\\x1b[31mRED" in proc.stderr, (argv, proc.stderr)
+
+
+# --- 6. a connection reset before the answer is tried again, as documented (5 tries) ---
+
+
+def test_a_reset_before_the_headers_is_retried_five_times(hostile: HostileRegistry,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _small_image(hostile)
+    path = f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"
+    serve, resets = hostile.routes[path], list[int]()
+
+    def flaky(h: Handler) -> None:
+        if len(resets) < 4:
+            resets.append(1)
+            h.reset()
+        else:
+            serve(h)
+    hostile.routes[path] = flaky
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    assert str(RemoteImage.fetch(ref).ref) == ref  # the fifth try answers
+    hostile.routes[path] = lambda h: h.reset()
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref)
+    assert f"the image manifest: cannot reach {hostile.address} after 5 tries" in _one_line(e.value)
+
+
+# --- 7. the environment, parsed strictly, once ---
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("PACKER_REGISTRY_TIMEOUT", "inf"), ("PACKER_REGISTRY_TIMEOUT", "nan"), ("PACKER_REGISTRY_TIMEOUT", "-1"),
+    ("PACKER_REGISTRY_TIMEOUT", "0"), ("PACKER_REGISTRY_TIMEOUT", "1e400"), ("PACKER_REGISTRY_TIMEOUT", "5s"),
+    ("PACKER_REGISTRY_DEADLINE", "infinity"), ("PACKER_REGISTRY_MAX_REQUESTS", "-3"),
+    ("PACKER_REGISTRY_MAX_REQUESTS", "1.5"), ("PACKER_STREAM_WHOLE", "yes"), ("PACKER_STREAM_WHOLE", "true"),
+    ("PACKER_REGISTRY_INSECURE", "host/evil"), ("PACKER_REGISTRY_INSECURE", "a,,b"),
+    ("PACKER_REGISTRY_CA", "ca.pem\n\x1b[2J"),
+])
+def test_a_registry_variable_that_is_no_value_is_one_line_naming_it(var: str, value: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch("oci://127.0.0.1:1/m/x@sha256:" + "0" * 64)
+    assert f"{var}: expected " in _one_line(e.value)
+
+
+def test_a_bad_timeout_through_the_command_line_is_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PACKER_REGISTRY_TIMEOUT": "inf", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "packer", "stream", "oci://127.0.0.1:1/m/x@sha256:" + "0" * 64],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "PACKER_REGISTRY_TIMEOUT: expected seconds" in proc.stderr, proc.stderr
+
+
+def test_registry_variables_are_read_in_settings_alone() -> None:
+    for path in (REPO / "packer" / "runtime").glob("*.py"):
+        if path.name != "settings.py":
+            text = path.read_text()
+            assert not re.search(r"environ(?:\.get)?\(?\[?[\"'](PACKER_REGISTRY_|PACKER_STREAM_WHOLE)", text), path
