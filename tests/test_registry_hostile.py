@@ -56,9 +56,10 @@ def hostile() -> Iterator[HostileRegistry]:
         yield h
 
 
-def _auth_file(monkeypatch: pytest.MonkeyPatch, tmp: Path, host: str) -> None:
+def _auth_file(monkeypatch: pytest.MonkeyPatch, tmp: Path, *hosts: str) -> None:
     path = tmp / "auth.json"
-    path.write_text(json.dumps({"auths": {host: {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}}}))
+    entry = {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
+    path.write_text(json.dumps({"auths": dict.fromkeys(hosts, entry)}))
     monkeypatch.setenv("PACKER_REGISTRY_AUTH", str(path))
 
 
@@ -138,6 +139,31 @@ def test_a_realm_on_another_host_that_wants_credentials_says_they_were_withheld(
             RemoteImage.fetch(ref)
     assert all("authorization" not in s.headers for s in realm.seen)
     assert f"credentials for {reg.address} were not sent to localhost:{realm.port}" in _one_line(e.value)
+
+
+def test_a_realm_on_another_host_gets_the_credentials_given_for_that_host(
+        ca: LoopbackCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token service on another host (auth.docker.io) is sent credentials when the auth file
+    names that host itself: given there by the user, not routed there by the registry."""
+    with HostileRegistry(tls=ca) as reg, HostileRegistry(tls=ca) as realm:
+        ref = _small_image(reg)
+        data = reg.manifest_bytes
+
+        def manifest(h: Handler) -> None:
+            if h.headers.get("Authorization") == "Bearer good-token":
+                h.answer(200, data, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+            else:
+                _bearer(f"https://localhost:{realm.port}/token")(h)
+        reg.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = manifest
+
+        def token(h: Handler) -> None:
+            ok = h.headers.get("Authorization") == BASIC
+            h.answer(200 if ok else 401, b'{"token": "good-token"}' if ok else b"")
+        realm.routes["/token"] = token
+        monkeypatch.setenv("PACKER_REGISTRY_CA", str(ca.ca))
+        _auth_file(monkeypatch, tmp_path, reg.address, f"localhost:{realm.port}")
+        assert str(RemoteImage.fetch(ref).ref) == ref
+    assert [s.headers.get("authorization") for s in realm.seen] == [BASIC]
 
 
 def test_a_redirect_to_another_host_carries_the_range_but_no_credentials(

@@ -307,7 +307,7 @@ class Registry:
 
     def _authorize(self, header: str) -> None:
         scheme, params = _challenge(header)
-        basic = "Basic " + base64.b64encode(":".join(self._auth).encode()).decode() if self._auth else None
+        basic = _basic(self._auth)
         if scheme == "basic":
             if basic is None:
                 raise RegistryError(f"{self.ref}: the registry asks for credentials{self._advice(401)}")
@@ -319,6 +319,9 @@ class Registry:
                                 "neither Basic nor a Bearer token challenge")
         realm = params["realm"]
         same_host = self._realm_allowed(realm)
+        if not same_host:  # another host gets only the credentials given for that host itself
+            given = credentials(OciRef(urllib.parse.urlsplit(realm).netloc, self.ref.repo, None, None), self.settings)
+            basic = _basic(given)
         query = {"scope": params.get("scope") or f"repository:{self.ref.repo}:pull"}
         if params.get("service"):
             query["service"] = params["service"]
@@ -326,13 +329,13 @@ class Registry:
         netloc = urllib.parse.urlsplit(url).netloc
         deadline = Deadline(self.budget, f"a token from {netloc}")
         try:
-            resp = self.conns.send(url, {"Authorization": basic} if basic and same_host else {}, deadline)
+            resp = self.conns.send(url, {"Authorization": basic} if basic else {}, deadline)
             body = resp.read(MAX_TOKEN_ANSWER, f"the token server {netloc}'s answer")
         finally:
             deadline.end()
         if resp.status != 200:
             raise RegistryError(f"{self.ref}: the token server {netloc} answered {resp.status} {resp.reason()}"
-                                f"{_why(body)}{self._advice(401, '' if same_host else netloc)}")
+                                f"{_why(body)}{self._advice(401, '' if same_host or basic else netloc)}")
         try:
             doc = loads_json(body, "the token server's answer")
             token = doc.get("token") or doc.get("access_token")
@@ -475,6 +478,11 @@ class Registry:
         if got != size or "sha256:" + h.hexdigest() != digest:
             raise RegistryError(f"{self.ref}: blob {digest} as served is not the one the image manifest pins")
         return buf
+
+
+def _basic(auth: tuple[str, str] | None) -> str | None:
+    """The Basic ``Authorization`` value of ``(user, password)``, or None without credentials."""
+    return "Basic " + base64.b64encode(":".join(auth).encode()).decode() if auth else None
 
 
 def _why(body: bytes) -> str:
