@@ -85,3 +85,17 @@ def test_the_vllm_adapters_errors_are_escaped(tmp_path: Path) -> None:
         vllm_format.options({"device": HOSTILE})
     _clean(str(e.value))
     assert str(EngineAdapterError(HOSTILE)).isprintable()
+
+
+def test_the_runtimes_errors_reach_an_engine_escaped() -> None:
+    """vLLM prints a load's ArtifactMismatchError (and its RegistryError) itself, in its traceback:
+    the message is escaped when it is made, and stays so through a worker's pickle."""
+    import pickle
+
+    from packer.runtime.env import ArtifactMismatchError
+    from packer.runtime.registry import RegistryError
+
+    for cls in (ArtifactMismatchError, RegistryError):
+        error = cls(f"weights/{HOSTILE}: chunk 3 does not match")
+        _clean(str(error))
+        assert str(pickle.loads(pickle.dumps(error))) == str(error)

@@ -55,7 +55,15 @@ DTYPES = {
 
 
 class ArtifactMismatchError(RuntimeError):
-    """The artifacts on disk do not match the manifest embedded in this loader."""
+    """The artifacts on disk do not match the manifest embedded in this loader.
+
+    Its message is escaped when it is made (:func:`printable`): a serving engine prints it as it
+    is (vLLM's traceback, a worker's log line), outside any entry point of packer's, and it names
+    paths, members, references and a registry's words, which an input chose.
+    """
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(printable(str(message)), *args)
 
 
 def _wanted_env() -> dict[str, str]:
