@@ -16,6 +16,7 @@ import pickle
 import subprocess
 import sys
 import types
+import zipfile
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -286,3 +287,19 @@ def test_plain_data_reads_at_every_protocol(protocol: int) -> None:
     value, _ = run_pickle(pickle.dumps(obj, protocol=protocol), where="x: data.pkl")
     assert isinstance(value, dict) and set(value) == set(obj)
     assert all(type(v).__name__.startswith("Placeholder") for v in value.values())
+
+
+@pytest.mark.parametrize("payload", ["posix.system", "subprocess.Popen", "builtins.eval", "runpy._run_code"])
+def test_a_dangerous_global_is_named_dangerous_and_no_flag_is_offered(tmp_path: Path, payload: str) -> None:
+    module, name = payload.rsplit(".", 1)
+    data = b"\x80\x02}q\x00X\x01\x00\x00\x00wq\x01c" + f"{module}\n{name}\n".encode() + b"q\x02s."
+    with zipfile.ZipFile(tmp_path / "evil.pt", "w") as zf:
+        zf.writestr("evil/data.pkl", data)
+        zf.writestr("evil/version", "3\n")
+    proc = subprocess.run([sys.executable, "-m", "packer", "convert", str(tmp_path / "evil.pt"), "-o",
+                           str(tmp_path / "o")], capture_output=True, text=True, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert f"{payload} runs commands or code when called" in lines[0]
+    assert "--allow-global" not in lines[0] and "docs/troubleshooting.md#checkpoints" in lines[0]
+    assert not (tmp_path / "o").exists()

@@ -134,6 +134,41 @@ def module_refusal(where: str, value: object) -> str | None:
     return module_message(where, module)
 
 
+TROUBLESHOOTING = "docs/troubleshooting.md#checkpoints"
+
+# Modules whose callables act on the system, the interpreter or other code when a pickle calls
+# them (the payloads of malicious pickles: os.system, subprocess.Popen, builtins.eval, runpy...):
+# no placeholder flag is offered for a pickle naming one, whatever else it holds.
+_DANGEROUS_MODULES = frozenset((
+    "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "shutil", "socket", "ctypes", "pickle", "_pickle",
+    "marshal", "code", "codeop", "pty", "webbrowser", "types", "operator", "_operator", "functools", "multiprocessing",
+    "asyncio", "signal", "pathlib", "io", "_io", "urllib", "http", "ftplib", "smtplib", "platform", "commands",
+    "pdb", "bdb", "timeit", "trace", "profile", "cProfile", "threading", "_thread", "zipimport", "pkgutil",
+    "inspect", "gc", "dill", "cloudpickle", "posixpath", "ntpath", "tempfile", "glob", "requests", "yaml",
+))
+_DANGEROUS_BUILTINS = frozenset((
+    "eval", "exec", "compile", "__import__", "getattr", "setattr", "delattr", "open", "globals", "locals", "vars",
+    "input", "breakpoint", "exit", "quit", "help", "memoryview", "__build_class__", "__loader__",
+))
+
+
+def dangerous(qualname: str) -> bool:
+    """Whether the global ``module.name`` runs commands, code or I/O when called (never plain data)."""
+    module, _, name = qualname.rpartition(".")
+    top = module.split(".", 1)[0]
+    if top in ("builtins", "__builtin__"):
+        return name in _DANGEROUS_BUILTINS
+    return top in _DANGEROUS_MODULES
+
+
+def dangerous_hint(bad: list[str]) -> str:
+    """What a pickle naming the dangerous globals ``bad`` is, with no flag to paste."""
+    names = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    return (f"{names} runs commands or code when called: a pickle naming it is made to act when it is loaded, "
+            "not to hold weights; packer read nothing from it and no flag reads it; never open it with torch.load "
+            f"or pickle, and get the weights from a source you trust (see {TROUBLESHOOTING})")
+
+
 def one_message(first: DisallowedGlobalError, refused: list[str], value: object) -> DisallowedGlobalError:
     """The single error naming every refused global, the flags, and what the payload is.
 
@@ -149,6 +184,8 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
     flags = " ".join(f"--allow-global {shell_word(q)}" for q in shown)
     every = f" ({len(refused)} in this pickle: {', '.join(shown)}{more})" if len(refused) > 1 else ""
     head = f"{where}: global {qual} is not allowed{every}; packer never imports or calls anything"
+    if bad := [q for q in refused if dangerous(q)]:  # a payload: said so, and no flag offered for anything
+        return DisallowedGlobalError(f"{head}; {dangerous_hint(bad)}")
     subclass = _subclass_message(where, refused)
     if subclass is not None:
         return DisallowedGlobalError(subclass)
@@ -163,4 +200,4 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
     key = f"--key {shell_word(found)} " if found and any(q.startswith("torch.nn.") for q in refused) else ""
     beside = "; torch.nn objects sit beside the state dict" if key else ""
     return DisallowedGlobalError(f"{head}{beside}; if these are plain data, read them as inert placeholders "
-                                 f"with: {key}{flags} (recipe: weights.allow_globals)")
+                                 f"with: {key}{flags} (recipe: weights.allow_globals; see {TROUBLESHOOTING})")

@@ -151,6 +151,8 @@ def load_legacy(f: BinaryIO, path: Path, size: int, *, policy: GlobalPolicy = DE
     try:
         magic, pos = pickles.run(0, "magic number pickle", policy=NO_GLOBALS)
     except UnsafeInputError as e:  # a first pickle holding objects: pickle.dump's, not torch.save's
+        if "runs commands or code when called" in str(e):  # a payload, not a pickle.dump of data: no re-save advice
+            raise
         raise UnsafeInputError(f"{e}; {RAW_PICKLE}") from e
     if type(magic) is not int or magic != MAGIC_NUMBER:
         raise CheckpointError(f"{path}: magic number pickle: not the torch legacy magic number; {RAW_PICKLE}")

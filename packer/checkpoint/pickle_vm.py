@@ -417,8 +417,12 @@ class PickleVM:
             qual = f"{module}.{name}"
             if key in UNCONVERTED:
                 raise self.fail(f"{qual}: the checkpoint holds {UNCONVERTED[key]}")
+            from packer.checkpoint.guidance import dangerous, dangerous_hint  # a refusal only: off the hot path
+
             if not _PYTHON_NAME.match(qual):
                 hint = "it is not a Python name, so no class can be allowed: this is not a checkpoint's pickle"
+            elif dangerous(qual):
+                hint = dangerous_hint([qual])
             elif module == "torch.nn" or module.startswith("torch.nn."):  # a whole pickled module
                 hint = ("it is a pickled torch.nn module, not a state dict: save model.state_dict() "
                         "instead, or convert once in a trusted environment")
