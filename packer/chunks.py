@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError
+from packer.hashing import sha256_chunked
 from packer.place import FilePlace
 from packer.reading import JSON_DOC, open_regular, read_bytes
 from packer.runtime.chunks import CHUNKS_NAME, CHUNKS_REL, MAX_CHUNK, MIN_CHUNK, FileChunks, parse_table, table_doc
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.proof import hash_span, prove_chunk
 from packer.util.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
-from packer.util.fsutil import FileEntry, canonical_json, sha256_chunked
+from packer.util.fsutil import FileEntry, canonical_json
 
 __all__ = ["CHUNKS_NAME", "CHUNKS_REL", "DEFAULT_CHUNK", "MAX_CHUNK", "MIN_CHUNK", "chunk_difference", "chunk_table",
            "verify_chunks"]

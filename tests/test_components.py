@@ -17,7 +17,7 @@ import torch
 
 from packer.components import detect_layout
 from packer.errors import VerifyError, WeightsError
-from packer.util.safetensors_header import read_header_file
+from packer.safetensors_header import read_header_file
 from tests.built import build_dir, weight_location
 from tests.component_fixtures import diffusers_pipeline, import_loader, lora_adapter, sentence_transformer
 
