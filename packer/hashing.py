@@ -1,6 +1,10 @@
 """The build side's hashing of files and spans: a file's ``(size, sha256)``, a span's sha256,
 a span's chunk digests in one read.
 
+A file or a span is hashed by the runtime's one span hasher (:func:`packer.runtime.proof.hash_span`),
+whoever proves it; only :func:`sha256_chunked` hashes reads itself, because it writes a chunk
+table (the span's sha256 and each chunk's from one read, two threads), it proves nothing.
+
 Above :mod:`packer.reading` (a file named by path is opened through it) and beside
 :mod:`packer.place`; the streaming writers' hash threads (:class:`packer.util.fsutil.HashThread`)
 hash bytes as they are written and stay in ``packer/util``.
@@ -15,6 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from packer.reading import open_regular
+from packer.runtime.env import ArtifactMismatchError
+from packer.runtime.proof import hash_span
+from packer.runtime.reading import read_at
 from packer.util.fsutil import FileEntry
 
 # a hash read's buffer: small enough to stay in the core's own cache between the copy from the
@@ -24,23 +31,34 @@ HASH_READ = 2**20
 
 
 def sha256_file(path: str | Path, stop: threading.Event | None = None) -> tuple[int, str]:
-    """Return ``(size, sha256 hex)`` of a file, read in large chunks.
+    """Return ``(size, sha256 hex)`` of a file: the span of its size when opened, hashed by the
+    one span hasher (:func:`packer.runtime.proof.hash_span`) in reads of :data:`HASH_READ`.
 
     Raises:
-        PackerError: not a regular file; OSError: unreadable; InterruptedError: ``stop`` was set
-            before the end.
+        PackerError: not a regular file; OSError: unreadable, or it shrank while being read;
+            InterruptedError: ``stop`` was set before the end.
     """
-    h = hashlib.sha256()
-    size = 0
     with open_regular(path) as f:  # a FIFO is refused, never waited on
-        buf = bytearray(HASH_READ)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            if stop is not None and stop.is_set():
-                raise InterruptedError(f"{path}: hashing stopped")
-            h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        src: int | _Stoppable = fd if stop is None else _Stoppable(fd, stop, str(path))
+        try:
+            return size, hash_span(src, 0, size, str(path), buffer=HASH_READ)
+        except ArtifactMismatchError as e:  # truncated while read: the file is not what was opened
+            raise OSError(f"{e} (it shrank while being hashed)") from None
+
+
+class _Stoppable:
+    """A descriptor read as a source that stops between reads once ``stop`` is set (work done
+    ahead of need, given up when the build or verification ends early)."""
+
+    def __init__(self, fd: int, stop: threading.Event, where: str) -> None:
+        self.fd, self.stop, self.where = fd, stop, where
+
+    def read_at(self, view: memoryview, at: int) -> None:
+        if self.stop.is_set():
+            raise InterruptedError(f"{self.where}: hashing stopped")
+        read_at(self.fd, view, at, self.where)
 
 
 def sha256_file_or_none(path: str | Path, stop: threading.Event) -> tuple[int, str] | None:
@@ -55,8 +73,9 @@ def sha256_file_or_none(path: str | Path, stop: threading.Event) -> tuple[int, s
 
 
 def sha256_range(fd: int, start: int, end: int) -> str:
-    """sha256 (hex) of bytes ``start:end`` of the open file ``fd``, read with ``pread`` into a
-    buffer of this call's own, so that threads hash ranges of one descriptor side by side.
+    """sha256 (hex) of bytes ``start:end`` of the open file ``fd`` (:func:`~packer.runtime.proof.hash_span`,
+    reads of :data:`HASH_READ` with ``pread`` into a buffer of this call's own, so that threads
+    hash ranges of one descriptor side by side).
 
     Raises:
         ValueError: not ``0 <= start <= end``; EOFError: the file ends before ``end``;
@@ -64,16 +83,10 @@ def sha256_range(fd: int, start: int, end: int) -> str:
     """
     if not 0 <= start <= end:
         raise ValueError(f"sha256_range: not a range of bytes: {start}:{end}")
-    h = hashlib.sha256()
-    view = memoryview(bytearray(min(HASH_READ, end - start)))
-    at = start
-    while at < end:
-        n = os.preadv(fd, [view[:min(len(view), end - at)]], at)
-        if n <= 0:
-            raise EOFError(f"the file ends at byte {at}, before byte {end}")
-        h.update(view[:n])
-        at += n
-    return h.hexdigest()
+    try:
+        return hash_span(fd, start, end - start, "the file", buffer=HASH_READ)
+    except ArtifactMismatchError:  # the file is shorter than the span: say where it ends
+        raise EOFError(f"the file ends at byte {max(start, os.fstat(fd).st_size)}, before byte {end}") from None
 
 
 class _Chunks:

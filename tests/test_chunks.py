@@ -238,6 +238,7 @@ def test_a_plain_weight_file_gets_the_table_a_layer_blob_gets(built: Path, plain
 def test_the_build_reads_a_plain_weight_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-read that takes its sha256 and its chunks' is the build's only read of the file:
     the final verification takes both from it (the file not written since)."""
+    import packer.chunks
     import packer.hashing
     import packer.verifying
 
@@ -253,8 +254,14 @@ def test_the_build_reads_a_plain_weight_file_once(tmp_path: Path, monkeypatch: p
         reads.append(str(path))
         return real_file(path, *args)
 
+    real_hashed = packer.chunks._hashed
+
+    def verified(out: Path, place: Any, chunk: int) -> Any:  # verify_chunks' read: its chunks by hash_span
+        reads.append(str(place.path(out)[0]))
+        return real_hashed(out, place, chunk)
+
     monkeypatch.setattr("packer.oci.reread.sha256_chunked", chunked)
-    monkeypatch.setattr("packer.chunks.sha256_chunked", chunked)
+    monkeypatch.setattr("packer.chunks._hashed", verified)
     monkeypatch.setattr(packer.verifying, "sha256_file", whole)
     monkeypatch.setattr(packer.verifying, "sha256_file_or_none", lambda path, stop: whole(path, stop))
     build_dir(tmp_path / "hf", tmp_path / "out", weights={"chunk_size": "32KiB"}, image={"weights": "external"})
