@@ -85,7 +85,7 @@ def header_facts(path: Path) -> dict[str, Any]:
 
 
 def manifest(path: Path, header: dict[str, Any]) -> dict[str, Any]:
-    from packer.util.fsutil import sha256_file
+    from packer.hashing import sha256_file
 
     rel = "weights/model.safetensors"
     size, digest = sha256_file(path)

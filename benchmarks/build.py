@@ -117,7 +117,7 @@ def time_sha256_read(src: Path) -> float:
 def time_build(root: Path, *extra: str) -> tuple[float, float, dict[str, float], tuple[int, int]]:
     """Wall seconds of ``packer build`` (with ``extra`` options) as it returns and until OUT is
     durable, its stage timings, and ``(OUT on disk, weight bytes)``."""
-    from packer.util.fsutil import disk_usage
+    from packer.filetree import disk_usage
 
     out = root / "out"
     shutil.rmtree(out, ignore_errors=True)

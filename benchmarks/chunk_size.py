@@ -117,7 +117,7 @@ def parse_cost(c: dict, chunk: int) -> float:
 
 
 def hashing_cost(size: int = 512 * MIB) -> None:
-    from packer.util.fsutil import sha256_chunked, sha256_range
+    from packer.hashing import sha256_chunked, sha256_range
 
     with tempfile.NamedTemporaryFile() as f:
         f.write(os.urandom(size))
@@ -138,7 +138,7 @@ def reread_cost(size: int = 512 * MIB, rounds: int = 5) -> None:
     inside it), the file hashed whole (before) or whole and in 1 MiB chunks (now)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from packer.util.fsutil import sha256_chunked, sha256_range
+    from packer.hashing import sha256_chunked, sha256_range
 
     with tempfile.NamedTemporaryFile() as f, ThreadPoolExecutor(2) as pool:
         f.write(os.urandom(size))

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from packer.hashing import sha256_file
 from packer.runtime.loader import Loader, Timeline
-from packer.util.fsutil import sha256_file
 
 WORK = Path(__file__).resolve().parent / "_work" / "load_cpu"
 REPO = Path(__file__).resolve().parents[1]

@@ -16,11 +16,12 @@ from functools import partial
 from typing import Any
 
 from packer.errors import SignError
+from packer.hashing import sha256_file
 from packer.manifest import artifact_manifest, files_map
 from packer.reading import SIGNATURE, read_bytes
 from packer.stage import Stage, StageContext, StageOutput
 from packer.util.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
-from packer.util.fsutil import FileEntry, atomic_write_bytes, canonical_json, sha256_file
+from packer.util.fsutil import FileEntry, atomic_write_bytes, canonical_json
 
 
 def weights_stage(ctx: StageContext) -> StageOutput:

@@ -18,13 +18,15 @@ from typing import Any
 
 from packer.build_stages import STAGES, BuildStage, default_layer_digests, final_manifest
 from packer.errors import PackerError
+from packer.filetree import disk_usage
+from packer.hashing import sha256_file_or_none
 from packer.manifest import TIMINGS
 from packer.publish import make_scratch, make_staging, publish
 from packer.recipe import Recipe
 from packer.source import Snapshot, resolve_source
 from packer.stage import Early, Progress, StageContext
 from packer.util.formats import MANIFEST_NAME
-from packer.util.fsutil import atomic_write_bytes, canonical_json, disk_usage, remove_tree, sha256_file_or_none
+from packer.util.fsutil import atomic_write_bytes, canonical_json, remove_tree
 from packer.util.timing import StageTimer
 from packer.verifying import verify
 from packer.warm_step import check_warm_table, warm_after_build

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError
+from packer.hashing import HASH_READ
 from packer.place import FilePlace
 from packer.reading import JSON_DOC, open_regular, read_bytes
 from packer.runtime.chunks import CHUNKS_NAME, CHUNKS_REL, MAX_CHUNK, MIN_CHUNK, FileChunks, parse_table, table_doc
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.proof import hash_span, prove_chunk
 from packer.util.formats import MANIFEST_NAME, SAFETENSORS_SUFFIX
-from packer.util.fsutil import FileEntry, canonical_json, sha256_chunked
+from packer.util.fsutil import FileEntry, canonical_json
 
 __all__ = ["CHUNKS_NAME", "CHUNKS_REL", "DEFAULT_CHUNK", "MAX_CHUNK", "MIN_CHUNK", "chunk_difference", "chunk_table",
            "verify_chunks"]
@@ -75,9 +76,10 @@ def _read_table(out: Path, manifest: Mapping[str, Any]) -> dict[str, FileChunks]
 def _hashed(out: Path, place: FilePlace, chunk: int) -> tuple[str, ...]:
     path, offset, size = place.path(out)
     with open_regular(path, VerifyError) as f:
-        try:
-            return sha256_chunked(f.fileno(), offset, offset + size, chunk)[1]
-        except (OSError, EOFError) as e:
+        try:  # each chunk by the one span hasher: every byte read once, in reads of HASH_READ
+            return tuple(hash_span(f.fileno(), offset + a, min(chunk, size - a), str(path), buffer=HASH_READ)
+                         for a in range(0, size, chunk))
+        except (OSError, ArtifactMismatchError) as e:
             raise VerifyError(f"{path}: cannot read {place.rel} to check its chunks ({e})") from e
 
 

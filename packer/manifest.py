@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import VerifyError
-from packer.place import place_of
+from packer.place import held_place
 from packer.reading import MANIFEST, member, parse_json, read_bytes
 from packer.util.formats import MANIFEST_NAME
 from packer.util.fsutil import FileEntry
@@ -118,7 +118,7 @@ def held_in_blob(path: Path, *, levels: int = 4) -> tuple[Path, int, int] | None
 
     Raises:
         VerifyError: the manifest's entry for ``path`` is malformed
-            (:func:`packer.place.place_of`), or its blob leads outside OUT.
+            (:func:`packer.place.held_place`, the build's view), or its blob leads outside OUT.
     """
     path = Path(path).absolute()
     for out in list(path.parents)[:levels]:
@@ -128,12 +128,11 @@ def held_in_blob(path: Path, *, levels: int = 4) -> tuple[Path, int, int] | None
             _, manifest = read_manifest(out)
         except VerifyError:  # another tool's manifest.json, or none we can read: not a build output
             return None
-        rel = path.relative_to(out).as_posix()
-        if rel not in manifest["files"]:
+        rel, where = path.relative_to(out).as_posix(), out / MANIFEST_NAME
+        if rel not in manifest["files"]:  # nothing of this build's (a path with "..": never one of its names)
             return None
-        where = out / MANIFEST_NAME
-        place = place_of(rel, manifest["files"][rel], where=where)
-        if not place.in_blob:
+        place = held_place(out, manifest, rel, where=where)  # the view's answer, as the loader's
+        if place is None:
             return None
         member(out, place.blob, where=where, error=VerifyError)  # no link in OUT leads it outside
         return place.path(out)

@@ -89,7 +89,7 @@ def file_kind(mode: int) -> str:
     return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
-def not_regular(path: str | Path, mode: int, error: ErrorClass) -> PackerError:
+def not_regular(path: str | Path, mode: int, error: ErrorClass) -> Exception:
     """The one-line refusal of an input that is not a regular file (``mode`` says what it is)."""
     return error(f"{path}: is {file_kind(mode)}, not a regular file; packer reads only regular files "
                  "(a FIFO, device or socket could block or never end): copy the data into a file")
@@ -176,7 +176,7 @@ def read_bytes(path: str | Path, kind: Kind, *, error: ErrorClass, where: str | 
     return raw
 
 
-def _too_large(where: str, size: int, kind: Kind, error: ErrorClass) -> PackerError:
+def _too_large(where: str, size: int, kind: Kind, error: ErrorClass) -> Exception:
     return error(f"{where}: {size} bytes, over the limit of {kind.max_bytes} for a {kind.name}")
 
 

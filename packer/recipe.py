@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import RecipeError
+from packer.reading import open_regular
 from packer.util.formats import CAST_DTYPES, LAYOUTS
-from packer.util.fsutil import open_regular
 from packer.util.show import show
 from packer.warm.requests import check_requests
 

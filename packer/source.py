@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import SourceError
-from packer.reading import read_ref_file
+from packer.reading import file_kind, read_ref_file
 from packer.recipe import Recipe
 from packer.util.formats import WEIGHT_PATTERNS
-from packer.util.fsutil import atomic_write_bytes, file_kind
+from packer.util.fsutil import atomic_write_bytes
 from packer.util.idents import check_revision, confined, is_commit, shown
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")

@@ -19,6 +19,8 @@ from packer.bundle import verify_bundle
 from packer.chunks import chunk_difference, verify_chunks
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
+from packer.filetree import disk_usage
+from packer.hashing import sha256_file, sha256_file_or_none
 from packer.manifest import TIMINGS, read_manifest
 from packer.oci.referrer import referrer_blobs
 from packer.oci.reread import PLAIN, Vouch, Vouched
@@ -30,7 +32,7 @@ from packer.runtime.env import STREAM_FILE
 from packer.sign.check import check_signatures
 from packer.sign.provenance import INDEX_REL
 from packer.util.formats import MANIFEST_NAME, PROVENANCE_NAME
-from packer.util.fsutil import canonical_json, disk_usage, identity, sha256_file, sha256_file_or_none, split_artifact
+from packer.util.fsutil import canonical_json, identity, split_artifact
 from packer.util.idents import shown
 from packer.warm.pins import verify_states
 from packer.weights.verify import verify_weights

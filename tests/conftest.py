@@ -9,6 +9,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("PACKER_STARTUP_LOG", "off")
 
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -17,6 +20,16 @@ settings.register_profile(
 )
 settings.register_profile("long", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("PACKER_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def build_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The environment of a test that builds and loads: no start-up log, and the bundle cache in
+    the test's own directory (never the user's). A module takes it with
+    ``pytestmark = pytest.mark.usefixtures("build_env")``. Returns the cache directory."""
+    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
+    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 # Under PACKER_TOOLS_REQUIRED=1 (.ci/run sets it) a skip is a failure unless its reason says the

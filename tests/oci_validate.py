@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from packer.util.fsutil import FileEntry, canonical_json, file_entry
+from packer.hashing import file_entry
+from packer.util.fsutil import FileEntry, canonical_json
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from packer.errors import VerifyError
 from packer.runtime.empty import init_empty
 from packer.runtime.loading import Loader
-from packer.util.safetensors_header import read_header_file
+from packer.safetensors_header import read_header_file
 from tests.built import build_dir, open_build, save_pickle, weights_copy
 from tests.loader_fixtures import misaligned
 

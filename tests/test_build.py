@@ -450,21 +450,21 @@ def test_checkpoints_are_hashed_while_the_weights_stage_runs(tmp_path: Path, mon
     import threading
 
     import packer.build_stages as stages_module
-    import packer.util.fsutil as fsutil
+    import packer.hashing as hashing
     from packer.demo import write_demo
 
     src = tmp_path / "src"
     src.mkdir()
     write_demo(src)
     hashed_on: list[tuple[str, str]] = []
-    real = fsutil.sha256_file
+    real = hashing.sha256_file
 
     def spy(path: Path, stop: object = None) -> tuple[int, str]:
         hashed_on.append((Path(path).name, threading.current_thread().name))
         return real(path, stop)  # type: ignore[arg-type]
 
     monkeypatch.setattr(stages_module, "sha256_file", spy)  # hashed when needed (the inputs stage)
-    monkeypatch.setattr(fsutil, "sha256_file", spy)  # hashed ahead (sha256_file_or_none)
+    monkeypatch.setattr(hashing, "sha256_file", spy)  # hashed ahead (sha256_file_or_none)
     build(recipe_from_dict({"name": "m", "version": "1", "source": str(src)}), tmp_path / "out", sandbox=False)
     threads = {name: [t for n, t in hashed_on if n == name] for name, _ in hashed_on}
     assert len(threads["pytorch_model.bin"]) == 1  # once, in the background

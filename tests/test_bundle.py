@@ -12,8 +12,8 @@ import pytest
 
 from packer.bundle import ARCHIVE_NAME, ZSTD_LEVEL, glob_regex, plan_bundle, run_bundle, unbundle, write_bundle
 from packer.errors import BundleError
+from packer.hashing import sha256_file
 from packer.recipe import BundleConfig
-from packer.util.fsutil import sha256_file
 from tests.bundle_validate import validate_bundle
 from tests.hf_cache import populate_cache
 

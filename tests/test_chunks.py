@@ -25,12 +25,13 @@ import torch
 from packer.building import build
 from packer.chunks import CHUNKS_REL
 from packer.errors import VerifyError
+from packer.hashing import sha256_chunked
 from packer.recipe import demo_recipe, with_sign_key
 from packer.runtime.chunks import FileChunks, parse_table
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.proof import SpanCheck
 from packer.runtime.signature import model_layout, require_signature
-from packer.util.fsutil import canonical_json, sha256_chunked
+from packer.util.fsutil import canonical_json
 from packer.verifying import verify
 from tests.built import build_dir, open_build, weight_location
 from tests.hf_fixtures import llama
@@ -237,12 +238,13 @@ def test_a_plain_weight_file_gets_the_table_a_layer_blob_gets(built: Path, plain
 def test_the_build_reads_a_plain_weight_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-read that takes its sha256 and its chunks' is the build's only read of the file:
     the final verification takes both from it (the file not written since)."""
-    import packer.util.fsutil
+    import packer.chunks
+    import packer.hashing
     import packer.verifying
 
     llama(tmp_path / "hf", **{**WIDE, "tied": False})
     reads: list[str] = []
-    real_chunked, real_file = packer.util.fsutil.sha256_chunked, packer.util.fsutil.sha256_file
+    real_chunked, real_file = packer.hashing.sha256_chunked, packer.hashing.sha256_file
 
     def chunked(fd: int, *args: Any) -> Any:
         reads.append(os.readlink(f"/proc/self/fd/{fd}"))
@@ -252,8 +254,14 @@ def test_the_build_reads_a_plain_weight_file_once(tmp_path: Path, monkeypatch: p
         reads.append(str(path))
         return real_file(path, *args)
 
+    real_hashed = packer.chunks._hashed
+
+    def verified(out: Path, place: Any, chunk: int) -> Any:  # verify_chunks' read: its chunks by hash_span
+        reads.append(str(place.path(out)[0]))
+        return real_hashed(out, place, chunk)
+
     monkeypatch.setattr("packer.oci.reread.sha256_chunked", chunked)
-    monkeypatch.setattr("packer.chunks.sha256_chunked", chunked)
+    monkeypatch.setattr("packer.chunks._hashed", verified)
     monkeypatch.setattr(packer.verifying, "sha256_file", whole)
     monkeypatch.setattr(packer.verifying, "sha256_file_or_none", lambda path, stop: whole(path, stop))
     build_dir(tmp_path / "hf", tmp_path / "out", weights={"chunk_size": "32KiB"}, image={"weights": "external"})

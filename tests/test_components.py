@@ -17,17 +17,14 @@ import torch
 
 from packer.components import detect_layout
 from packer.errors import VerifyError, WeightsError
-from packer.util.safetensors_header import read_header_file
+from packer.safetensors_header import read_header_file
 from tests.built import build_dir, weight_location
 from tests.component_fixtures import diffusers_pipeline, import_loader, lora_adapter, sentence_transformer
 
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
 
 
 def selftest(out: Path) -> str:

@@ -4,7 +4,7 @@ The weights stage's sandboxed writer hashes nothing it writes as a layer blob: i
 span back as it lands and compares it with its source, and leaves the blob unnamed. The build
 compares each blob's tar framing with the one it computes itself, and hashes the blob (which
 names it) and the file inside it side by side, each thread reading its own bytes
-(``packer.oci.reread``, :func:`packer.util.fsutil.sha256_range`). The final
+(``packer.oci.reread``, :func:`packer.hashing.sha256_range`). The final
 ``verify`` takes both digests for a blob that stat shows unwritten since, and hashes anything
 else; ``packer verify`` on its own hashes the blob and the file inside it. A span that lands
 wrong is refused by the writer, framing that lands wrong by the re-read, a blob cut short or
@@ -37,10 +37,11 @@ import packer.weights.writer
 from packer.build_stages import STAGES
 from packer.building import build
 from packer.errors import VerifyError, WeightsError
+from packer.hashing import sha256_range
 from packer.oci.reread import reread_blobs
 from packer.recipe import demo_recipe
 from packer.stage import StageContext, StageOutput
-from packer.util.fsutil import FileEntry, sha256_range
+from packer.util.fsutil import FileEntry
 from packer.verifying import verify
 from tests.built import weight_bytes
 

@@ -23,10 +23,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.conversion_mapping")  # transformers 5: the conversion table
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
 
 
 def legacy_bert(out: Path) -> Any:

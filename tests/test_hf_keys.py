@@ -22,10 +22,7 @@ pytest.importorskip("transformers")
 IDS = torch.tensor([[3, 17, 42, 5, 30, 9, 1, 60]])
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
 
 
 def outputs(model: Any) -> torch.Tensor:

@@ -23,10 +23,7 @@ from tests.hf_cache import populate_cache
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "bundle-cache"))
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
 
 
 def hub_build(tmp_path: Path, repo: str) -> subprocess.CompletedProcess[str]:

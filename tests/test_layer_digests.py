@@ -15,12 +15,13 @@ import packer.oci
 from packer.building import build
 from packer.demo import write_demo
 from packer.errors import ImageError, VerifyError
+from packer.hashing import file_entry
 from packer.oci import build_image
 from packer.oci.layer import write_layer
 from packer.oci.plan import WEIGHT_ALIGN, image_rel, weight_layer_framing
 from packer.oci.tar_writer import Owner, SourceFile, tar_members, tar_pieces, tar_size
 from packer.recipe import ImageConfig, WeightsConfig, recipe_from_dict
-from packer.util.fsutil import FileEntry, canonical_json, file_entry
+from packer.util.fsutil import FileEntry, canonical_json
 from packer.weights.convert import convert
 from packer.weights.options import ConvertOptions
 from packer.weights.sandbox import convert_sandboxed

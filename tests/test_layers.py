@@ -33,9 +33,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "packer.checkpoint.*")),
     # entered by a serving engine (vLLM's plugin entry point), beside the runtime; import the engine lazily
     ("engine adapters", ("packer.adapters", "packer.adapters.*", "packer.warm", "packer.warm.*")),
-    # errors, the one way in, the build side's doors to the runtime's facts, and packer/util's helpers
+    # errors, the one way in, the build side's doors to the runtime's facts, and the helpers that read
+    # files through the one way in (hashing, link or copy, a safetensors header)
     ("shared", ("packer.version", "packer.errors", "packer.reading", "packer.place", "packer.chunks", "packer.signed",
-                "packer.util", "packer.util.*")),
+                "packer.hashing", "packer.filetree", "packer.safetensors_header")),
+    # packer/util: a leaf below errors, the one way in and the places; its helpers take the caller's error
+    # class (error=) and may import only each other and the runtime (FileEntry's place: its one rule)
+    ("util", ("packer.util", "packer.util.*")),
     # shipped into the serving container: may import nothing from the build side
     ("runtime", ("packer.runtime", "packer.runtime.*")),
 )
@@ -171,6 +175,18 @@ def test_the_checks_see_what_they_must(tmp_path: Path) -> None:
     assert graph["packer.runtime.c"] == {"packer.errors": 1}
     assert upward_imports(graph) == [
         "packer.runtime.c (layer 'runtime') imports packer.errors (layer 'shared') at line 1"]
+
+
+def test_util_is_a_leaf_below_the_shared_layer() -> None:
+    """packer/util is the layer right above the runtime: everything of the build side may use it,
+    and it imports nothing of the build side but itself."""
+    names = [name for name, _ in LAYERS]
+    assert names.index("util") == names.index("shared") + 1 == names.index("runtime") - 1
+    assert {layer_of(m) for m in module_files() if m.startswith("packer.util")} == {names.index("util")}
+    graph = import_graph()
+    up = {f"{m} imports {t}" for m, targets in graph.items() if m.startswith("packer.util")
+          for t in targets if not t.startswith(("packer.util", "packer.runtime"))}
+    assert not up, sorted(up)
 
 
 def test_each_stage_has_its_own_folder() -> None:

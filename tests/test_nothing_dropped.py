@@ -25,10 +25,7 @@ TEMPLATES = {"default": "{% for m in messages %}<{{ m['role'] }}>{{ m['content']
              "tool_use": "TOOLS {{ tools | length }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
 
 
 def chat_model(out: Path) -> None:

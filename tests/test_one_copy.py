@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from packer.building import build
+from packer.filetree import disk_usage
 from packer.recipe import demo_recipe, with_sign_key
 from packer.runtime.env import ArtifactMismatchError
-from packer.util.fsutil import disk_usage
 from tests.built import open_build, weight_bytes, weight_location
 from tests.oci_validate import require_tool
 from tests.sign_fixtures import image_model_dir, make_keypair, model_signing_verify

@@ -8,7 +8,10 @@ Read from the source with ``ast`` (nothing imported), as ``tests/test_layers.py`
   registry's image and files) or branch on a descriptor being an ``int``; the few other uses
   are listed below with why, and the list may not go stale;
 * only :mod:`packer.runtime.proof` compares a chunk's digest with the table's or words the
-  refusal, and the runtime hashes bytes only there (or where it hashes something else, listed).
+  refusal, and the runtime hashes bytes only there (or where it hashes something else, listed);
+* the build side hashes a file or a span through :mod:`packer.hashing`, whose every function but
+  the chunk table's one-read hasher is :func:`~packer.runtime.proof.hash_span`: a module that feeds
+  a running sha256 itself hashes bytes as it writes or parses them, and says so below.
 """
 
 from __future__ import annotations
@@ -41,6 +44,17 @@ HASHERS = {  # runtime modules that hash something other than a build's spans, a
     "runtime/dirtree.py": "the key of a model directory's links (names, not bytes)",
     "runtime/reading.py": "sha256_regular: a served directory's files (below proof.py, which imports it)",
     "runtime/ring.py": "types only: the ring feeds the hashers proof.running_sha256 makes",
+}
+
+BUILD_HASHING = "hashing.py"
+SPAN_HASHERS = {"sha256_file", "sha256_range"}  # packer.hashing's functions that hash a file or a span
+STREAM_HASHERS = {  # build-side modules that feed a running sha256 themselves, and what they hash
+    "hashing.py": "sha256_chunked: a chunk table written, the span's and each chunk's sha256 from one read",
+    "bundle/tar.py": "a bundle member as it is copied into the archive being written",
+    "oci/layer.py": "a layer blob (and its diff_id) as it is written",
+    "oci/verify.py": "an image's blobs and their tar members as the image walk parses them",
+    "oci/warm_layer.py": "the tar stream of a warm layer as it is composed (its digest before it is written)",
+    "warm/pins.py": "a warm state's pinned file as one read copies it and checks its pin",
 }
 
 
@@ -121,6 +135,36 @@ def test_one_prover_and_one_span_hasher() -> None:
             wrong.append(f"packer/{rel} imports hashlib: hash a span with proof.hash_span")
     assert not wrong, "\n".join(wrong)
     assert all((PACKAGE / rel).is_file() for rel in HASHERS), "a listed hasher is gone: drop it from HASHERS"
+
+
+def _running_hashers(tree: ast.Module) -> list[int]:
+    """Lines making a running sha256 (``hashlib.sha256()`` with nothing to hash yet): bytes fed in a loop."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and not node.args
+            and isinstance(node.func, ast.Attribute) and node.func.attr == "sha256"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "hashlib"]
+
+
+def _calls(fn: ast.FunctionDef) -> set[str]:
+    return {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in ast.walk(fn)
+            if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+
+
+def test_the_build_side_hashes_a_span_through_the_one_helper() -> None:
+    modules = _modules()
+    wrong, used = [], set()
+    for rel, tree in modules.items():
+        if rel.startswith("runtime/") or not _running_hashers(tree):
+            continue
+        if rel in STREAM_HASHERS:
+            used.add(rel)
+        else:
+            wrong.append(f"packer/{rel}:{_running_hashers(tree)[0]}: feeds a sha256 itself: hash a file or a span "
+                         "with packer.hashing (proof.hash_span), or list what it hashes in STREAM_HASHERS")
+    functions = {f.name: f for f in modules[BUILD_HASHING].body if isinstance(f, ast.FunctionDef)}
+    wrong += [f"packer/{BUILD_HASHING}: {name} does not hash through proof.hash_span" for name in sorted(SPAN_HASHERS)
+              if name not in functions or "hash_span" not in _calls(functions[name])]
+    assert not wrong, "\n".join(wrong)
+    assert used == set(STREAM_HASHERS), f"stale exceptions: {sorted(set(STREAM_HASHERS) - used)}"
 
 
 def test_the_prover_names_file_chunk_span_and_rank() -> None:

@@ -27,7 +27,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("packer/weights/writer.py", "os.open"): "re-reads the shard this writer just created with O_EXCL",
     ("packer/weights/verify.py", "safe_open"): "the safetensors library opens the path itself, after "
                                                "reading.check_regular refused anything but a regular file",
-    ("packer/util/fsutil.py", "open"): "link_or_copy's copy target, created exclusively ('xb'): a write",
+    ("packer/filetree.py", "open"): "link_or_copy's copy target, created exclusively ('xb'): a write",
 }
 
 _READ_FLAGS_ONLY_IF_ABSENT = {"O_WRONLY"}  # os.open without O_WRONLY (or with O_RDWR) reads

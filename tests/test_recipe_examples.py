@@ -23,10 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
 
 
 def test_hf_model_recipe_builds_a_single_file_gpt2_that_transformers_loads(tmp_path: Path) -> None:

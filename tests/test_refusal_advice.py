@@ -43,10 +43,7 @@ class Net(torch.nn.Module):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
 
 
 @pytest.fixture

@@ -53,10 +53,11 @@ class TinyModel(PreTrainedModel):
 '''
 
 
+pytestmark = pytest.mark.usefixtures("build_env")  # tests/conftest.py: no start-up log, a private bundle cache
+
+
 @pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PACKER_STARTUP_LOG", "off")
-    monkeypatch.setenv("PACKER_BUNDLE_CACHE", str(tmp_path / "cache"))
+def _modules_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
 
 

@@ -18,10 +18,10 @@ from packer.bundle.remote_code import remote_code
 from packer.bundle.tar import tar_size
 from packer.components import named_folders
 from packer.errors import BundleError, WeightsError
+from packer.reading import file_kind
 from packer.recipe import BundleConfig
 from packer.runtime import bundle_reader as reader
 from packer.util.formats import WEIGHT_SUFFIXES
-from packer.util.fsutil import file_kind
 from packer.util.idents import confined, link_roots
 
 TEXT_SUFFIXES = frozenset({".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".bpe", ".yaml", ".yml"})

@@ -17,7 +17,7 @@ from packer.checkpoint.records import (
 )
 from packer.errors import CheckpointError
 from packer.reading import JSON_DOC, parse_json
-from packer.util.safetensors_header import read_header
+from packer.safetensors_header import read_header
 
 _COMPLEX = {"C128", "C32"}
 

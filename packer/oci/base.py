@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
+from packer.filetree import link_or_copy
 from packer.oci.base_docs import CONFIG, INDEX, MANIFEST, blob_file, read_doc, read_index
-from packer.util.fsutil import link_or_copy
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

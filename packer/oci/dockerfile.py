@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from packer.filetree import link_or_copy
 from packer.oci import dockerfile_syntax as df
 from packer.oci.layer import Layer
 from packer.oci.plan import ImagePlan, PlannedLayer
 from packer.oci.runconfig import run_config
 from packer.recipe import ImageConfig
-from packer.util.fsutil import atomic_write_bytes, canonical_json, link_or_copy
+from packer.util.fsutil import atomic_write_bytes, canonical_json
 from packer.util.show import shell_word
 
 LAYERS_DIR = "image/layers"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError
+from packer.hashing import file_entry
 from packer.oci.base import REF_NAME, BaseImage, link_blobs, resolve_base
 from packer.oci.dockerfile import (
     LAYERS_DIR,
@@ -32,7 +33,7 @@ from packer.recipe import ImageConfig
 from packer.stage import Progress, StageOutput
 from packer.util import tarfmt
 from packer.util.formats import LOADER_NAME, MANIFEST_NAME
-from packer.util.fsutil import FileEntry, file_entry
+from packer.util.fsutil import FileEntry
 
 
 def source_date_epoch() -> int:

@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from packer.errors import WeightsError
+from packer.hashing import sha256_chunked, sha256_range
 from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular, walk_tree
 from packer.util.formats import SAFETENSORS_SUFFIX, UNNAMED_BLOBS
-from packer.util.fsutil import FileEntry, Identity, identity, sha256_chunked, sha256_range
+from packer.util.fsutil import FileEntry, Identity, identity
 from packer.util.idents import check_rel_name, shown
 
 

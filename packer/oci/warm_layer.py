@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import ImageError, VerifyError, WarmStateError
+from packer.hashing import sha256_file
 from packer.oci.base import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, REF_NAME
 from packer.oci.base_docs import CONFIG, INDEX, MANIFEST
 from packer.oci.layer import MEDIA_TYPES, write_layer
@@ -32,7 +33,7 @@ from packer.oci.tar_writer import FileRange, Owner, SourceFile, tar_members, tar
 from packer.place import BLOBS
 from packer.reading import OCI_DOC, blob_path, check_regular, open_regular, read_bytes, read_json
 from packer.runtime.signature import SIGSTORE_BUNDLE_V03
-from packer.util.fsutil import atomic_write_bytes, canonical_json, sha256_file
+from packer.util.fsutil import atomic_write_bytes, canonical_json
 from packer.util.idents import ErrorClass, digest_parts
 from packer.warm.pins import FILES, WARM_DIR, check_state, load_state
 from packer.warm.pins import MANIFEST as STATE_MANIFEST

@@ -3,7 +3,8 @@
 Every reader proves what it uses here, whoever serves the bytes: the loader's local reads
 (:class:`SpanCheck`, whole files with :func:`check_sha256`), the registry's reads
 (:class:`~.remote.RemoteFile`), the tensor-parallel ranks (:mod:`.tp`), the tensors proven on use
-(:mod:`.proven`) and ``packer verify`` (:mod:`packer.chunks`). :func:`prove_chunk` is the one
+(:mod:`.proven`), ``packer verify`` (:mod:`packer.chunks`) and the build side's hashing of a file
+or a span (:mod:`packer.hashing`). :func:`prove_chunk` is the one
 check of a chunk against the build's chunk table and its one message (file, chunk, span, rank);
 :func:`hash_span` the one way a span of any source (an open file, a registry blob, bytes in
 memory) is hashed. ``tests/test_one_view.py`` fails on a second of either.
@@ -26,7 +27,7 @@ Source = int | PositionalSource | bytes | bytearray | memoryview
 
 
 def hash_span(src: Source | None, at: int, n: int, where: str, *,
-              known: tuple[int, memoryview | bytes | bytearray] | None = None) -> str:
+              known: tuple[int, memoryview | bytes | bytearray] | None = None, buffer: int = HASH_BUFFER) -> str:
     """sha256 (hex) of the ``n`` bytes at offset ``at`` of ``src``.
 
     Args:
@@ -37,19 +38,21 @@ def hash_span(src: Source | None, at: int, n: int, where: str, *,
         where: the source's name in messages.
         known: ``(offset in the span, bytes)`` already in hand (what a reader read and uses):
             they are hashed as they are, only the rest of the span is read.
+        buffer: the largest read of ``src`` (the build side hashes in reads of 1 MiB, which stay
+            in a core's cache between the copy and the hash).
 
     Raises:
         ArtifactMismatchError: the source ends inside the span; what a source raises.
     """
     k, have = known if known is not None else (n, b"")
     h = hashlib.sha256()
-    _feed(h, src, at, 0, k, where)
+    _feed(h, src, at, 0, k, where, buffer)
     h.update(have)  # hashlib releases the GIL on large buffers
-    _feed(h, src, at, k + len(have), n, where)
+    _feed(h, src, at, k + len(have), n, where, buffer)
     return h.hexdigest()
 
 
-def _feed(h: hashlib._Hash, src: Source | None, at: int, lo: int, hi: int, where: str) -> None:
+def _feed(h: hashlib._Hash, src: Source | None, at: int, lo: int, hi: int, where: str, buffer: int) -> None:
     """Hash bytes ``[lo, hi)`` of the span at ``at`` of ``src`` into ``h``."""
     if hi <= lo:
         return
@@ -58,7 +61,7 @@ def _feed(h: hashlib._Hash, src: Source | None, at: int, lo: int, hi: int, where
         return
     if src is None:
         raise ValueError(f"{where}: bytes [{lo}, {hi}) of the span are neither known nor readable")
-    buf = memoryview(bytearray(min(HASH_BUFFER, hi - lo)))
+    buf = memoryview(bytearray(min(buffer, hi - lo)))
     while lo < hi:
         piece = buf[: min(len(buf), hi - lo)]
         read_at(src, piece, at + lo, where)

@@ -51,6 +51,8 @@ class BuildView:
     Args:
         manifest: the build's manifest (the loader's embedded one, or the one the build ships).
         root: the directory of its small files (OUT, a model directory, a streamed directory).
+        named: the manifest as a refusal of one of its entries names it (its path, for a
+            reader that opened the build's own ``manifest.json``).
 
     Class attributes a kind of source sets:
         proves_reads: its weight sources prove every chunk they serve (nothing to hash after).
@@ -60,9 +62,10 @@ class BuildView:
     proves_reads = False
     min_readers = 0
 
-    def __init__(self, manifest: dict[str, Any], root: str | Path) -> None:
+    def __init__(self, manifest: dict[str, Any], root: str | Path, *, named: str = "the manifest") -> None:
         self.manifest = manifest
         self.root = Path(root)
+        self.named = named
         self._places: dict[str, FilePlace] = {}  # files entries read so far (:meth:`place`)
         self._chunks: dict[str, FileChunks] | None = None  # the chunk table, read once
 
@@ -127,7 +130,7 @@ class BuildView:
         if rel not in self.manifest["files"]:
             return None
         if rel not in self._places:  # each entry read once
-            self._places[rel] = place_of(rel, self.manifest["files"][rel], "the manifest")
+            self._places[rel] = place_of(rel, self.manifest["files"][rel], self.named)
         return self._places[rel]
 
     def path(self, rel: str) -> Path:

@@ -33,10 +33,12 @@ class LocalView(BuildView):
         manifest: the build's manifest.
         root: the artifact root (OUT or a model directory).
         weights_dir: the directory that holds the ``model*.safetensors`` files (mounted weights).
+        named: the manifest as refusals name it (:class:`~.view.BuildView`).
     """
 
-    def __init__(self, manifest: dict[str, Any], root: str | Path, weights_dir: str | Path | None = None) -> None:
-        super().__init__(manifest, root)
+    def __init__(self, manifest: dict[str, Any], root: str | Path, weights_dir: str | Path | None = None, *,
+                 named: str = "the manifest") -> None:
+        super().__init__(manifest, root, named=named)
         self.weights_dir = Path(weights_dir) if weights_dir else None
 
     def locate(self, rel: str) -> tuple[Path, int]:

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import StubError
+from packer.hashing import file_entry
 from packer.stage import StageOutput
 from packer.util.formats import LOADER_NAME
-from packer.util.fsutil import atomic_write_bytes, canonical_json, file_entry
+from packer.util.fsutil import atomic_write_bytes, canonical_json
 
 RUNTIME = Path(__file__).parent.parent / "runtime"  # the package shipped as the loader's runtime
 RUNTIME_DIR = "packer_runtime"  # its directory in OUT and the image: not `packer`, never shadowed

@@ -1,4 +1,10 @@
-"""Small file-system helpers every stage shares: atomic writes, hashing, canonical JSON."""
+"""Small file-system helpers every stage shares: atomic writes, canonical JSON, a file's record.
+
+Nothing here opens an input (that is :mod:`packer.reading`'s, and the helpers that read files,
+:mod:`packer.hashing` and :mod:`packer.filetree`, sit above it), so ``packer/util`` stays a
+leaf: :class:`FileEntry` reads its place by the runtime's one rule (:mod:`packer.runtime.place`),
+which is below everything.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +14,14 @@ import hashlib
 import json
 import os
 import queue
-import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from packer.errors import PackerError
-from packer.place import FilePlace, parse_place
-from packer.reading import check_regular as check_regular  # moved to packer.reading; kept for callers
-from packer.reading import file_kind as file_kind
-from packer.reading import not_regular as not_regular
-from packer.reading import open_regular, walk_tree
-from packer.util.idents import ErrorClass
-
-CHUNK = 8 * 2**20
-# a hash read's buffer: small enough to stay in the core's own cache between the copy from the
-# page cache and the hash (1 GB here: 0.72-0.76 s against 0.78-0.80 s with 8 MiB reads and
-# 0.83-1.0 s over an mmap, whose page faults cost more than the copy: benchmarks/RESULTS.md)
-HASH_READ = 2**20
+from packer.runtime.place import FilePlace, parse_place
 
 
 @dataclass(frozen=True)
@@ -50,7 +42,7 @@ class FileEntry:
 
     def place(self) -> FilePlace:
         """Where the file's bytes are, made by the rule its readers read the manifest with
-        (:func:`packer.place.parse_place`).
+        (:func:`packer.runtime.place.parse_place`).
 
         Raises:
             PlaceError: (a ValueError) a place no reader would take: a bug in the build.
@@ -77,119 +69,6 @@ def split_artifact(manifest: dict[str, Any]) -> bytes:
     """The canonical artifact-manifest bytes contained in a final manifest: what the image ships
     as ``<prefix>/manifest.json`` (the same bytes for the image's own artifact manifest)."""
     return canonical_json({k: v for k, v in manifest.items() if k not in IMAGE_KEYS})
-
-
-def sha256_file(path: str | Path, stop: threading.Event | None = None) -> tuple[int, str]:
-    """Return ``(size, sha256 hex)`` of a file, read in large chunks.
-
-    Raises:
-        PackerError: not a regular file; OSError: unreadable; InterruptedError: ``stop`` was set
-            before the end.
-    """
-    h = hashlib.sha256()
-    size = 0
-    with open_regular(path) as f:  # a FIFO is refused, never waited on
-        buf = bytearray(HASH_READ)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            if stop is not None and stop.is_set():
-                raise InterruptedError(f"{path}: hashing stopped")
-            h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
-
-
-def sha256_range(fd: int, start: int, end: int) -> str:
-    """sha256 (hex) of bytes ``start:end`` of the open file ``fd``, read with ``pread`` into a
-    buffer of this call's own, so that threads hash ranges of one descriptor side by side.
-
-    Raises:
-        ValueError: not ``0 <= start <= end``; EOFError: the file ends before ``end``;
-        OSError: unreadable.
-    """
-    if not 0 <= start <= end:
-        raise ValueError(f"sha256_range: not a range of bytes: {start}:{end}")
-    h = hashlib.sha256()
-    view = memoryview(bytearray(min(HASH_READ, end - start)))
-    at = start
-    while at < end:
-        n = os.preadv(fd, [view[:min(len(view), end - at)]], at)
-        if n <= 0:
-            raise EOFError(f"the file ends at byte {at}, before byte {end}")
-        h.update(view[:n])
-        at += n
-    return h.hexdigest()
-
-
-class _Chunks:
-    """sha256 of each ``chunk``-byte piece of a range fed in order from ``start``."""
-
-    def __init__(self, start: int, chunk: int) -> None:
-        self.start, self.chunk, self.piece = start, chunk, hashlib.sha256()
-        self.done: list[str] = []
-
-    def feed(self, view: memoryview, at: int) -> None:
-        pos = 0
-        while pos < len(view):  # a chunk's end may fall inside the buffer (a chunk under its size)
-            take = min(len(view) - pos, self.chunk - (at + pos - self.start) % self.chunk)
-            self.piece.update(view[pos:pos + take])
-            pos += take
-            if (at + pos - self.start) % self.chunk == 0:
-                self.done.append(self.piece.hexdigest())
-                self.piece = hashlib.sha256()
-
-    def close(self, end: int) -> tuple[str, ...]:
-        if (end - self.start) % self.chunk:
-            self.done.append(self.piece.hexdigest())
-        return tuple(self.done)
-
-
-def sha256_chunked(fd: int, start: int, end: int, chunk: int) -> tuple[str, tuple[str, ...]]:
-    """sha256 (hex) of bytes ``start:end`` of ``fd`` and of each ``chunk``-byte piece of them, from
-    one read (``pread`` into buffers of this call's own, as :func:`sha256_range`).
-
-    The chunks are hashed on a helper thread from the buffer just read while this one reads the
-    next and hashes it whole (hashlib releases the GIL): two buffers, each reused only once the
-    helper is done with it. Where cores are free the chunks cost no wall time.
-
-    Returns:
-        ``(whole, chunks)``: the range's sha256 and each chunk's, the last chunk shorter.
-
-    Raises:
-        ValueError: not ``0 <= start <= end`` or ``chunk < 1``; EOFError: the file ends
-            before ``end``; OSError: unreadable.
-    """
-    if not 0 <= start <= end or chunk < 1:
-        raise ValueError(f"sha256_chunked: not a range of bytes in chunks: {start}:{end} by {chunk}")
-    whole, pieces = hashlib.sha256(), _Chunks(start, chunk)
-    bufs = [memoryview(bytearray(min(HASH_READ, end - start))) for _ in range(2)]
-    with ThreadPoolExecutor(1, thread_name_prefix="packer-chunks") as helper:
-        pending: Future[None] | None = None
-        at, turn = start, 0
-        while at < end:
-            view = bufs[turn]
-            n = os.preadv(fd, [view[:min(len(view), end - at)]], at)
-            if n <= 0:
-                raise EOFError(f"the file ends at byte {at}, before byte {end}")
-            whole.update(view[:n])
-            if pending is not None:
-                pending.result()  # the other buffer is free again
-            pending = helper.submit(pieces.feed, view[:n], at)
-            at, turn = at + n, 1 - turn
-        if pending is not None:
-            pending.result()
-    return whole.hexdigest(), pieces.close(end)
-
-
-def sha256_file_or_none(path: str | Path, stop: threading.Event) -> tuple[int, str] | None:
-    """:func:`sha256_file` for work done ahead of need: None when unreadable or stopped.
-
-    The caller hashes again (or reports the problem) when it needs the digest.
-    """
-    try:
-        return sha256_file(path, stop)
-    except OSError:
-        return None
 
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -240,12 +119,6 @@ class HashThread(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.sha.hexdigest()
-
-
-def file_entry(root: Path, path: Path) -> FileEntry:
-    """Hash ``path`` and describe it relative to ``root``."""
-    size, digest = sha256_file(path)
-    return FileEntry(path.relative_to(root).as_posix(), size, digest)
 
 
 def umask() -> int:
@@ -348,40 +221,6 @@ def quiet_cleanup(error: BaseException, *steps: Callable[[], object]) -> None:
             pass
         except Exception as e:  # noqa: BLE001 - reported on the error that matters
             error.add_note(f"cleanup also failed: {type(e).__name__}: {e}")
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Make ``dst`` a hard link to ``src`` (a copy on another file system), atomically.
-
-    The link or copy is made under a temporary name beside ``dst`` and renamed over it, so a
-    reader never sees a partial ``dst``.
-    """
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    try:
-        os.link(src, tmp)
-    except OSError:  # another file system, or links not allowed: copy instead
-        with open_regular(src) as f, open(tmp, "xb") as out:
-            shutil.copyfileobj(f, out, CHUNK)
-    os.replace(tmp, dst)
-
-
-def disk_usage(root: Path, error: ErrorClass = PackerError) -> int:
-    """Bytes ``root`` takes on disk, as ``du`` counts them: allocated blocks (sparse holes are free),
-    each hard-linked file once, symlinks as links (never followed).
-
-    Raises:
-        error: the tree is deeper than the walk's cap or cannot be listed (:func:`walk_tree`).
-    """
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for _rel, path, _mode in walk_tree(root, error=error):
-        st = os.lstat(path)
-        if (st.st_dev, st.st_ino) not in seen:
-            seen.add((st.st_dev, st.st_ino))
-            total += st.st_blocks * 512
-    return total + os.lstat(root).st_blocks * 512
 
 
 def remove_tree(root: str | Path, *, ignore_errors: bool = False) -> None:

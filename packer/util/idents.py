@@ -7,8 +7,9 @@ input is resolved (links followed) and proven to lie inside the directories it m
 before anything is opened or written. Inside a Hugging Face cache snapshot those are the
 snapshot itself and its own repository's ``blobs/``: the only place the cache's links lead.
 
-The functions raise the caller's :class:`~packer.errors.PackerError` subclass, so a stage
-keeps its own error class (and the sandbox its class-by-name transport).
+The functions raise the caller's error class (a :class:`~packer.errors.PackerError` subclass,
+passed as ``error=``), so a stage keeps its own class (and the sandbox its class-by-name
+transport); this module names none of them: ``packer/util`` imports nothing of packer above it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import re
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from packer.errors import PackerError
-
 # algorithm -> hex digits of its digest (the OCI image spec's registered algorithms)
 DIGEST_HEX = {"sha256": 64, "sha512": 128}
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
@@ -27,7 +26,7 @@ MAX_REF_NAME = 255
 # git check-ref-format: no control characters, space, ~ ^ : ? * [ \ anywhere
 _REF_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 _NAME_BAD_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
-ErrorClass = type[PackerError]
+ErrorClass = type[Exception]  # the caller's error class; raised with one message
 
 
 def shown(value: object, limit: int = 80) -> str:

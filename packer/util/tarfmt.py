@@ -12,16 +12,14 @@ from __future__ import annotations
 import os
 import tarfile
 
-from packer.errors import PackerError
-
 BLOCK = 512
 FILE_MODE = 0o644
 EXEC_MODE = 0o755
 DIR_MODE = 0o755
 
 
-def source_date_epoch(error: type[PackerError] = PackerError) -> int:
-    """``SOURCE_DATE_EPOCH`` as an int, 0 when unset; ``error`` when it is not one."""
+def source_date_epoch(error: type[Exception]) -> int:
+    """``SOURCE_DATE_EPOCH`` as an int, 0 when unset; the caller's ``error`` class when it is not one."""
     raw = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
     if not raw:
         return 0

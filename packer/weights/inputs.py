@@ -27,9 +27,8 @@ from pathlib import Path
 
 from packer.checkpoint.dcp_meta import metadata_of
 from packer.errors import WeightsError
-from packer.reading import JSON_DOC, read_json
+from packer.reading import JSON_DOC, not_regular, read_json
 from packer.util.formats import WEIGHT_PATTERNS, foreign_advice, variant_of
-from packer.util.fsutil import not_regular
 from packer.util.idents import check_rel_name, confined, link_roots
 from packer.util.jsonshape import STR, MapOf, Obj
 

@@ -17,7 +17,7 @@ from typing import Any
 from packer.errors import VerifyError, missing_dependency
 from packer.place import FilePlace
 from packer.reading import JSON_DOC, check_regular, map_readonly, open_regular, parse_json, read_json
-from packer.util.safetensors_header import MAX_HEADER_BYTES, read_header_file
+from packer.safetensors_header import MAX_HEADER_BYTES, read_header_file
 from packer.weights.plan import ALIASES_KEY, ShardPlan, WeightsPlan
 from packer.weights.writer import CHUNK, Sources, pieced_chunks, tensor_chunks
 
