@@ -619,7 +619,9 @@ def warm_line(summary: dict[str, Any]) -> str:
 @main.command()
 @click.argument("out", type=InputPath(file_okay=False))
 @click.argument("ref")
-@click.option("--tls-verify/--no-tls-verify", default=True, show_default=True)
+@click.option("--tls-verify/--no-tls-verify", default=True, show_default=True,
+              help="Check the registry's TLS certificate; --no-tls-verify also allows plain HTTP "
+                   "(a local test registry).")
 @_common
 def push(ctx: Ctx, out: Path, ref: str, tls_verify: bool) -> None:
     """Verify OUT, then push its image to a registry REF (through skopeo).

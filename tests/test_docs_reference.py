@@ -133,3 +133,15 @@ def test_environment_page_documents_every_variable_the_code_reads() -> None:
 def test_environment_page_documents_no_variable_nothing_reads() -> None:
     documented = {n for n in _first_column((REF / "environment.md").read_text()) if n.startswith("PACKER_")}
     assert documented - _code_env_names() - _dev_env_names() == set()
+
+
+def test_the_readmes_python_functions_are_the_public_surface() -> None:
+    """Every ``packer.NAME`` the README's Python paragraph names is in ``packer.__all__``, and every
+    command it calls a function is one (the paragraph's claim, checked against the code)."""
+    import packer
+
+    text = (ROOT / "README.md").read_text()
+    paragraph = text[text.index("From Python"):text.index("until one is used")]
+    named = set(re.findall(r"`packer\.([A-Za-z_]+)", paragraph)) - {"__all__"}
+    assert named and named <= set(packer.__all__), named - set(packer.__all__)
+    assert all(callable(getattr(packer, n)) for n in named)

@@ -183,6 +183,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "the sandboxed writer's reply names where it left an unnamed blob (image/unnamed/<path>); "
         "packer.oci.reread._checked_place checks it, and the build then names the blob by place.blob_rel",
     ("packer/weights/sandbox.py", '.get("offset")'): "the same reply's offset, checked by the same function",
+    ("packer/checkpoint/dcp_meta.py", '.get("offset")'):
+        "torch.distributed.checkpoint's own metadata (a tensor chunk's offset in its .distcp file, a chunk's "
+        "index offset), no files entry of a build; checked there as ints >= 0 and against the file's size",
 }
 
 

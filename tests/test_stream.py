@@ -33,7 +33,7 @@ from packer.oci.push import push
 from packer.runtime.chunks import FileChunks
 from packer.runtime.place import FilePlace
 from packer.runtime.registry import RegistryError, parse_ref
-from packer.runtime.remote import REQUEST, RemoteFile
+from packer.runtime.remote import REQUEST, RemoteFile, RemoteImage
 from tests.built import build_dir
 from tests.hf_fixtures import llama
 from tests.registry_fixtures import LoopbackCA, Proxy, TokenServer, blob_file, docker_registry, htpasswd_line
@@ -194,6 +194,20 @@ def test_what_is_no_pinned_reference_is_refused(text: str) -> None:
     with pytest.raises(RegistryError) as e:
         parse_ref(text)
     assert "\n" not in str(e.value)
+
+
+def test_an_upper_case_repository_is_told_to_be_lower_case() -> None:
+    with pytest.raises(RegistryError) as e:
+        parse_ref("oci://Registry.example.com:5000/Team/Model:V1")
+    assert "write the repository (and a digest's hex) in lower case" in str(e.value)
+    assert parse_ref("oci://Registry.example.com:5000/team/model:V1").tag == "V1"  # host and tag may
+
+
+def test_a_missing_tag_is_named_as_a_tag(pushed: Pushed, monkeypatch: pytest.MonkeyPatch) -> None:
+    insecure(monkeypatch, pushed.address)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(f"oci://{pushed.address}/models/plain:no-such-tag")
+    assert "has no tag no-such-tag (check the tag `packer push` was given" in str(e.value)
 
 
 def test_the_runtime_and_push_share_one_reference_grammar() -> None:

@@ -97,8 +97,10 @@ def parse_ref(text: str) -> OciRef:
     m = REF.fullmatch(body)
     shown = repr(text)[:100]
     if m is None:
+        case = ("; write the repository (and a digest's hex) in lower case, as OCI distribution names them: "
+                "only the host and the tag may hold capitals" if REF.fullmatch(body.lower()) else "")
         raise RegistryError(f"{shown} is not a registry reference; expected "
-                            "oci://HOST[:PORT]/REPO@sha256:<64 hex> (or :TAG, resolved once)")
+                            f"oci://HOST[:PORT]/REPO@sha256:<64 hex> (or :TAG, resolved once){case}")
     digest = m.group("digest")
     if digest is not None and not _SHA256.fullmatch(digest):
         raise RegistryError(f"{shown}: only sha256 digests (64 lowercase hex digits) are taken")
@@ -293,6 +295,9 @@ class Registry:
                                 f"{_why(body)}{self._advice(resp.status)}")
 
     def _advice(self, status: int, elsewhere: str = "") -> str:
+        if status == 404 and self.ref.digest is None:
+            return (f"; {self.ref.repo} on {self.ref.host} has no tag {self.ref.tag} (check the tag `packer push` "
+                    "was given, or stream the digest it printed)")
         if status == 404:
             return (f"; {self.ref.repo} on {self.ref.host} has no such image (the digest to stream is the "
                     "first one `packer push` prints)")
