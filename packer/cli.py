@@ -443,14 +443,22 @@ def inspect(ctx: Ctx, file: Path, allow_globals: tuple[str, ...]) -> None:
         n = len(report["tensors"])
         where = f" (held in {held[0]} at offset {held[1]})" if held else ""
         ctx.log(f"{file}{where}: {report['format']}, {n} tensor{'' if n == 1 else 's'}")
+        if "hint" in report:  # a Lightning checkpoint: the recipe first, its training state in one line each
+            ctx.log(f"  {report['hint']}")
+        state = tuple(f"{k}." for k in report.get("training_state", ()))
+        for k in state:
+            c = sum(t["name"].startswith(k) for t in report["tensors"])
+            ctx.log(f"  (training state) {k[:-1]}: {c} tensor{'' if c == 1 else 's'}, not model weights")
         for t in report["tensors"]:
+            if state and t["name"].startswith(state):
+                continue
             alias = f"  alias group {t['alias_group']}" if t.get("alias_group") is not None else ""
             attrs = t.get("dropped_attributes")
             dropped = f"  attributes dropped: {', '.join(attrs)}" if attrs else ""
             ctx.log(f"  {t['name']}  {t['dtype']}  {list(t['shape'])}  {t['nbytes']} B{alias}{dropped}")
         placeholders = {p["name"] for p in report.get("placeholders", [])}
-        for name in report.get("skipped", []):
-            if name not in placeholders:  # a placeholder is listed once, as one, below
+        for name in report.get("skipped", []):  # a placeholder is listed once, as one, below
+            if name not in placeholders and not (state and name.startswith(state)):
                 ctx.log(f"  (not a tensor) {name}")
         for p in report.get("placeholders", []):
             ctx.log(f"  (placeholder) {p['name']}  {p['type']}")

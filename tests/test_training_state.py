@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer.checkpoint.training import training_state
+from packer.checkpoint.training import further_model, training_state
 from tests.built import build_dir
 
 
@@ -42,6 +42,11 @@ def test_names() -> None:
         assert training_state(name), name
     for name in ("pytorch_model.bin", "model.safetensors", "model_1.safetensors", "last.ckpt", "optimizer.json"):
         assert training_state(name) is None, name
+    for name in ("model_1.safetensors", "model_12.safetensors", "pytorch_model_1.bin"):
+        assert further_model(name), name
+    for name in ("model.safetensors", "model_0.safetensors", "model.fp16.safetensors",
+                 "model-00001-of-00002.safetensors"):
+        assert further_model(name) is None, name
 
 
 @pytest.mark.slow
@@ -99,6 +104,38 @@ def test_accelerate_save_state(tmp_path: Path) -> None:
     assert all(got[k].equal(v) for k, v in model.state_dict().items())
     one_line_refusal(tmp_path / "state" / "optimizer.bin", tmp_path, "optimizer state")
     one_line_refusal(tmp_path / "state" / "random_states_0.pkl", tmp_path, "random-number generator state")
+
+
+@pytest.mark.slow
+def test_accelerate_second_model_is_a_further_model_not_a_variant(tmp_path: Path) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from safetensors.torch import load
+
+    from tests.built import weight_bytes
+
+    acc = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    opts = [torch.optim.AdamW(m.parameters()) for m in (first, second)]
+    first, second, *opts = acc.prepare(first, second, *opts)
+    second(first(torch.randn(2, 4))).sum().backward()
+    for opt in opts:
+        opt.step()
+    acc.save_state(str(tmp_path / "state"))
+    assert (tmp_path / "state" / "model_1.safetensors").is_file()
+    result = build_dir(tmp_path / "state", tmp_path / "out")
+    notes = "\n".join(result.notes)
+    assert "components: model (., transformers)" in notes and notes.count("variant") == notes.count("not a variant")
+    assert "carried under their own names" not in notes, notes
+    assert ("left out: model_1.safetensors: a further model (accelerate's save_state names the models it prepared "
+            "model, model_1, model_2...), not a variant of the first: build it on its own with weights.files = "
+            '["model_1.safetensors"]') in notes, notes
+    got = load(weight_bytes(tmp_path / "out"))
+    assert sorted(got) == ["bias", "weight"] and all(got[k].equal(v) for k, v in first.state_dict().items())
+    # the note's recipe builds the other
+    build_dir(tmp_path / "state", tmp_path / "out1", weights={"files": ["model_1.safetensors"]})
+    got = load(weight_bytes(tmp_path / "out1"))
+    assert all(got[k].equal(v) for k, v in second.state_dict().items())
 
 
 def test_ema_counter_left_out_by_name_and_strict_load(tmp_path: Path) -> None:

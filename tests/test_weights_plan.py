@@ -102,6 +102,9 @@ def test_names_prefixes_renames() -> None:
                         renames=(Rename(r"^gamma$", "weight"), Rename(r"\.gamma$", ".weight")))
     assert map_name("_orig_mod.module.ln.gamma", cfg) == "ln.weight"
     assert map_name("module.", cfg) == "module."  # never strip a whole name to nothing
+    # each prefix once: a Lightning module's model. around a model whose names start with model.
+    assert map_name("model.model.norm.weight", WeightsConfig(strip_prefixes=("model.",))) == "model.norm.weight"
+    assert map_name("module.module.w", WeightsConfig(strip_prefixes=("module.", "module."))) == "w"
     plan = plan_weights([contents(rec("module.a.gamma", (1,)))], cfg)
     assert list(plan.tensors) == ["a.weight"]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from packer.checkpoint.allowlist import TORCH_DTYPES
 from packer.checkpoint.dcp import describe_dcp
 from packer.checkpoint.dcp_meta import metadata_of
+from packer.checkpoint.lightning import lightning_recipe
 from packer.checkpoint.placeholders import find_placeholders
 from packer.checkpoint.reader import _open, make_record, walk
 from packer.checkpoint.records import CheckpointContents, TensorRecord
@@ -53,7 +54,9 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
     Returns:
         ``{"path", "format", "tensors": [{name, dtype, shape, nbytes, alias_group}],
         "alias_groups": [[names]], "skipped": [names], "containers": [{name, tensors}],
-        "metadata": {...}, "placeholders": [{name, type}]}``; alias groups are exact
+        "metadata": {...}, "placeholders": [{name, type}]}``, and for a Lightning checkpoint
+        ``"hint"`` (the recipe in one sentence), ``"flags"`` (convert's) and ``"training_state"``
+        (the top-level entries holding training state, not weights); alias groups are exact
         aliases (same storage, storage offset, shape, stride and dtype); a tensor whose
         Python attributes would be dropped lists them as ``dropped_attributes``.
 
@@ -70,6 +73,7 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
     unsupported: list[str] = []
     dropped: dict[str, object] = {}
     placeholders: list[tuple[str, str]] = []
+    hint: dict[str, object] = {}
     if isinstance(loaded, CheckpointContents):
         rows = [(r, r.name, r.dtype, r.shape, r.nbytes) for r in loaded.tensors]
         leaves: list[str] = []
@@ -77,6 +81,8 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
         metadata = dict(loaded.metadata)
     else:
         refs, leaves, containers = walk(loaded, path)
+        if (recipe := lightning_recipe(loaded)) is not None:
+            hint = {"hint": recipe.describe(), "flags": recipe.flags(), "training_state": list(recipe.training)}
         placeholders = find_placeholders(loaded, where=path)
         metadata = {}
         for name, ref in refs:
@@ -107,4 +113,5 @@ def inspect_checkpoint(path: Path, *, allow_globals: Sequence[str] = (),
         "containers": [{"name": n, "tensors": c} for n, c in containers],
         "metadata": metadata,
         "placeholders": [{"name": n, "type": k} for n, k in placeholders],
+        **hint,
     }

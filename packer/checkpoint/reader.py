@@ -17,6 +17,7 @@ from packer.checkpoint.dcp import read_dcp
 from packer.checkpoint.dcp_meta import metadata_of
 from packer.checkpoint.guidance import module_refusal
 from packer.checkpoint.legacy import load_legacy
+from packer.checkpoint.lightning import lightning_recipe
 from packer.checkpoint.pickle_vm import policy_for
 from packer.checkpoint.placeholders import find_placeholders, type_name
 from packer.checkpoint.records import CheckpointContents, TensorRecord, listing
@@ -137,6 +138,8 @@ def select(path: Path, root: object, key: str | None) -> tuple[tuple[TensorRecor
     counts = tensor_counts(node)
     nested = [(n, counts.get(id(v), 0)) for n, v in kids if isinstance(v, dict | list | tuple)]
     nested = [(n, c) for n, c in nested if c]
+    if nested and key is None and (recipe := lightning_recipe(root)) is not None:
+        raise CheckpointError(f"{path}: {recipe.describe()}")  # the recipe, not a choice of optimizer keys
     if nested:
         raise _choose_key_error(path, key, nested)
     records, skipped, seen = [], [], set()

@@ -37,3 +37,24 @@ def refusal(path: str, name: str) -> str | None:
         return None
     return (f"{path}: {what}: training state, which holds no model weights and builds nothing (the "
             "model's weights lie beside it: model.safetensors or pytorch_model.bin)")
+
+
+# accelerate's save_state writes the first prepared model as model.safetensors (pytorch_model.bin
+# unsafe) and the Nth after it as model_N.safetensors: a model of its own, not a variant of the first
+_FURTHER = re.compile(r"(model|pytorch_model)_([1-9]\d*)\.(safetensors|bin)")
+
+
+def further_model(name: str) -> str | None:
+    """The note on a further model's file ``name`` (a base name) beside the first, or None.
+
+    ``model_1.safetensors`` is the second model an ``Accelerator`` prepared (a discriminator, a
+    teacher, an EMA copy): it is not loaded by ``from_pretrained`` and is no variant of
+    ``model.safetensors`` (those are ``model.<variant>.safetensors``), so a build of the folder is the
+    first model's, and this says how to build the other.
+    """
+    m = _FURTHER.fullmatch(name)
+    if m is None:
+        return None
+    return (f"a further model (accelerate's save_state names the models it prepared {m.group(1)}, "
+            f"{m.group(1)}_1, {m.group(1)}_2...), not a variant of the first: build it on its own with "
+            f"weights.files = [\"{name}\"] (packer convert FOLDER/{name} -o DIR)")

@@ -190,13 +190,20 @@ def check_expansion(kept: dict[str, TensorRecord], cfg: WeightsConfig) -> None:
 
 
 def map_name(name: str, cfg: WeightsConfig) -> str:
-    """Apply ``strip_prefixes`` (repeatedly) then ``renames`` in recipe order."""
+    """Strip each of ``strip_prefixes`` once (in any order), then apply ``renames`` in recipe order.
+
+    Once, not repeatedly: a Lightning module's ``model.`` wraps a model whose own names start with
+    ``model.`` (``model.model.embed_tokens.weight``), and only the outer one is the wrapper's.
+    A prefix listed twice is stripped twice (``module.module.``)."""
+    left = list(cfg.strip_prefixes)
     changed = True
     while changed:
         changed = False
-        for prefix in cfg.strip_prefixes:
+        for i, prefix in enumerate(left):
             if prefix and name.startswith(prefix) and len(name) > len(prefix):
                 name, changed = name[len(prefix):], True
+                del left[i]
+                break
     for rename in cfg.renames:
         name = re.sub(rename.pattern, rename.replace, name)
     return name

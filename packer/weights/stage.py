@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from packer.checkpoint.training import training_state
+from packer.checkpoint.training import further_model, training_state
 from packer.components import (
     STEMS,
     Component,
@@ -95,13 +95,14 @@ def siblings(layout: SourceLayout, src: Path, cfg: WeightsConfig) -> list[str]:
     """The safetensors files beside each component's weights that no component reads
     (``model.int8.safetensors`` beside ``model.safetensors``; the index of a sharded variant,
     ``model.safetensors.index.fp16.json``), as paths relative to ``src``: each is carried under its
-    own name, as a library may load it by default. Left out: those ``weights.leave_out`` names,
+    own name, as a library may load it by default. Left out: those ``weights.leave_out`` names, a
+    further model accelerate wrote (``model_1.safetensors``: named in a note of its own),
     shards no variant index names and hidden files; pickles beside safetensors stay out as before.
 
     Raises:
         WeightsError: a ``weights.leave_out`` name that is no such file; as :func:`find_inputs`.
     """
-    found, named = [], set(cfg.variants)
+    found, named, further = [], set(cfg.variants), set()
     for c in layout.components:
         folder = src / c.path
         if c.own_stem is not None or not folder.is_dir():
@@ -113,10 +114,12 @@ def siblings(layout: SourceLayout, src: Path, cfg: WeightsConfig) -> list[str]:
         for p in sorted([*folder.glob(f"*{SAFETENSORS_SUFFIX}"), *indexes]):
             rel = f"{c.path}/{p.name}" if c.path else p.name
             own = p.name == STEMS.get(c.library, "model") + SAFETENSORS_SUFFIX  # the model's own name, not chosen
-            if p.name not in used and rel not in named and not p.name.startswith(".") and not _SHARD.search(p.name) \
-                    and not own and p.is_file():
+            if further_model(p.name) is not None:  # accelerate's model_1: a model of its own, no variant
+                further.add(rel)  # left out anyway; naming it in weights.leave_out is no error
+            elif p.name not in used and rel not in named and not p.name.startswith(".") \
+                    and not _SHARD.search(p.name) and not own and p.is_file():
                 found.append(rel)
-    unknown = sorted(set(cfg.leave_out) - set(found))
+    unknown = sorted(set(cfg.leave_out) - set(found) - further)
     if unknown:
         raise WeightsError(f"weights.leave_out: {unknown[0]!r} is not a safetensors file beside a component's "
                            f"weights in {src} (those the build carries: {', '.join(found) or 'none'})")
@@ -171,7 +174,10 @@ def _with_left_out(src: Path, out: StageOutput) -> StageOutput:
     if state:
         notes.append(f"left out as training state (optimizer, scheduler, RNG and run state; not model weights): "
                      f"{', '.join(state[:8])}{f', ... ({len(state)} in all)' if len(state) > 8 else ''}")
-    ours = [m for m in missed if not foreign_weights(Path(m).name) and not training_state(Path(m).name)]
+    for m in [m for m in missed if further_model(Path(m).name)][:8]:
+        notes.append(f"left out: {m}: {further_model(Path(m).name)}")
+    ours = [m for m in missed if not foreign_weights(Path(m).name) and not training_state(Path(m).name)
+            and not further_model(Path(m).name)]
     if ours:
         shown = ", ".join(ours[:8]) + (f", ... ({len(ours)} in all)" if len(ours) > 8 else "")
         notes.append(f"checkpoints in the source that this build leaves out: {shown} (name them in "
