@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_training_state import packer, tiny_llama
+
 L = pytest.importorskip("lightning")
 
 RECIPE = """name = "m"
@@ -21,18 +23,6 @@ source = "{src}"
 {weights}"""
 # the how-to's recipe (docs/how-to/from-a-training-run.md, "Lightning .ckpt")
 WEIGHTS = '[weights]\nkey = "state_dict"\nstrip_prefixes = ["model."]\n'
-
-
-def packer(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "packer", *args], capture_output=True, text=True, check=False)
-
-
-def tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
 
 
 class Causal(L.LightningModule):  # type: ignore[misc, name-defined]
