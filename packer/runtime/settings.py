@@ -162,10 +162,10 @@ _REGISTRY_VARS = {"auth": "PACKER_REGISTRY_AUTH", "ca": "PACKER_REGISTRY_CA",
                   "insecure": "PACKER_REGISTRY_INSECURE", "timeout": "PACKER_REGISTRY_TIMEOUT",
                   "deadline": "PACKER_REGISTRY_DEADLINE", "max_requests": "PACKER_REGISTRY_MAX_REQUESTS",
                   "stream_whole": "PACKER_STREAM_WHOLE"}
-_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?", re.ASCII)  # no inf, nan, sign, exponent or "_"
-_COUNT = re.compile(r"[0-9]{1,12}", re.ASCII)
-_HOSTPORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?",
-                       re.ASCII)
+# patterns, compiled on first use (re's cache): a local load never parses these variables
+_SECONDS = r"[0-9]{1,9}(?:\.[0-9]{1,9})?"  # no inf, nan, sign, exponent or "_"
+_COUNT = r"[0-9]{1,12}"
+_HOSTPORT = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?"
 
 
 class RegistrySettings(NamedTuple):
@@ -211,11 +211,11 @@ class RegistrySettings(NamedTuple):
 
 def _registry_value(name: str, var: str, text: str) -> Any:
     if name in ("timeout", "deadline"):
-        if not _SECONDS.fullmatch(text) or not 0 < float(text) <= MAX_SECONDS:
+        if not re.fullmatch(_SECONDS, text, re.ASCII) or not 0 < float(text) <= MAX_SECONDS:
             raise _refused_var(var, f"seconds above 0 and at most {MAX_SECONDS:.0f} (digits, a decimal point)", text)
         return float(text)
     if name == "max_requests":
-        if not _COUNT.fullmatch(text) or int(text) < 1:
+        if not re.fullmatch(_COUNT, text, re.ASCII) or int(text) < 1:
             raise _refused_var(var, "a count of requests, at least 1", text)
         return int(text)
     if name == "stream_whole":
@@ -224,7 +224,7 @@ def _registry_value(name: str, var: str, text: str) -> Any:
         return text == "1"
     if name == "insecure":
         hosts = tuple(h.strip() for h in text.split(","))
-        if not all(_HOSTPORT.fullmatch(h) for h in hosts):
+        if not all(re.fullmatch(_HOSTPORT, h, re.ASCII) for h in hosts):
             raise _refused_var(var, "host[:port] entries separated by commas", text)
         return hosts
     if any(c < " " or c == "\x7f" for c in text):

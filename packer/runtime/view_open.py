@@ -13,13 +13,15 @@ import atexit
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .env import STREAM_FILE, ArtifactMismatchError, is_ref
 from .reading import entry_kind, loads_json, read_bytes
 from .view import BuildView
 from .view_local import LocalView
-from .view_registry import RegistryView
+
+if TYPE_CHECKING:
+    from .view_registry import RegistryView
 
 MANIFEST_FILE = "manifest.json"  # the manifest a build ships beside its files
 Check = Callable[[Path, dict[str, Any]], None]  # (the view's root, its manifest): raises to refuse
@@ -74,6 +76,7 @@ def _registry(manifest: dict[str, Any] | None, base: str | Path, dest: Path | No
     """The view of a registry image: ``base`` a reference (its small files fetched) or a streamed
     directory (its ``packer-stream.json`` names the image)."""
     from .remote import RemoteImage, stream_ref
+    from .view_registry import RegistryView  # a local load never imports the registry's kind
 
     if is_ref(base):
         image = RemoteImage.fetch(str(base))
