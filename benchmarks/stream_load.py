@@ -17,9 +17,11 @@ Debian's ``docker-registry`` on loopback, then runs, interleaved, each in a fres
 
 Each prints the time to the first tensor and to all tensors (from the call), the bytes fetched,
 the CPU seconds (the process and its children: skopeo) and the peak memory above the process's
-size before the call. Then tensor parallel 2 on gloo, streamed: the bytes each rank fetched
-(each one hashed) against its share. The page cache is warm for every contender (the registry
-serves from it as the local load reads from it). Ratios are medians of the same run.
+size before the call. Then, each round, tensor parallel 2 on gloo
+(``from_pretrained(tp_plan="auto")``, a process per rank), streamed and local with
+``verify=True``: each rank's time from the call to its model, and the bytes each streamed rank
+fetched (each one hashed) against its share. The page cache is warm for every contender (the
+registry serves from it as the local load reads from it). Ratios are medians of the same run.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def child(mode: str, out: Path, ref: str, work: Path) -> dict[str, Any]:
     return result
 
 
-def tp_rank(out: Path, ref: str) -> dict[str, Any]:
+def tp_rank(out: Path, ref: str, streamed: bool) -> dict[str, Any]:
     sys.path.insert(0, str(out))
     os.environ["PACKER_STARTUP_LOG"] = "off"
     import datetime
@@ -153,14 +155,20 @@ def tp_rank(out: Path, ref: str) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    model = pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", root=ref)
-    stage = [s for s in pl.report() if s["stage"] == "fetch (registry, proven)"][-1]
+    dist.barrier()  # both ranks start the clock together
+    t0 = time.perf_counter()
+    if streamed:
+        model = pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", root=ref)
+    else:
+        model = pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", root=out, verify=True)
+    load_s = time.perf_counter() - t0
+    stages = [s for s in pl.report() if s["stage"] == "fetch (registry, proven)"]
     sys.path.insert(0, str(REPO))
     from tests.tp_worker import plan_bytes  # what the plan shards and replicates, as the TP tests count it
 
     sharded, replicated = plan_bytes(model)
-    return {"rank": dist.get_rank(), "fetched": stage["bytes"], "chunks": stage.get("chunks", 0),
-            "sharded": sharded, "replicated": replicated}
+    return {"rank": dist.get_rank(), "load_s": load_s, "fetched": stages[-1]["bytes"] if stages else 0,
+            "chunks": stages[-1].get("chunks", 0) if stages else 0, "sharded": sharded, "replicated": replicated}
 
 
 def run_child(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -171,13 +179,13 @@ def run_child(args: list[str], env: dict[str, str] | None = None) -> dict[str, A
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def tp(out: Path, ref: str, address: str) -> list[dict[str, Any]]:
+def tp(out: Path, ref: str, address: str, mode: str) -> list[dict[str, Any]]:
     port = free_port()
     procs = []
     for r in range(2):
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PACKER_REGISTRY_INSECURE": address}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--child", "tp", str(out), ref], env=env,
+        procs.append(subprocess.Popen([sys.executable, __file__, "--child", mode, str(out), ref], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=1800) for p in procs]
     for p, (_, se) in zip(procs, outs, strict=True):
@@ -207,12 +215,14 @@ def bench(size: str, rounds: int, work: Path) -> dict[str, Any]:
         ref = f"oci://{address}/bench/{size.lower()}@{digest}"
         env = {"PACKER_REGISTRY_INSECURE": address}
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ("stream", "stream-first", "pull", "local")}
+        tp_ranks: dict[str, list[list[dict[str, Any]]]] = {"tp-stream": [], "tp-local": []}
         for _ in range(rounds):
             for mode in runs:
                 before = proc_cpu(proc.pid)
                 runs[mode].append(run_child(["--child", mode, str(out), ref, str(work / size)], env))
                 runs[mode][-1]["registry_cpu_s"] = proc_cpu(proc.pid) - before
-        tp_ranks = tp(out, ref, address) if size == "1GB" else []
+            for mode in tp_ranks if size == "1GB" else ():
+                tp_ranks[mode].append(tp(out, ref, address, mode))
         costs = request_costs(ref, address, proc.pid) if size == "1GB" else []
     finally:
         proc.terminate()
@@ -267,7 +277,10 @@ def report(res: dict[str, Any]) -> None:
     for c in res["costs"]:
         print(f"one Range request of {c['size'] >> 10} KiB ({c['requests']} in a row): registry CPU "
               f"{c['registry_ms']:.2f} ms, wall {c['wall_ms']:.2f} ms")
-    for t in res["tp"]:
+    for mode, label in (("tp-stream", "streamed"), ("tp-local", "local, verify=True")):
+        for rank in (0, 1) if res["tp"].get(mode) else ():
+            print(f"TP 2 {label}, rank {rank}: call to model {spread([r[rank]['load_s'] for r in res['tp'][mode]])} s")
+    for t in res["tp"]["tp-stream"][-1] if res["tp"].get("tp-stream") else ():
         share = t["sharded"] / 2 + t["replicated"]
         print(f"TP 2 rank {t['rank']}: fetched and hashed {t['fetched'] / 1e6:.1f} MB in {t['chunks']} chunks; "
               f"its share {share / 1e6:.1f} MB ({t['fetched'] / share:.3f}x), the file {res['nbytes'] / 1e6:.1f} MB")
@@ -276,7 +289,10 @@ def report(res: dict[str, Any]) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         mode, out, ref = sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-        got = tp_rank(out, ref) if mode == "tp" else child(mode, out, ref, Path(sys.argv[5]))
+        if mode.startswith("tp-"):
+            got = tp_rank(out, ref, streamed=mode == "tp-stream")
+        else:
+            got = child(mode, out, ref, Path(sys.argv[5]))
         print(json.dumps(got))
         sys.stdout.flush()
         os._exit(0)
