@@ -356,6 +356,58 @@ def test_a_bomb_under_the_cap_but_over_the_memory_is_one_line(media: str, hostil
     assert not (tmp_path / "out").exists()
 
 
+def _memory_cgroup(limit: int) -> Path | None:
+    """A new cgroup v1 memory cgroup below this process's, limited to ``limit`` bytes; None where
+    this machine gives none (no v1 memory controller, not writable)."""
+    from packer.runtime.reading import read_kernel_text
+
+    for line in (read_kernel_text("/proc/self/cgroup") or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / f"packer-test-{os.getpid()}"
+            try:
+                group.mkdir()
+                (group / "memory.limit_in_bytes").write_text(str(limit))
+            except OSError:
+                return None
+            return group
+    return None
+
+
+@pytest.mark.parametrize("media", [GZIP_LAYER, ZSTD_LAYER])
+def test_a_bomb_in_a_container_under_its_memory_limit_is_one_line(media: str, hostile: HostileRegistry,
+                                                                   tmp_path: Path) -> None:
+    """A container's limit kills instead of raising MemoryError: 1 GiB of output, below the
+    2 GiB cap, in a cgroup allowed 400 MiB, is refused in one line, not killed."""
+    group = _memory_cgroup(400 << 20)
+    if group is None:
+        pytest.skip("no writable cgroup v1 memory controller here (the check reads v2 too)")
+    try:
+        bomb = _gzip_bomb(1 << 30) if media == GZIP_LAYER else _zstd_bomb(1 << 30)
+        ref = hostile.image("m/hostile", [(bomb, media)])
+        env = {**os.environ, "PACKER_REGISTRY_INSECURE": hostile.address, "PYTHONPATH": str(REPO)}
+        code = ("import os, sys\n"
+                "open(sys.argv[3] + '/cgroup.procs', 'w').write(str(os.getpid()))\n"
+                "from packer.cli import main\n"
+                "sys.argv = ['packer', 'stream', sys.argv[1], '--dir', sys.argv[2]]\n"
+                "main()\n")
+        proc = subprocess.run([sys.executable, "-c", code, ref, str(tmp_path / "out"), str(group)], env=env,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        for _ in range(50):  # the child has exited; its charge leaves the group with it
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "decompresses to more than" in lines[0], lines[0]
+    assert "half this process's memory limit (its cgroup's)" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 # --- 5. the registry's words are escaped on every entry point ---
 
 

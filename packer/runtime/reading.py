@@ -156,6 +156,27 @@ def read_bytes(path: str | os.PathLike[str], kind: str) -> bytes:
         os.close(fd)
 
 
+def read_kernel_text(path: str, cap: int = 64 * 1024) -> str | None:
+    """A kernel's text file (``/proc``, ``/sys``: their size says 0 or a page, so it is read to
+    its end), at most ``cap`` bytes; None where it does not exist or cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        data = b""
+        while len(data) < cap:
+            piece = os.read(fd, cap - len(data))
+            if not piece:
+                break
+            data += piece
+        return data.decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def too_deep(data: bytes, max_depth: int) -> bool:
     """Whether JSON ``data`` nests arrays and objects deeper than ``max_depth`` (or is unbalanced).
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from .chunks import FileChunks
 from .env import STREAM_FILE, ArtifactMismatchError
-from .inflate import InflateError, gunzip
+from .inflate import InflateError, gunzip, memory_budget
 from .place import FilePlace
 from .proof import hash_span, prove_chunk
 from .registry import MAX_DOC, MAX_LAYERS, OciRef, Registry, RegistryError, parse_ref
@@ -277,6 +277,7 @@ class RemoteImage:
         prefix = tuple(p for p in self.prefix.split("/") if p)
         members: dict[tuple[str, ...], tuple[memoryview, bool]] = {}
         total = 0
+        budget = memory_budget()  # a container's limit: past it the kernel kills, nothing refuses
         for digest, size, media in self.packer_layers():
             if media in _TAR_LAYERS:
                 continue  # a weight layer: streamed, never fetched whole
@@ -286,15 +287,25 @@ class RemoteImage:
             if size > MAX_SMALL_LAYER:
                 raise RegistryError(f"{self.ref}: layer {digest[:19]}... of {size} bytes is over the cap of "
                                     f"{MAX_SMALL_LAYER} for a small layer (image.single_layer builds cannot stream)")
+            cap = MAX_SMALL_FILES - total
+            if budget is not None:  # what is held at once: the tars so far, this blob, its tar
+                if total + size >= budget:
+                    raise RegistryError(f"{self.ref}: layer {digest[:19]}... of {size} bytes (after {total} "
+                                        f"bytes of small files) is over {budget} bytes, half this process's "
+                                        "memory limit (its cgroup's)")
+                cap = min(cap, budget - total - size)
+            held = "" if cap == MAX_SMALL_FILES - total else (
+                ": what half this process's memory limit (its cgroup's) leaves beside the layer and the files so far")
             raw = self.registry.blob(digest, size)
             self.stats.add(fetched=size)
             try:
-                tar = _inflate(raw, media, MAX_SMALL_FILES - total)
+                tar = _inflate(raw, media, cap)
                 del raw  # the compressed copy: only one of the two is held from here on
                 total += len(tar)
                 layer = Bundle.from_tar(tar).subtree(prefix)
             except (BundleFormatError, InflateError) as e:
-                raise RegistryError(f"{self.ref}: layer {digest[:19]}... ({media.rpartition('+')[2]}): {e}") from None
+                why, kind = held if "more than the cap" in str(e) else "", media.rpartition("+")[2]
+                raise RegistryError(f"{self.ref}: layer {digest[:19]}... ({kind}): {e}{why}") from None
             twice = [p for p, (_, d) in layer.items() if p in members and not (d and members[p][1])]
             if twice:
                 raise RegistryError(f"{self.ref}: {'/'.join(twice[0])} is in two layers")
