@@ -9,6 +9,7 @@ pushed once.
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
 import itertools
 import json
@@ -167,6 +168,24 @@ def test_a_sharded_build_streams_bitwise(pushed: Pushed, monkeypatch: pytest.Mon
     out, _ = pushed.builds["sharded"]
     pl = stub(out)
     assert equal(pl.load_weights("cpu", root=pushed.ref("sharded")), pl.load_weights("cpu", root=out))
+
+
+@pytest.mark.parametrize("build", ["plain", "sharded"])
+def test_a_lazily_proven_stream_is_bitwise_in_every_tensor(build: str, pushed: Pushed,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``proven=True`` (chunks fetched when first used, as vLLM's loaders use them): every tensor,
+    used after the load returned, holds the build's bytes, not only those fetched at load time."""
+    insecure(monkeypatch, pushed.address)
+    out, _ = pushed.builds[build]
+    pl = stub(out)
+    local = pl.load_weights("cpu", root=out)
+    streamed = pl.load_weights("cpu", root=pushed.ref(build), proven=True)
+    assert {type(t).__name__ for t in streamed.values()} == {"Proven"}
+    gc.collect()  # only the tensors hold the buffers now
+    assert equal(streamed, local)
+    copied = {k: torch.empty_like(t).copy_(t) for k, t in pl.load_weights("cpu", root=pushed.ref(build),
+                                                                          proven=True).items()}
+    assert equal(copied, local)
 
 
 def test_a_tag_is_resolved_once_and_reported(pushed: Pushed, monkeypatch: pytest.MonkeyPatch,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from .chunks import FileChunks
@@ -45,7 +46,9 @@ class _Mapped:
 
     A shard proven as it is read (a registry's, :mod:`.view_registry`) has no mapping: its
     buffer starts empty and a chunk is fetched from its source, proven as it arrives, when first
-    used (the buffer is held weakly: a mapping whose tensors are gone is dropped).
+    used. The buffer's *storage* is held weakly, so a mapping whose tensors are all gone is
+    dropped: the tensors share the storage, not the buffer tensor object, which may be gone
+    while they live (a weak reference to it left every chunk not fetched at load time zero).
     """
 
     def __init__(self, shard: Shard, buf: Any, chunks: FileChunks, check: SpanCheck) -> None:
@@ -54,7 +57,7 @@ class _Mapped:
         # a source that proves what it serves fills the buffer; a mapping is hashed here
         self.source: PositionalSource | None = cast(PositionalSource, shard.fd) if shard.proven_as_read else None
         self.base = shard.base
-        self.buf = weakref.ref(buf) if self.source is not None else (lambda b=buf: b)
+        self.buf: Callable[[], Any] = (lambda: buf) if self.source is None else _weak_buffer(buf)
         self.proven: set[int] = set()
         self.lock = threading.Lock()
 
@@ -82,6 +85,17 @@ class _Mapped:
                     a, b = self.chunks.bounds(first)[0], self.chunks.bounds(last - 1)[1]
                     self.source.read_at(view[a:b], self.base + a)
             self.proven.update(todo)
+
+
+def _weak_buffer(buf: Any) -> Callable[[], Any]:
+    """A callable giving ``buf`` (a 1-D uint8 tensor) again while any tensor shares its storage,
+    then None: the storage is weakly held, the tensor object itself may be long gone."""
+    storage, like = weakref.ref(buf.untyped_storage()), buf.new_empty(0)
+
+    def again() -> Any:
+        st = storage()
+        return None if st is None else like.new_empty(0).set_(st)
+    return again
 
 
 _MAPPINGS: dict[int, _Mapped] = {}  # untyped storage address -> its mapping
