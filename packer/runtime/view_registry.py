@@ -11,6 +11,7 @@ below :mod:`.remote`; this module knows only the source contract.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -103,10 +104,22 @@ class RegistryView(LocalView):
         return self.image.stats.fetched
 
     def fetch_line(self, timeline: Timeline, before: int, started: float) -> None:
-        st = self.image.stats
-        if st.fetched > before:
-            timeline.add("fetch (registry, proven)", started, time.perf_counter(), st.fetched - before,
-                         chunks=st.chunks, requests=self.image.registry.requests, resumed=self.image.registry.resumed)
+        """The ``fetch (registry, proven)`` stage; where the registry ignored ``Range``, its
+        ``range_ignored`` (blobs), ``passed`` and ``unused`` bytes, and one line on stderr saying
+        what that cost."""
+        st, ignored = self.image.stats, self.image.range_ignored()
+        if st.fetched <= before:
+            return
+        facts = {"range_ignored": ignored, "passed": st.passed, "unused": st.unused} if ignored else {}
+        timeline.add("fetch (registry, proven)", started, time.perf_counter(), st.fetched - before,
+                     chunks=st.chunks, requests=self.image.registry.requests, resumed=self.image.registry.resumed,
+                     **facts)
+        if ignored:
+            kept = st.fetched - st.unused
+            sys.stderr.write(f"packer: {self.ref}: the registry ignored Range for {ignored} blob(s) (answered "
+                             f"the whole blob: a pull-through cache not holding it yet?): fetched {st.fetched} bytes "
+                             f"for the {kept} this process read ({st.fetched / max(kept, 1):.2f}x); once the cache "
+                             "holds the blob, a load reads by Range again\n")
 
     def served_dir(self) -> Path | None:
         """The directory of the small files: engines read it as is and stream the weights."""
