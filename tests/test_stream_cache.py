@@ -10,10 +10,12 @@ import base64
 import json
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests import test_stream
 from tests.registry_fixtures import blob_file, docker_registry
@@ -78,3 +80,52 @@ def test_a_cold_cache_streams_the_whole_blob_once_and_a_warm_one_by_range(
         assert "ignored Range" not in capsys.readouterr().err
     print(f"weights {size} bytes; cold cache fetched {cold_fetch['bytes']} ({cold_fetch['seconds']:.3f} s), "
           f"warm {fetch['bytes']} ({fetch['seconds']:.3f} s)")
+
+
+def _warm(cache: str, tmp: Path, pushed: Pushed, digest: str) -> None:
+    """Have the cache fetch and store blob ``digest`` (one plain GET through it)."""
+    url = f"http://{cache}/v2/models/plain/blobs/{digest}"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        while resp.read(1 << 20):
+            pass
+    _held(tmp, digest, blob_file(pushed.data, digest).stat().st_size)
+
+
+def test_a_byte_flipped_in_the_caches_copy_is_refused_naming_the_chunk(
+        pushed: Pushed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, _ = pushed.builds["plain"]
+    entry = _entry(out)
+    with docker_registry(tmp_path / "cache", proxy=pushed.address) as cache:
+        _warm(cache, tmp_path / "cache", pushed, _blob(entry))
+        copy = blob_file(tmp_path / "cache" / "registry-data", _blob(entry))
+        raw = bytearray(copy.read_bytes())
+        at = entry["size"] // 2  # the middle of the weight file
+        raw[entry["offset"] + at] ^= 0x01
+        copy.write_bytes(raw)
+        insecure(monkeypatch, cache)
+        pl = stub(out)
+        with pytest.raises(pl.ArtifactMismatchError) as e:
+            pl.load_weights("cpu", root=pushed.ref("plain", cache))
+    chunk, text = at // CHUNK, str(e.value)
+    assert "\n" not in text
+    assert f"{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, {(chunk + 1) * CHUNK})" in text, text
+    assert "the registry's copy is corrupt or not this build's" in text
+
+
+@pytest.mark.slow
+def test_each_rank_behind_a_cold_cache_streams_the_blob_once_at_most(pushed: Pushed, tmp_path: Path,
+                                                                     _tp_env: None) -> None:
+    """Tensor parallel behind a cold cache: each rank's reads of its rows all wait on one pass of
+    the whole blob (what the cache answers), so each fetches the file once, not its share."""
+    from tests.test_chunks import _ranks
+
+    out, _ = pushed.builds["plain"]
+    size = _entry(out)["size"]
+    with docker_registry(tmp_path / "cache", proxy=pushed.address) as cache:
+        ours = _ranks(test_stream._tp_work(out, tmp_path / "work", pushed.ref("plain", cache), cache))
+    for r in range(2):
+        assert ours[r]["error"] == "", ours[r]["error"]
+        share = ours[r]["sharded"] / 2 + ours[r]["replicated"]
+        assert share <= ours[r]["hashed"] <= 1.10 * size, (r, ours[r]["hashed"], size)
+        print(f"rank {r} behind a cold cache: fetched {ours[r]['hashed']} bytes; share {share:.0f}, file {size}")
+    assert torch.equal(ours[0]["logits"], ours[1]["logits"])

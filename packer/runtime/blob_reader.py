@@ -45,18 +45,24 @@ if TYPE_CHECKING:
     from .registry import Registry
 
 PIECE = 1 << 20  # bytes of a pass no read wants: read into one buffer of this size and dropped
+# the most bytes a pass drops to reach the nearest waiting read before it sends the reads back to
+# Range once (a cold cache stores the blob meanwhile): a read out of file order (a tensor-parallel
+# rank reads in the model's order) would otherwise leave every read before it behind the pass
+SKIP = 4 << 20
 TURN = 64 << 20  # the most one read of the body asks for at once, straight into a reader's buffer
 BEHIND_TRIES = 4  # a read the pass has gone by, answered 200 again: asked again this many times
 BEHIND_PAUSE = 0.25  # seconds before the first ask again (doubled each time)
 
 
 class _Wait:
-    """A read waiting on the pass: blob bytes ``[start, start + len(view))``, ``got`` of them in."""
+    """A read waiting on the pass: blob bytes ``[start, start + len(view))``, ``got`` of them in;
+    ``patient``: the pass may drop any number of bytes to reach it; ``lost``: why it was sent
+    back to ``Range`` ("broke", "far"), "" while it waits."""
 
-    __slots__ = ("got", "lost", "start", "view")
+    __slots__ = ("got", "lost", "patient", "start", "view")
 
-    def __init__(self, start: int, view: memoryview) -> None:
-        self.start, self.view, self.got, self.lost = start, view, 0, False
+    def __init__(self, start: int, view: memoryview, patient: bool) -> None:
+        self.start, self.view, self.got, self.lost, self.patient = start, view, 0, "", patient
 
     @property
     def end(self) -> int:
@@ -99,27 +105,32 @@ class BlobReader:
             RegistryError: the registry cannot serve them (what :meth:`Registry.read_range`
                 raises), or passes of the whole blob failed :data:`TRIES` times.
         """
-        behind = 0
-        for _ in range(TRIES + BEHIND_TRIES):
-            w = self._join(at, view)
+        behind, w = 0, None
+        for _ in range(TRIES + 2 * BEHIND_TRIES):
+            patient = behind >= BEHIND_TRIES
+            # a read sent back by the pass asks by Range at once, then after pauses while it gets 200
+            w = self._join(at, view, patient) if w is None or w.lost != "far" else None
             if w is None:
                 try:
-                    w = self._ask(at, view, behind >= BEHIND_TRIES)
+                    w = self._ask(at, view, patient)
                 except _Again:
-                    time.sleep(BEHIND_PAUSE * 2 ** behind)
                     behind += 1
+                    time.sleep(BEHIND_PAUSE * 2 ** behind)
                     continue
             if w is None or self._await(w):
                 return
+            if w.lost == "far":
+                behind += 1
+                time.sleep(BEHIND_PAUSE * (2 ** behind - 2))
         raise RegistryError(f"{self.registry.ref}: blob {self.digest[:19]}...: the registry answered Range requests "
                             f"with the whole blob, and its whole answer broke off {self.passes} times; giving up")
 
-    def _join(self, at: int, view: memoryview) -> _Wait | None:
+    def _join(self, at: int, view: memoryview, patient: bool) -> _Wait | None:
         """A wait on the open pass, if there is one and it has not passed ``at``."""
         with self._cond:
             if self._body is None or at < self._pos:
                 return None
-            w = _Wait(at, view)
+            w = _Wait(at, view, patient)
             self._waits.append(w)
             return w
 
@@ -130,6 +141,7 @@ class BlobReader:
         def answer(resp: Response, first: int) -> bool:
             if resp.status == 206:
                 self._answered(counted)
+                self._retire()
                 return False
             sub = view[first - at:]
             w = self._take(resp, first, sub, last)
@@ -164,11 +176,11 @@ class BlobReader:
         with self._cond:
             if self._body is None and not self._over:
                 self._adopt(resp)
-                w = _Wait(first, sub)
+                w = _Wait(first, sub, last)
                 self._waits.append(w)
                 return w
             if self._body is not None and first >= self._pos:
-                w = _Wait(first, sub)
+                w = _Wait(first, sub, last)
                 self._waits.append(w)
         if w is not None or not last:
             resp.conn.close()
@@ -212,8 +224,17 @@ class BlobReader:
             resp.conn.close()
             self.registry.conns.release(resp.conn)
 
+    def _retire(self) -> None:
+        """A Range request was answered 206: the registry serves ranges now (a cache that has
+        stored the blob), so a pass nobody waits on is closed, never to be opened again."""
+        with self._cond:
+            if self._body is not None and not self._waits and not self._pumping:
+                self._over = True
+                self._close()
+
     def _await(self, w: _Wait) -> bool:
-        """Wait until ``w`` is filled, reading the body in turn; False: the pass broke first."""
+        """Wait until ``w`` is filled, reading the body in turn; False: it was sent back to
+        ``Range`` (``w.lost``: the pass broke, or would have dropped too much to reach it)."""
         with self._cond:
             while w.got < len(w.view) and not w.lost:
                 if not self._pumping and not self._asking and self._body is not None:
@@ -239,8 +260,10 @@ class BlobReader:
         body.deadline.watch(conn)  # a body that drips is cut off, as any request's
         scratch = memoryview(bytearray(PIECE))
         try:
-            while w.got < len(w.view):
+            while w.got < len(w.view) and not w.lost:
                 dst, into = self._next(scratch)
+                if not len(dst):
+                    break  # the waits were sent back to Range
                 n = body.readinto(dst)
                 if not n:
                     raise http.client.IncompleteRead(b"")
@@ -253,13 +276,21 @@ class BlobReader:
 
     def _next(self, scratch: memoryview) -> tuple[memoryview, _Wait | None]:
         """Where the body's next bytes go: the buffer of the wait they begin (and that wait), or
-        ``scratch`` up to the nearest wait (None: dropped unless a read joins meanwhile)."""
+        ``scratch`` up to the nearest wait (None: dropped unless a read joins meanwhile); empty
+        when the nearest is over :data:`SKIP` bytes ahead and none is patient: the waits are
+        sent back to ``Range``."""
         with self._cond:
             pos, nearest = self._pos, self.size
             for x in self._waits:
                 if x.start <= pos < x.end:
                     return x.view[pos - x.start: pos - x.start + TURN], x
                 nearest = min(nearest, x.start)
+            if nearest - pos > SKIP and not any(x.patient for x in self._waits):
+                for x in self._waits:
+                    x.lost = "far"
+                self._waits = []
+                self._cond.notify_all()
+                return scratch[:0], None
             return scratch[: max(min(nearest - pos, len(scratch)), 1)], None
 
     def _passed(self, data: memoryview, into: _Wait | None) -> None:
@@ -286,10 +317,16 @@ class BlobReader:
         """The pass broke: closed, its waits lost (they ask by Range again)."""
         with self._cond:
             for x in self._waits:
-                x.lost = True
+                x.lost = "broke"
             self._waits, self._pos = [], 0
             self._close()
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """The load is over: a paused pass is closed (the next load asks by Range first)."""
+        with self._cond:
+            if not self._waits and not self._pumping:
+                self._close()
 
     def _close(self) -> None:
         if self._body is not None:

@@ -266,6 +266,14 @@ class RemoteImage:
                                                    self.stats.add_pass)
             return self._readers[digest]
 
+    def end_load(self) -> None:
+        """A load is over: its blob readers are closed and forgotten, so the next load asks by
+        Range first (a cache that has stored a blob meanwhile serves ranges)."""
+        with self._whole_lock:
+            readers, self._readers = list(self._readers.values()), {}
+        for r in readers:
+            r.close()
+
     def range_ignored(self) -> int:
         """Blobs whose registry answered a Range request with the whole blob (read in a pass)."""
         with self._whole_lock:
