@@ -7,8 +7,10 @@ whose blobs redirect to object storage on another host.
 from __future__ import annotations
 
 import base64
+import http.server
 import json
 import shutil
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -129,3 +131,119 @@ def test_each_rank_behind_a_cold_cache_streams_the_blob_once_at_most(pushed: Pus
         assert share <= ours[r]["hashed"] <= 1.10 * size, (r, ours[r]["hashed"], size)
         print(f"rank {r} behind a cold cache: fetched {ours[r]['hashed']} bytes; share {share:.0f}, file {size}")
     assert torch.equal(ours[0]["logits"], ours[1]["logits"])
+
+
+class _Server:
+    """A small HTTP server on 127.0.0.1 (a free port) whose ``handle(handler)`` answers each GET,
+    recording ``(path, Range, Authorization)`` of every request it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None, str | None]] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                owner.seen.append((self.path, self.headers.get("Range"), self.headers.get("Authorization")))
+                owner.handle(self)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _answer(h: http.server.BaseHTTPRequestHandler, status: int, body: bytes, headers: dict[str, str]) -> None:
+    h.send_response(status)
+    for k, v in {**headers, "Content-Length": str(len(body))}.items():
+        h.send_header(k, v)
+    h.end_headers()
+    h.wfile.write(body)
+
+
+class ObjectStorage(_Server):
+    """Answers as S3 or GCS do a presigned blob URL: ``/bucket/<hex>`` from the registry's
+    storage, 206 for a ``Range`` (200 whole without one), 403 to a request carrying an
+    ``Authorization`` (the registry's credentials have no business here). ``flip``: a blob
+    offset whose byte it serves changed."""
+
+    def __init__(self, data: Path) -> None:
+        super().__init__()
+        self.data, self.flip = data, -1
+
+    def handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        if h.headers.get("Authorization"):
+            _answer(h, 403, b"<Error><Code>AccessDenied</Code></Error>", {})
+            return
+        blob = bytearray(blob_file(self.data, "sha256:" + h.path.split("?")[0].rpartition("/")[2]).read_bytes())
+        if 0 <= self.flip < len(blob):
+            blob[self.flip] ^= 0x01
+        asked = h.headers.get("Range")
+        if asked is None:
+            _answer(h, 200, bytes(blob), {})
+            return
+        first, last = (int(x) for x in asked.removeprefix("bytes=").split("-"))
+        _answer(h, 206, bytes(blob[first: last + 1]), {"Content-Range": f"bytes {first}-{last}/{len(blob)}"})
+
+
+class RedirectingRegistry(_Server):
+    """A registry front that wants Basic credentials, serves manifests from ``upstream`` (a
+    docker-registry) and answers every blob GET with a 307 to ``storage`` on another host
+    (``localhost``, another port), as distribution's S3, GCS and Azure drivers do."""
+
+    def __init__(self, upstream: str, storage: ObjectStorage) -> None:
+        super().__init__()
+        self.upstream, self.storage = upstream, storage
+
+    def handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        if h.headers.get("Authorization") != BASIC:
+            _answer(h, 401, b"", {"WWW-Authenticate": 'Basic realm="front"'})
+        elif "/blobs/sha256:" in h.path:
+            where = f"http://localhost:{self.storage.port}/bucket/{h.path.rpartition(':')[2]}?X-Amz-Signature=x"
+            _answer(h, 307, b"", {"Location": where})
+        else:
+            req = urllib.request.Request(f"http://{self.upstream}{h.path}", headers={"Accept": h.headers["Accept"]})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                _answer(h, resp.status, resp.read(), {"Content-Type": resp.headers["Content-Type"]})
+
+
+def test_a_redirect_to_object_storage_keeps_the_range_drops_the_credentials_and_is_proven(
+        pushed: Pushed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, _ = pushed.builds["plain"]
+    entry = _entry(out)
+    storage = ObjectStorage(pushed.data)
+    front = RedirectingRegistry(pushed.address, storage)
+    try:
+        address = f"127.0.0.1:{front.port}"
+        auth = tmp_path / "auth.json"
+        auth.write_text(json.dumps({"auths": {address: {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode())
+                                                        .decode()}}}))
+        monkeypatch.setenv("PACKER_REGISTRY_AUTH", str(auth))
+        insecure(monkeypatch, address)
+        pl = stub(out)
+        got = pl.load_weights("cpu", root=pushed.ref("plain", address))
+        weight = [s for s in storage.seen if s[0].startswith(f"/bucket/{_blob(entry)[7:]}")]
+        storage.flip = entry["offset"] + entry["size"] // 2
+        with pytest.raises(pl.ArtifactMismatchError) as e:
+            stub(out).load_weights("cpu", root=pushed.ref("plain", address))
+    finally:
+        front.close()
+        storage.close()
+    assert equal(got, pl.load_weights("cpu", root=out))
+    assert weight and all(r is not None and r.startswith("bytes=") for _, r, _ in weight), weight  # Range kept
+    assert storage.seen and all(a is None for _, _, a in storage.seen)  # no credential reached the storage
+    assert any(a == BASIC for _, _, a in front.seen)  # the registry itself had them
+    chunk = (entry["size"] // 2) // CHUNK
+    assert "\n" not in str(e.value)
+    assert f"{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, {(chunk + 1) * CHUNK})" in str(e.value), str(e.value)
