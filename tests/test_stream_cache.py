@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests import test_stream
-from tests.registry_fixtures import blob_file, docker_registry
+from tests.registry_fixtures import Proxy, blob_file, docker_registry
 from tests.test_stream import CHUNK, WEIGHTS, Pushed, equal, insecure, stage, stub
 
 # the streaming tests' fixtures: the registry with the builds pushed; no auth file of the
@@ -247,3 +247,31 @@ def test_a_redirect_to_object_storage_keeps_the_range_drops_the_credentials_and_
     chunk = (entry["size"] // 2) // CHUNK
     assert "\n" not in str(e.value)
     assert f"{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, {(chunk + 1) * CHUNK})" in str(e.value), str(e.value)
+
+
+def test_reads_out_of_file_order_from_a_registry_that_never_serves_ranges(
+        pushed: Pushed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paths a pull-through cache rarely takes, on a registry whose every answer is the whole
+    blob: a read far ahead of the pass is sent back, asks again, then waits for the pass; a read
+    behind it asks again, then reads an answer up to its end. Every byte is the blob's."""
+    from packer.runtime import blob_reader
+    from packer.runtime.remote import RemoteImage
+
+    monkeypatch.setattr(blob_reader, "BEHIND_PAUSE", 0.01)
+    out, _ = pushed.builds["plain"]
+    digest = _blob(_entry(out))
+    blob = blob_file(pushed.data, digest).read_bytes()
+    proxy = Proxy(pushed.address, strip_range=True)
+    try:
+        insecure(monkeypatch, proxy.address)
+        image = RemoteImage.fetch(pushed.ref("plain", proxy.address))
+        reader = image.reader(digest)
+        spans = [(20 << 20, 1 << 20), (22 << 20, 100), (1 << 20, 3 << 20), (0, 4096)]  # far, ahead, behind, behind
+        for at, n in spans:
+            view = memoryview(bytearray(n))
+            reader.read(at, view)
+            assert bytes(view) == blob[at: at + n], (at, n)
+        assert reader.passes == 1
+        assert image.stats.passed <= (22 << 20) + 100 + (4 << 20) + 4096 + (1 << 20)  # one pass, and up to a span
+    finally:
+        proxy.close()

@@ -21,11 +21,17 @@ Which reads the pass serves:
   blob meanwhile answers 206. One that answers 200 again is asked again after a pause
   (:data:`BEHIND_TRIES` times: a cold cache stores the blob while it serves it); then that
   answer is read up to the read's end and closed (part of the blob fetched a second time: the
-  one case where a blob passes more than once, counted in ``unused``).
+  one case where a blob passes more than once, counted in ``unused``), and the blob's later
+  reads wait no more (a registry that never serves ranges: reads out of file order, as a
+  tensor-parallel rank's, each read the blob up to them: pull such an image instead);
+* the pass drops at most :data:`SKIP` bytes to reach the nearest waiting read: reads further
+  ahead are sent back to ask by ``Range`` (at once, then after pauses), so that a rank reading
+  out of file order is served by ranges as soon as a cold cache has stored the blob.
 
 A pass whose connection drops, or whose body ends early, is dropped; its waiting reads ask by
 ``Range`` again (a new pass if the answer is 200 once more: :data:`TRIES` in all per read).
-A later load, in another process, starts with ``Range`` again: nothing is remembered.
+A later load (this process's next one, or another process's) asks by ``Range`` first: a
+blob's reader lives for one load (:meth:`~.remote.RemoteImage.end_load`).
 
 Standard library only, below :mod:`.remote`; HTTP is :mod:`.registry`'s.
 """
@@ -50,7 +56,7 @@ PIECE = 1 << 20  # bytes of a pass no read wants: read into one buffer of this s
 # rank reads in the model's order) would otherwise leave every read before it behind the pass
 SKIP = 4 << 20
 TURN = 64 << 20  # the most one read of the body asks for at once, straight into a reader's buffer
-BEHIND_TRIES = 4  # a read the pass has gone by, answered 200 again: asked again this many times
+BEHIND_TRIES = 3  # a read the pass has gone by (or sent back), answered 200 again: asked again this many times
 BEHIND_PAUSE = 0.25  # seconds before the first ask again (doubled each time)
 
 
@@ -97,6 +103,7 @@ class BlobReader:
         self._pumping = False
         self._asking = 0  # Range requests of this blob awaiting their answer's status
         self.passes = 0  # whole answers taken as the blob's pass
+        self._stubborn = False  # 200 again after pauses: the registry will not serve this blob's ranges
 
     def read(self, at: int, view: memoryview) -> None:
         """Fill ``view`` with the blob's bytes at ``at`` (unproven: the caller proves them).
@@ -107,7 +114,9 @@ class BlobReader:
         """
         behind, w = 0, None
         for _ in range(TRIES + 2 * BEHIND_TRIES):
-            patient = behind >= BEHIND_TRIES
+            patient = behind >= BEHIND_TRIES or self._stubborn
+            if patient:
+                self._stubborn = True  # asking again did not help: the next reads wait no more
             # a read sent back by the pass asks by Range at once, then after pauses while it gets 200
             w = self._join(at, view, patient) if w is None or w.lost != "far" else None
             if w is None:
