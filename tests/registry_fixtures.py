@@ -160,11 +160,14 @@ class TokenServer:
 
 @contextmanager
 def docker_registry(tmp: Path, *, htpasswd: str | None = None, token: TokenServer | None = None,
-                    tls: LoopbackCA | None = None, htpasswd_path: Path | None = None) -> Iterator[str]:
+                    tls: LoopbackCA | None = None, htpasswd_path: Path | None = None,
+                    proxy: str | None = None) -> Iterator[str]:
     """A running ``docker-registry`` on a free loopback port; yields ``127.0.0.1:PORT``.
 
     ``htpasswd_path``: an htpasswd section naming that path as it is (Debian's default config
     names a directory, ``/etc/docker/registry``), instead of a file written from ``htpasswd``.
+    ``proxy``: the ``host:port`` of an upstream registry (plain HTTP): this one is its pull-through
+    cache (``proxy: remoteurl:``), its storage the cache's copy.
     """
     if not Path(REGISTRY).exists():
         pytest.skip(f"{REGISTRY} is not installed (apt-get install docker-registry)")
@@ -182,6 +185,8 @@ def docker_registry(tmp: Path, *, htpasswd: str | None = None, token: TokenServe
     if token is not None:
         text += (f"auth:\n  token:\n    realm: {token.realm}\n    service: {SERVICE}\n    issuer: {ISSUER}\n"
                  f"    rootcertbundle: {token.bundle}\n")
+    if proxy is not None:
+        text += f"proxy:\n  remoteurl: http://{proxy}\n"
     (tmp / "registry.yml").write_text(text)
     # its log goes to a file: a pipe nobody drains fills up (64 KiB of error lines: a 404 per
     # unknown manifest, ...) and the registry then hangs on its next write, mid-request

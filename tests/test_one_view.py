@@ -22,7 +22,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "packer"
 
 VIEW = {"runtime/view.py", "runtime/view_open.py", "runtime/view_local.py", "runtime/view_registry.py",
-        "runtime/remote.py", "runtime/registry.py", "runtime/env.py"}  # the view, its kinds, their definitions
+        "runtime/remote.py", "runtime/registry.py", "runtime/blob_reader.py",
+        "runtime/env.py"}  # the view, its kinds, their definitions
 # names that tell a registry from local files
 SOURCE_NAMES = {"is_ref", "STREAM_FILE", "STREAM_SCHEME", "RemoteImage", "RemoteFile", "WholeBlob", "stream_ref",
                 "RegistryView", "Registry"}

@@ -23,8 +23,10 @@ dependency of every one of them for four requests. What such libraries get right
 * **Redirects** (a blob served from object storage): followed, at most 5, the credentials
   dropped when the host changes.
 * **Ranged reads** that resume: :meth:`Registry.read_range` reads into the caller's buffer
-  and re-asks from the byte it reached when the connection drops (5 tries); a registry that
-  answers a ``Range`` request with the whole blob gets a one-line :class:`RegistryError`.
+  and re-asks from the byte it reached when the connection drops (5 tries); an answer of the
+  whole blob to a ``Range`` request (a cold pull-through cache) goes to the caller's
+  ``on_answer`` (:class:`~.blob_reader.BlobReader` reads it once, in order), else it is one
+  line of :class:`RegistryError`.
 
 Every byte read here is proven by the caller (a digest it pins); nothing here is trusted.
 """
@@ -416,12 +418,23 @@ class Registry:
                                 "image manifest pins; the registry's copy is corrupt")
         return data
 
-    def read_range(self, digest: str, at: int, view: memoryview, on_bytes: Callable[[int], None] | None = None) -> None:
+    def read_range(self, digest: str, at: int, view: memoryview, on_bytes: Callable[[int], None] | None = None, *,
+                   on_answer: Callable[[Response, int], bool] | None = None) -> None:
         """Bytes ``at:at+len(view)`` of blob ``digest`` into ``view``, resumed after a drop.
 
+        Args:
+            digest: the blob.
+            at: its first byte asked.
+            view: where the bytes go.
+            on_bytes: called with each count of bytes read.
+            on_answer: called with each answer (status 200 or 206) and the first byte it was
+                asked for, before its body is read: True when it took the answer (read here no
+                further). :class:`~.blob_reader.BlobReader` takes a whole answer (200) this way.
+
         Raises:
-            RegistryError: the registry ignores ``Range`` (answers 200 with the whole blob),
-                answers another range, the connection drops 5 times, or a limit passed.
+            RegistryError: the registry ignores ``Range`` (answers 200 with the whole blob) and
+                ``on_answer`` did not take it, answers another range, the connection drops 5
+                times, or a limit passed.
         """
         got, tries = 0, 0
         path = self._blob_path(digest)
@@ -431,6 +444,8 @@ class Registry:
             try:
                 with self.get(path, {"Range": f"bytes={first}-{at + len(view) - 1}"}, what=what,
                               size=len(view) - got) as resp:
+                    if on_answer is not None and on_answer(resp, first):
+                        return
                     got = self._take_range(resp, digest, first, view, got, on_bytes)
             except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
                 self.conns.drop_all()

@@ -24,8 +24,11 @@ whose image and byte sources are made here:
 What is proven: the loader's embedded manifest pins the chunk table's sha256 and each weight
 file's place; the table pins every chunk. So every byte a load uses is proven before it is
 used, whatever the registry serves, and a byte nobody reads is never fetched (a
-tensor-parallel rank fetches its share). ``PACKER_STREAM_WHOLE=1`` fetches whole blobs into
-memory instead (registries that ignore ``Range``), each proven by its digest.
+tensor-parallel rank fetches its share). A registry that answers a ``Range`` request with
+the whole blob (a pull-through cache that does not hold it yet) is read once, in order, by the
+blob's :class:`~.blob_reader.BlobReader`: only the spans the load reads are kept, each chunk
+proven as above. ``PACKER_STREAM_WHOLE=1`` fetches whole blobs into memory instead, each proven
+by its digest.
 
 Standard library only (:mod:`.registry` for HTTP); torch is not imported here.
 """
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .blob_reader import BlobReader
 from .chunks import FileChunks
 from .env import STREAM_FILE, ArtifactMismatchError
 from .inflate import InflateError, gunzip, memory_budget
@@ -61,17 +65,25 @@ REQUEST = 64 << 20
 
 @dataclass
 class StreamStats:
-    """What a streamed load fetched: bytes off the network (resumed reads' bytes again), and the
-    bytes and chunks hashed (each chunk proven once per read that fetched it)."""
+    """What a streamed load fetched: bytes off the network (resumed reads' bytes again), the
+    bytes and chunks hashed (each chunk proven once per read that fetched it), and of answers
+    that ignored ``Range`` (:mod:`.blob_reader`): the bytes read off them (``passed``) and those
+    no read wanted (``unused``)."""
 
     fetched: int = 0
     hashed: int = 0
     chunks: int = 0
+    passed: int = 0
+    unused: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, fetched: int = 0, hashed: int = 0, chunks: int = 0) -> None:
         with self.lock:
             self.fetched, self.hashed, self.chunks = self.fetched + fetched, self.hashed + hashed, self.chunks + chunks
+
+    def add_pass(self, passed: int, unused: int) -> None:
+        with self.lock:
+            self.passed, self.unused = self.passed + passed, self.unused + unused
 
 
 class RemoteFile:
@@ -129,7 +141,7 @@ class RemoteFile:
         if first < last:
             a, b = fc.bounds(first)[0], fc.bounds(last - 1)[1]
             dst = view[a - lo: b - lo]
-            self.image.registry.read_range(self.digest, self.place.offset + a, dst, self.image.stats_fetched)
+            self.image.reader(self.digest).read(self.place.offset + a, dst)
             for i in range(first, last):
                 c0, c1 = fc.bounds(i)
                 self._prove(i, dst[c0 - a: c1 - a])
@@ -151,8 +163,7 @@ class RemoteFile:
         try:
             a, b = self.chunks.bounds(i)
             buf = bytearray(b - a)
-            self.image.registry.read_range(self.digest, self.place.offset + a, memoryview(buf),
-                                           self.image.stats_fetched)
+            self.image.reader(self.digest).read(self.place.offset + a, memoryview(buf))
             self._prove(i, buf)
             data = bytes(buf)
             with self._lock:
@@ -214,6 +225,7 @@ class RemoteImage:
         self.whole_blobs = registry.settings.stream_whole
         self._whole: dict[str, bytearray] = {}
         self._whole_lock = threading.Lock()
+        self._readers: dict[str, BlobReader] = {}
 
     @classmethod
     def fetch(cls, text: str, registry: Registry | None = None) -> RemoteImage:
@@ -244,6 +256,28 @@ class RemoteImage:
 
     def stats_fetched(self, n: int) -> None:
         self.stats.add(fetched=n)
+
+    def reader(self, digest: str) -> BlobReader:
+        """The reader of layer blob ``digest`` (one per blob and load: by Range, or by one pass
+        of a whole answer shared by every read of the blob)."""
+        with self._whole_lock:
+            if digest not in self._readers:
+                self._readers[digest] = BlobReader(self.registry, digest, self.layers[digest][0], self.stats_fetched,
+                                                   self.stats.add_pass)
+            return self._readers[digest]
+
+    def end_load(self) -> None:
+        """A load is over: its blob readers are closed and forgotten, so the next load asks by
+        Range first (a cache that has stored a blob meanwhile serves ranges)."""
+        with self._whole_lock:
+            readers, self._readers = list(self._readers.values()), {}
+        for r in readers:
+            r.close()
+
+    def range_ignored(self) -> int:
+        """Blobs whose registry answered a Range request with the whole blob (read in a pass)."""
+        with self._whole_lock:
+            return sum(1 for r in self._readers.values() if r.passes)
 
     def packer_layers(self) -> list[tuple[str, int, str]]:
         """``[(digest, size, media type)]`` of the layers packer wrote, in order: the layers

@@ -260,6 +260,14 @@ class Connections:
         if conn is not None:
             conn.close()
 
+    def release(self, conn: http.client.HTTPConnection) -> None:
+        """Hand ``conn`` (one of this thread's, whose answer is still being read) to its caller:
+        this thread opens another for its next request."""
+        conns = self._local.__dict__.get("conns", {})
+        for key, c in list(conns.items()):
+            if c is conn:
+                del conns[key]
+
     def drop_all(self) -> None:
         for conn in self._local.__dict__.pop("conns", {}).values():
             conn.close()

@@ -11,6 +11,7 @@ below :mod:`.remote`; this module knows only the source contract.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -51,6 +52,7 @@ class RegistryView(LocalView):
     def __init__(self, manifest: dict[str, Any], root: str | Path, image: RemoteImage) -> None:
         super().__init__(manifest, root)
         self.image = image
+        self._marks = (0, 0)  # the image's passed and unused bytes when the last load ended
 
     @property
     def ref(self) -> str:
@@ -103,10 +105,27 @@ class RegistryView(LocalView):
         return self.image.stats.fetched
 
     def fetch_line(self, timeline: Timeline, before: int, started: float) -> None:
-        st = self.image.stats
-        if st.fetched > before:
-            timeline.add("fetch (registry, proven)", started, time.perf_counter(), st.fetched - before,
-                         chunks=st.chunks, requests=self.image.registry.requests, resumed=self.image.registry.resumed)
+        """The ``fetch (registry, proven)`` stage; where the registry ignored ``Range``, the
+        load's ``range_ignored`` (blobs), ``passed`` (bytes of whole answers read) and ``unused``
+        (of those, bytes no read wanted), and one line on stderr saying what that cost. The
+        load's blob readers end here (:meth:`~.remote.RemoteImage.end_load`)."""
+        st, ignored = self.image.stats, self.image.range_ignored()
+        self.image.end_load()
+        passed, unused = st.passed - self._marks[0], st.unused - self._marks[1]
+        self._marks = (st.passed, st.unused)
+        fetched = st.fetched - before
+        if fetched <= 0:
+            return
+        facts = {"range_ignored": ignored, "passed": passed, "unused": unused} if ignored else {}
+        timeline.add("fetch (registry, proven)", started, time.perf_counter(), fetched,
+                     chunks=st.chunks, requests=self.image.registry.requests, resumed=self.image.registry.resumed,
+                     **facts)
+        if ignored:
+            kept = fetched - unused
+            sys.stderr.write(f"packer: {self.ref}: the registry ignored Range for {ignored} blob(s) (answered the "
+                             f"whole blob: a pull-through cache not holding it yet?): this load fetched {fetched} "
+                             f"bytes for the {kept} it read ({fetched / max(kept, 1):.2f}x); once the cache holds "
+                             "the blob, a load reads by Range again\n")
 
     def served_dir(self) -> Path | None:
         """The directory of the small files: engines read it as is and stream the weights."""
