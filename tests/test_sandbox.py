@@ -62,6 +62,18 @@ def test_limit_hit_in_child_is_one_line_and_leaves_nothing(demo_dir: Path, tmp_p
     assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.iterdir())
 
 
+@pytest.mark.parametrize("var", ["PACKER_SANDBOX_AS", "PACKER_SANDBOX_CPU", "PACKER_SANDBOX_FSIZE"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-5", "0", "1e9", "junk", "\x1b[31mred"])
+def test_a_sandbox_limit_that_is_no_number_is_one_line_naming_it(var: str, value: str, demo_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run("convert", str(demo_dir / "pytorch_model.bin"), "-o", str(out), env={var: value})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {var}: expected a whole number of "), proc.stderr
+    assert "\x1b" not in proc.stderr and not out.exists()
+
+
 _GOOD = {"files": [{"path": "model.safetensors", "size": 8, "sha256": "ab" * 32}], "section": {}, "bytes": 8,
          "notes": [], "digests": {}}
 

@@ -43,10 +43,25 @@ def _limits(total_input: int, expansion: float) -> dict[str, int]:
     # cast needs it, so the cap grows with the input; anonymous memory stays bounded anyway.
     # A file may grow as far as the planner lets expanded views make it (weights.max_expansion).
     return {
-        "as": int(os.environ.get("PACKER_SANDBOX_AS", 16 * _GIB + 2 * total_input)),
-        "cpu": int(os.environ.get("PACKER_SANDBOX_CPU", 3600)),
-        "fsize": int(os.environ.get("PACKER_SANDBOX_FSIZE", int(max(4.0, expansion) * total_input) + 2 * _GIB)),
+        "as": _env_limit("PACKER_SANDBOX_AS", "bytes", 16 * _GIB + 2 * total_input),
+        "cpu": _env_limit("PACKER_SANDBOX_CPU", "seconds", 3600),
+        "fsize": _env_limit("PACKER_SANDBOX_FSIZE", "bytes", int(max(4.0, expansion) * total_input) + 2 * _GIB),
     }
+
+
+def _env_limit(var: str, unit: str, default: int) -> int:
+    """``var`` as a whole number of ``unit`` (digits only, above 0; unset or empty: ``default``).
+
+    Raises:
+        PackerError: one line naming the variable and what it got (``inf``, a sign, junk).
+    """
+    text = os.environ.get(var, "")
+    if not text:
+        return default
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) > 0):
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
+        raise errors.PackerError(f"{var}: expected a whole number of {unit} above 0, got {shown}")
+    return int(text)
 
 
 def _input_size(src: Path) -> int:
