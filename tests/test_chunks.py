@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ from packer.chunks import CHUNKS_REL
 from packer.errors import VerifyError
 from packer.hashing import sha256_chunked
 from packer.recipe import demo_recipe, with_sign_key
-from packer.runtime.chunks import FileChunks, parse_table
+from packer.runtime.chunks import TP_DEGREES, FileChunks, chunk_ends, parse_table, split
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.proof import SpanCheck
 from packer.runtime.signature import model_layout, require_signature
@@ -61,18 +63,23 @@ def _copy(out: Path, dest: Path) -> Path:
 
 @pytest.mark.parametrize("chunk", [4096, 65536, 1 << 20, 3 << 20])
 @pytest.mark.parametrize(("start", "cut"), [(0, 0), (4096, 5), (0, 2**20 * 3 + 17)])
-def test_one_read_gives_the_file_and_its_chunks(tmp_path: Path, chunk: int, start: int, cut: int) -> None:
+@pytest.mark.parametrize("cuts", [(), (1, 4095, 2**20 + 3, 2**20 + 4)])
+def test_one_read_gives_the_file_and_its_chunks(tmp_path: Path, chunk: int, start: int, cut: int,
+                                                cuts: tuple[int, ...]) -> None:
     data = os.urandom(3 * 2**20 + 4096 + 777)
     (tmp_path / "f").write_bytes(data)
     end = len(data) - cut
+    cuts = tuple(c for c in cuts if c < end - start)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
-        whole, chunks = sha256_chunked(fd, start, end, chunk)
+        whole, chunks = sha256_chunked(fd, start, end, chunk, cuts)
     finally:
         os.close(fd)
     part = data[start:end]
     assert whole == hashlib.sha256(part).hexdigest()
-    assert list(chunks) == [hashlib.sha256(part[i:i + chunk]).hexdigest() for i in range(0, len(part), chunk)]
+    edges = [0, *chunk_ends(len(part), chunk, cuts)]  # the grid restarted at each cut
+    assert set(cuts) <= set(edges) and all(0 < b - a <= chunk for a, b in zip(edges, edges[1:]))
+    assert list(chunks) == [hashlib.sha256(part[a:b]).hexdigest() for a, b in zip(edges, edges[1:])]
 
 
 def _table(data: bytes, chunk: int) -> dict[str, FileChunks]:
@@ -106,7 +113,8 @@ def test_a_span_check_hashes_the_chunks_it_covers_and_names_a_changed_one(tmp_pa
 
 @pytest.mark.parametrize(("edit", "reason"), [
     (lambda t: t.update(chunk_size=1000), "chunk_size 1000"),
-    (lambda t: t.update(format="x"), "not a packer-chunks/v1 table"),
+    (lambda t: t.update(format="x"), "not a packer-chunks/v2 (or packer-chunks/v1) table"),
+    (lambda t: t["files"][WEIGHTS].update(cuts=[100]), "a packer-chunks/v1 table has no cuts"),
     (lambda t: t["files"][WEIGHTS].update(chunks=t["files"][WEIGHTS]["chunks"][:-64]), "expected 2 chunk digests"),
     (lambda t: t["files"][WEIGHTS].update(chunks=t["files"][WEIGHTS]["chunks"].upper()), "expected 2 chunk"),
     (lambda t: t["files"][WEIGHTS].update(size=5000), "not what the manifest pins"),
@@ -125,6 +133,95 @@ def test_a_malformed_table_is_refused_in_one_line(edit: Any, reason: str) -> Non
     with pytest.raises(ArtifactMismatchError) as e:
         parse_table(canonical_json(table), "T", pinned)
     assert "\n" not in str(e.value) and reason in str(e.value), str(e.value)
+
+
+def _v2(size: int, chunk: int, cuts: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A v2 table of one file of ``size`` bytes cut at ``cuts`` (digests of no bytes: the
+    parser checks shapes, counts and the pin), and the manifest's pin of that file."""
+    n = len(chunk_ends(size, chunk, cuts))
+    sha = hashlib.sha256(str(size).encode()).hexdigest()
+    table = {"format": "packer-chunks/v2", "algorithm": "sha256", "chunk_size": chunk,
+             "files": {WEIGHTS: {"size": size, "sha256": sha, "cuts": cuts, "chunks": "b" * 64 * n}}}
+    return table, {WEIGHTS: {"size": size, "sha256": sha}}
+
+
+@pytest.mark.parametrize(("cuts", "reason"), [
+    ([300, 200], "cut 200 is not an offset after 300"),
+    ([200, 200], "cut 200 is not an offset after 200"),
+    ([0], "cut 0 is not an offset after 0"),
+    ([20000], "cut 20000 is not an offset after 0 inside its 20000 bytes"),
+    ([-5], "cut -5"),
+    ([1.5], "cut 1.5"),
+    (["7"], "cut 7"),
+    ([True], "cut True"),
+    ("1,2", "cuts is not a list"),
+    (list(range(1, 40)), "at most one offset per chunk digest"),  # more cuts than the digests it claims
+])
+def test_a_v2_tables_cuts_are_checked_before_use(cuts: Any, reason: str) -> None:
+    table, pinned = _v2(20000, 4096, [100, 5000])
+    assert parse_table(canonical_json(table), "T", pinned)[WEIGHTS].bounds(1) == (100, 4196)
+    table["files"][WEIGHTS]["cuts"] = cuts
+    if isinstance(cuts, list) and len(cuts) > 8:
+        table["files"][WEIGHTS]["chunks"] = "b" * 64 * 8
+    with pytest.raises(ArtifactMismatchError) as e:
+        parse_table(canonical_json(table), "T", pinned)
+    assert "\n" not in str(e.value) and reason in str(e.value), str(e.value)
+
+
+def test_a_v2_table_with_a_digest_too_few_or_too_many_is_refused() -> None:
+    table, pinned = _v2(20000, 4096, [100, 5000])  # chunks: [0,100) [100,4196) [4196,5000) then 4 to 20000
+    assert parse_table(canonical_json(table), "T", pinned)[WEIGHTS].total == 7
+    for hexes in ("b" * 64 * 6, "b" * 64 * 8):
+        table["files"][WEIGHTS]["chunks"] = hexes
+        with pytest.raises(ArtifactMismatchError, match="expected 7 chunk digests .* cut at 2 offsets"):
+            parse_table(canonical_json(table), "T", pinned)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(size=st.integers(0, 1 << 24), chunk=st.sampled_from([4096, 65536, 1 << 20]), data=st.data())
+def test_a_v2_table_tiles_its_file_and_finds_every_byte(size: int, chunk: int, data: st.DataObject) -> None:
+    """Any sorted cuts inside the file parse; the chunks tile the file, none over the chunk
+    size, every cut a chunk's start; ``cover`` of any span is exactly the chunks it touches."""
+    inside = st.integers(1, size - 1) if size > 1 else st.nothing()
+    cuts = sorted(data.draw(st.sets(inside, max_size=50))) if size > 1 else []
+    table, pinned = _v2(size, chunk, cuts)
+    fc = parse_table(canonical_json(table), "T", pinned)[WEIGHTS]
+    edges = [fc.bounds(i)[0] for i in range(fc.total)] + [size]
+    assert edges[0] == 0 and all(0 < b - a <= chunk for a, b in zip(edges, edges[1:]))
+    assert set(cuts) <= set(edges)
+    if size:
+        lo = data.draw(st.integers(0, size - 1))
+        hi = data.draw(st.integers(lo + 1, size))
+        got = fc.cover(lo, hi)
+        assert fc.bounds(got.start)[0] <= lo < fc.bounds(got.start)[1]
+        assert fc.bounds(got.stop - 1)[0] < hi <= fc.bounds(got.stop - 1)[1]
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(cuts=st.one_of(st.lists(st.one_of(st.integers(-10, 30000), st.floats(), st.text(max_size=3),
+                                                     st.booleans(), st.none()), max_size=12),
+                                 st.integers(), st.text(max_size=5), st.none()),
+                  digests=st.integers(0, 12))
+def test_any_v2_record_parses_or_is_refused_in_one_line(cuts: Any, digests: int) -> None:
+    """Whatever the cuts and however many digests, the parser answers a table or one line."""
+    table, pinned = _v2(20000, 4096, [])
+    table["files"][WEIGHTS].update(cuts=cuts, chunks="c" * 64 * digests)
+    try:
+        fc = parse_table(canonical_json(table), "T", pinned)[WEIGHTS]
+    except ArtifactMismatchError as e:
+        assert "\n" not in str(e)
+        return
+    assert fc.total == digests and fc.cuts == (0, *cuts)
+
+
+def test_a_v1_table_of_an_older_build_still_loads_on_the_fixed_grid() -> None:
+    data = os.urandom(10000)
+    sha = hashlib.sha256(data).hexdigest()
+    table = {"format": "packer-chunks/v1", "algorithm": "sha256", "chunk_size": 4096,
+             "files": {WEIGHTS: {"size": 10000, "sha256": sha, "chunks": "d" * 64 * 3}}}
+    fc = parse_table(canonical_json(table), "T", {WEIGHTS: {"size": 10000, "sha256": sha}})[WEIGHTS]
+    assert [fc.bounds(i) for i in range(fc.total)] == [(0, 4096), (4096, 8192), (8192, 10000)]
+    assert fc.cover(4095, 4097) == range(0, 2) and fc.cover(9000, 10000) == range(2, 3)
 
 
 # --- the build ---

@@ -15,7 +15,8 @@ than sharing one mapping, whose page faults cost more than the copies):
 - the blob's digest names it: it moves to ``image/blobs/sha256/<digest>``;
 - the file's sha256, which the manifest, the emitted loader and the model signature pin, comes
   from these bytes, never from the child; so does the sha256 of each of its chunks (the chunk
-  table, :mod:`packer.runtime.chunks`), hashed from the same buffers.
+  table, :mod:`packer.runtime.chunks`), hashed from the same buffers, cut where the file's own
+  header puts its tensors and their ranks' row splits (the header's few KiB read once more).
 
 A weight file written as a plain file (``image.weights = "external"``, ``image.single_layer``)
 is re-read the same way by :func:`reread_files`: its sha256 and its chunks' from one read of
@@ -40,6 +41,8 @@ from packer.errors import WeightsError
 from packer.hashing import sha256_chunked, sha256_range
 from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular, walk_tree
+from packer.runtime.chunks import header_cuts
+from packer.runtime.env import MAX_HEADER, ArtifactMismatchError
 from packer.util.formats import SAFETENSORS_SUFFIX, UNNAMED_BLOBS
 from packer.util.fsutil import FileEntry, Identity, identity
 from packer.util.idents import check_rel_name, shown
@@ -60,6 +63,8 @@ class Vouch:
             identity takes both digests; stat shows no write since, which is what it can tell.
         chunk, chunks: the chunk size (bytes) and the file's chunk digests (hex), from the
             same read.
+        cuts: where the file's chunks were cut besides the fixed grid (its offsets, from its
+            own header: :func:`packer.runtime.chunks.header_cuts`).
     """
 
     offset: int
@@ -69,6 +74,7 @@ class Vouch:
     identity: Identity
     chunk: int = 0
     chunks: tuple[str, ...] = ()
+    cuts: tuple[int, ...] = ()
 
 
 Vouched = dict[str, Vouch]  # "sha256:<blob hex>" (a blob) or "file:<path in OUT>" (a plain file) -> what was read
@@ -164,6 +170,23 @@ def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
     return got, before
 
 
+def _cuts(fd: int, entry: FileEntry, offset: int, path: Path) -> tuple[int, ...]:
+    """Where the chunks of the safetensors file at ``offset`` of ``fd`` are cut: its tensors' starts
+    and the ranks' row splits, from its header (a few KiB read twice: here, and in the hash)."""
+    if not entry.path.endswith(SAFETENSORS_SUFFIX) or entry.size < 8:
+        return ()
+    n = int.from_bytes(os.pread(fd, 8, offset), "little")
+    if n > min(entry.size - 8, MAX_HEADER):
+        raise WeightsError(f"{path}: {shown(entry.path)}: header length {n} is impossible for {entry.size} bytes")
+    raw = os.pread(fd, n, offset + 8)
+    try:
+        if len(raw) != n:
+            raise ArtifactMismatchError(f"{shown(entry.path)}: cut short in its header")
+        return header_cuts(raw, entry.size, shown(entry.path))
+    except ArtifactMismatchError as e:
+        raise WeightsError(f"{path}: {e}") from None
+
+
 def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor, chunk: int) -> Vouch:
     prefix, suffix = framing(entry.path, entry.size)
 
@@ -173,22 +196,23 @@ def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecut
         return (f"{size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
                 f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
 
-    def hashed(fd: int, size: int) -> tuple[str, tuple[str, tuple[str, ...]]]:
+    def hashed(fd: int, size: int) -> tuple[str, tuple[str, tuple[str, ...]], tuple[int, ...]]:
         if not _framing_matches(fd, size, prefix, suffix):
             raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this "
                                "build writes: the weights stage wrote it wrong (or it shrank)")
+        cuts = _cuts(fd, entry, entry.offset, path)
         blob = pool.submit(sha256_range, fd, 0, size)  # the blob: its name
-        inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk)  # the file
+        inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk, cuts)  # the file
         try:
-            return blob.result(), inside.result()
+            return blob.result(), inside.result(), cuts
         finally:
             hashers: list[Future[Any]] = [blob, inside]
             for h in hashers:  # neither hasher may outlive the descriptor it reads
                 h.cancel()
             wait(hashers)
 
-    (digest, (sha256, chunks)), before = _reread(path, "layer blob", wrong_size, hashed)
-    return Vouch(entry.offset, entry.size, sha256, digest, before, chunk, chunks)
+    (digest, (sha256, chunks), cuts), before = _reread(path, "layer blob", wrong_size, hashed)
+    return Vouch(entry.offset, entry.size, sha256, digest, before, chunk, chunks, cuts)
 
 
 def _read_plain(root: Path, entry: FileEntry, chunk: int) -> Vouch:
@@ -196,11 +220,15 @@ def _read_plain(root: Path, entry: FileEntry, chunk: int) -> Vouch:
     whole and in chunks (no symlink on the way, a file of its own, the size the writer said)."""
     rel = check_rel_name(entry.path, where=f"the weights stage's reply for {shown(entry.path)}", error=WeightsError)
     path = _unlinked(root, str(rel), "the weight file's place")
-    (sha256, chunks), before = _reread(
+    def hashed(fd: int, size: int) -> tuple[tuple[str, tuple[str, ...]], tuple[int, ...]]:
+        cuts = _cuts(fd, entry, 0, path)
+        return sha256_chunked(fd, 0, size, chunk, cuts), cuts
+
+    ((sha256, chunks), cuts), before = _reread(
         path, "weight file",
         lambda size: None if size == entry.size else f"{size} bytes; the weights stage wrote {shown(entry.size)}",
-        lambda fd, size: sha256_chunked(fd, 0, size, chunk))
-    return Vouch(0, entry.size, sha256, "", before, chunk, chunks)
+        hashed)
+    return Vouch(0, entry.size, sha256, "", before, chunk, chunks, cuts)
 
 
 def reread_files(root: Path, files: tuple[FileEntry, ...],
