@@ -16,7 +16,8 @@ than sharing one mapping, whose page faults cost more than the copies):
 - the file's sha256, which the manifest, the emitted loader and the model signature pin, comes
   from these bytes, never from the child; so does the sha256 of each of its chunks (the chunk
   table, :mod:`packer.runtime.chunks`), hashed from the same buffers, cut where the file's own
-  header puts its tensors and their ranks' row splits (the header's few KiB read once more).
+  header puts its tensors and their ranks' row splits (the header's few KiB read once more, by
+  the build side's one header reader, :mod:`packer.safetensors_header`).
 
 A weight file written as a plain file (``image.weights = "external"``, ``image.single_layer``)
 is re-read the same way by :func:`reread_files`: its sha256 and its chunks' from one read of
@@ -35,14 +36,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from packer.errors import WeightsError
 from packer.hashing import sha256_chunked, sha256_range
 from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular, walk_tree
-from packer.runtime.chunks import header_cuts
-from packer.runtime.env import MAX_HEADER, ArtifactMismatchError
+from packer.runtime.chunks import tp_cuts
+from packer.safetensors_header import read_header
 from packer.util.formats import SAFETENSORS_SUFFIX, UNNAMED_BLOBS
 from packer.util.fsutil import FileEntry, Identity, identity
 from packer.util.idents import check_rel_name, shown
@@ -137,9 +138,9 @@ def _framing_matches(fd: int, size: int, prefix: bytes, suffix: bytes) -> bool:
 
 
 def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
-            hash_fd: Callable[[int, int], _T]) -> tuple[_T, Identity]:
+            hash_fd: Callable[[BinaryIO, int], _T]) -> tuple[_T, Identity]:
     """Open ``path`` (a regular file of its own), check its size, hash it, and prove the read
-    saw one unchanged file: ``(hash_fd(fd, size), the file's identity)``.
+    saw one unchanged file: ``(hash_fd(f, size), the file's identity)``.
 
     ``wrong_size(size)`` says what is wrong with that size (None: nothing); ``what`` names the
     file in the messages ("layer blob", "weight file").
@@ -157,7 +158,7 @@ def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
         if (why := wrong_size(size)) is not None:
             raise WeightsError(f"{path}: {why}")
         try:
-            got = hash_fd(fd, size)
+            got = hash_fd(f, size)
         except EOFError as e:
             raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
         except OSError as e:
@@ -170,21 +171,29 @@ def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
     return got, before
 
 
-def _cuts(fd: int, entry: FileEntry, offset: int, path: Path) -> tuple[int, ...]:
-    """Where the chunks of the safetensors file at ``offset`` of ``fd`` are cut: its tensors' starts
-    and the ranks' row splits, from its header (a few KiB read twice: here, and in the hash)."""
-    if not entry.path.endswith(SAFETENSORS_SUFFIX) or entry.size < 8:
+def _cuts(f: BinaryIO, entry: FileEntry, offset: int, path: Path) -> tuple[int, ...]:
+    """Where the chunks of the safetensors file at ``offset`` of ``f`` are cut (its data's start,
+    its tensors' starts and ends, their ranks' row splits: :func:`packer.runtime.chunks.tp_cuts`),
+    from its own header (the build side's one reader; its few KiB read twice, here and in the hash).
+
+    Raises:
+        WeightsError: a header that is not a safetensors header of the file's size.
+    """
+    if not entry.path.endswith(SAFETENSORS_SUFFIX):
         return ()
-    n = int.from_bytes(os.pread(fd, 8, offset), "little")
-    if n > min(entry.size - 8, MAX_HEADER):
-        raise WeightsError(f"{path}: {shown(entry.path)}: header length {n} is impossible for {entry.size} bytes")
-    raw = os.pread(fd, n, offset + 8)
-    try:
-        if len(raw) != n:
-            raise ArtifactMismatchError(f"{shown(entry.path)}: cut short in its header")
-        return header_cuts(raw, entry.size, shown(entry.path))
-    except ArtifactMismatchError as e:
-        raise WeightsError(f"{path}: {e}") from None
+    header, start = read_header(f, path, entry.size, error=WeightsError, offset=offset)
+    tensors = []
+    for name, rec in header.items():
+        if name == "__metadata__":
+            continue
+        offs, shape = (rec.get("data_offsets"), rec.get("shape")) if isinstance(rec, dict) else (None, None)
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)
+                and isinstance(shape, list) and all(type(x) is int for x in shape)
+                and 0 <= offs[0] <= offs[1] <= entry.size - start):
+            raise WeightsError(f"{path}: {shown(entry.path)}: tensor {shown(str(name)[:80])} is not a header "
+                               f"entry of a {entry.size}-byte file")
+        tensors.append((offs[0], offs[1], shape))
+    return tp_cuts(start, tensors, entry.size)
 
 
 def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor, chunk: int) -> Vouch:
@@ -196,11 +205,12 @@ def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecut
         return (f"{size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
                 f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
 
-    def hashed(fd: int, size: int) -> tuple[str, tuple[str, tuple[str, ...]], tuple[int, ...]]:
+    def hashed(f: BinaryIO, size: int) -> tuple[str, tuple[str, tuple[str, ...]], tuple[int, ...]]:
+        fd = f.fileno()
         if not _framing_matches(fd, size, prefix, suffix):
             raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this "
                                "build writes: the weights stage wrote it wrong (or it shrank)")
-        cuts = _cuts(fd, entry, entry.offset, path)
+        cuts = _cuts(f, entry, entry.offset, path)
         blob = pool.submit(sha256_range, fd, 0, size)  # the blob: its name
         inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk, cuts)  # the file
         try:
@@ -220,9 +230,9 @@ def _read_plain(root: Path, entry: FileEntry, chunk: int) -> Vouch:
     whole and in chunks (no symlink on the way, a file of its own, the size the writer said)."""
     rel = check_rel_name(entry.path, where=f"the weights stage's reply for {shown(entry.path)}", error=WeightsError)
     path = _unlinked(root, str(rel), "the weight file's place")
-    def hashed(fd: int, size: int) -> tuple[tuple[str, tuple[str, ...]], tuple[int, ...]]:
-        cuts = _cuts(fd, entry, 0, path)
-        return sha256_chunked(fd, 0, size, chunk, cuts), cuts
+    def hashed(f: BinaryIO, size: int) -> tuple[tuple[str, tuple[str, ...]], tuple[int, ...]]:
+        cuts = _cuts(f, entry, 0, path)
+        return sha256_chunked(f.fileno(), 0, size, chunk, cuts), cuts
 
     ((sha256, chunks), cuts), before = _reread(
         path, "weight file",

@@ -150,28 +150,6 @@ def tp_cuts(data_start: int, tensors: Iterable[tuple[int, int, Sequence[int]]], 
     return tuple(sorted(c for c in cuts if 0 < c < size))
 
 
-def header_cuts(raw: bytes, size: int, where: str) -> tuple[int, ...]:
-    """:func:`tp_cuts` of a safetensors file of ``size`` bytes whose header (the JSON after the
-    8-byte length) is ``raw``.
-
-    Raises:
-        ArtifactMismatchError: a header that is not a safetensors header of ``size`` bytes.
-    """
-    header = loads_json(raw, f"{where}: safetensors header")
-    data_start = 8 + len(raw)
-    tensors: list[tuple[int, int, list[int]]] = []
-    for name, rec in header.items():
-        if name == "__metadata__":
-            continue
-        offs, shape = (rec.get("data_offsets"), rec.get("shape")) if isinstance(rec, dict) else (None, None)
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)
-                and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)
-                and 0 <= offs[0] <= offs[1] <= size - data_start):
-            raise _fail(where, f"tensor {str(name)[:80]!r}: not a header entry of a {size}-byte file")
-        tensors.append((int(offs[0]), int(offs[1]), [int(x) for x in shape]))
-    return tp_cuts(data_start, tensors, size)
-
-
 def table_in_tree(weights: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``[(path in the model directory, path in OUT)]`` of the build's chunk table (none without one).
 
