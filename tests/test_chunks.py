@@ -526,6 +526,34 @@ def test_a_flipped_byte_is_refused_by_the_rank_that_reads_it_only(built: Path, t
     assert not ours[0]["error"].startswith("mismatch"), ours[0]["error"]  # rank 0 saw its peer leave, no more
 
 
+def test_an_older_builds_v1_table_still_proves_its_chunks(built: Path, tmp_path: Path) -> None:
+    """A build made before the cuts (its table ``packer-chunks/v1``, a fixed grid) loads and
+    verifies as it did, and a changed byte is named by its grid chunk."""
+    old = _copy(built, tmp_path / "old")
+    path, offset, size = weight_location(old, WEIGHTS)
+    data = path.read_bytes()[offset: offset + size]
+    table = json.loads((old / CHUNKS_REL).read_bytes())
+    rec = table["files"][WEIGHTS]
+    del rec["cuts"]
+    rec["chunks"] = "".join(hashlib.sha256(data[i:i + CHUNK]).hexdigest() for i in range(0, size, CHUNK))
+    table["format"] = "packer-chunks/v1"
+    raw = canonical_json(table)
+    (old / CHUNKS_REL).write_bytes(raw)
+    manifest = json.loads((old / "manifest.json").read_bytes())
+    manifest["files"][CHUNKS_REL] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (old / "manifest.json").write_bytes(canonical_json(manifest))
+    loader = open_build(old)
+    assert loader.chunk_table()[WEIGHTS].cuts == (0,)
+    loader.load_weights("cpu", verify=True)
+    assert [s["chunks"] for s in loader.report() if s["stage"] == "verify chunks"] == [-(-size // CHUNK)]
+    at = size // 2
+    _flip(path, offset + at)
+    c = at // CHUNK
+    grid = rf"old/{WEIGHTS}: chunk {c} \(bytes \[{c * CHUNK}, {c * CHUNK + CHUNK}\)"
+    with pytest.raises(ArtifactMismatchError, match=grid):
+        open_build(old).load_weights("cpu", verify=True)
+
+
 def test_a_build_without_a_table_verifies_whole_files(built: Path, tmp_path: Path) -> None:
     manifest = json.loads((built / "manifest.json").read_bytes())
     del manifest["weights"]["chunks"]
