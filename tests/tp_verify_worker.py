@@ -19,7 +19,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.tp_worker import IDS, drop_cache, emitted_loader, plan_bytes, read_bytes
+from tests.tp_worker import IDS, emitted_loader, plan_bytes, read_bytes
+
+
+def drop_cache(folder: Path) -> None:
+    """Evict every file of the build ``folder`` from the page cache: its weight files lie in
+    layer blobs (``image/blobs/sha256/...``) as well as beside the small files."""
+    for f in sorted(folder.rglob("*")):
+        if f.is_file() and not f.is_symlink():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def _load(pl: Any, torch: Any, mine: Path) -> dict[str, Any]:
