@@ -9,6 +9,12 @@ bytes a verified load hashes against the rank's share (its spans + the replicate
 the cost of hashing chunks in the build's re-read: ``sha256_chunked`` against ``sha256_range`` over
 the same bytes (page cache warm), per chunk size.
 
+Each layout twice: the fixed grid of a ``packer-chunks/v1`` table (older builds), and the chunks
+a build cuts now (``packer-chunks/v2``: cut at the header's end, each tensor's start and end and
+its row splits at TP 2, 4 and 8, by the runtime's own :func:`packer.runtime.chunks.tp_cuts`),
+with TP 3 and 16 beside them as degrees the cuts were not made for. ``--aligned-only`` skips the
+grid and the hashing timings (seconds, not minutes).
+
 Nothing here reads a model: the layouts are computed from the shapes.
 """
 
@@ -16,8 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: this tree's packer
+
+from packer.runtime.chunks import FileChunks, pieces, split, tp_cuts  # noqa: E402
 
 MIB = 1 << 20
 BF16 = 2
@@ -61,52 +73,64 @@ def files(c: dict, max_shard: int = 5 * 10**9) -> list[list[tuple[int, int, str,
     return shards
 
 
-def split(size: int, world: int, rank: int) -> tuple[int, int]:
-    chunk = -(-size // world)
-    start = min(rank * chunk, size)
-    return min(size, start + chunk) - start, start
+HEADER = 64 * 1024  # the header's bytes in these layouts (files() starts the data there)
 
 
-def per_rank(c: dict, chunk: int, world: int, rank: int) -> tuple[int, int, int]:
-    """``(share, hashed, spans)`` bytes of ``rank``: its spans and replicated tensors, the chunks covering them."""
+def cut_table(shard: list[tuple[int, int, str, tuple[int, ...]]], chunk: int, aligned: bool) -> FileChunks:
+    """The chunks of one shard as a build cuts them (``aligned``: v2; else the v1 grid)."""
+    size = shard[-1][0] + shard[-1][1]
+    tensors = [(at - HEADER, at - HEADER + n, shape) for at, n, _, shape in shard]
+    cuts = tp_cuts(HEADER, tensors, size) if aligned else ()
+    starts, firsts, _ = pieces(size, chunk, cuts)
+    return FileChunks(chunk, size, "0" * 64, "", starts, firsts)
+
+
+def per_rank(c: dict, chunk: int, world: int, rank: int, aligned: bool = False) -> tuple[int, int, int]:
+    """``(share, hashed, spans)`` bytes of ``rank``: its spans and replicated tensors, the chunks
+    covering them (and the header's), as ``SpanCheck`` hashes them: per span, a shared edge chunk twice."""
     share = hashed = spans = 0
     for shard in files(c):
-        covered: set[int] = set(range(0, -(-shard[0][0] // chunk)))  # the header's chunks
-        hashed_here = 0
+        fc = cut_table(shard, chunk, aligned)
+        hashed += sum(b - a for a, b in map(fc.bounds, fc.cover(0, HEADER)))
         for at, n, how, shape in shard:
             if how == "rows":
                 rows, row = shape[0], n // shape[0]
-                k, first = split(rows, world, rank)
+                k, first = split(rows, world, rank)  # the runtime's split (packer/runtime/tp.py)
                 lo, hi = at + first * row, at + (first + k) * row
             else:
                 lo, hi = at, at + n
             share += hi - lo
             spans += 1
-            # as SpanCheck does: every chunk covering the span, hashed per span (a shared edge chunk twice)
-            hashed_here += sum(min((i + 1) * chunk, shard[-1][0] + shard[-1][1]) - i * chunk
-                               for i in range(lo // chunk, (hi - 1) // chunk + 1))
-        hashed += hashed_here + len(covered) * chunk
+            hashed += sum(b - a for a, b in map(fc.bounds, fc.cover(lo, hi)))
     return share, hashed, spans
 
 
-def table_bytes(c: dict, chunk: int) -> int:
-    doc = {"algorithm": "sha256", "chunk_size": chunk, "format": "packer-chunks/v1", "files": {}}
+def table_bytes(c: dict, chunk: int, aligned: bool = False) -> int:
+    """The table's bytes as packer writes it (v2 ``aligned``: each file's cuts and their chunks)."""
+    doc: dict = {"algorithm": "sha256", "chunk_size": chunk,
+                 "format": "packer-chunks/v2" if aligned else "packer-chunks/v1", "files": {}}
     for i, shard in enumerate(files(c)):
-        size = shard[-1][0] + shard[-1][1]
-        doc["files"][f"weights/model-{i:05d}-of-99999.safetensors"] = {
-            "size": size, "sha256": "0" * 64, "chunks": "0" * 64 * -(-size // chunk)}
+        fc = cut_table(shard, chunk, aligned)
+        rec = {"size": fc.size, "sha256": "0" * 64, "chunks": "0" * 64 * pieces(fc.size, chunk, fc.cuts[1:])[2]}
+        if aligned:
+            rec["cuts"] = list(fc.cuts[1:])
+        doc["files"][f"weights/model-{i:05d}-of-99999.safetensors"] = rec
     return len(json.dumps(doc, sort_keys=True, separators=(",", ":")))
 
 
-def parse_cost(c: dict, chunk: int) -> float:
+def chunk_total(c: dict, chunk: int, aligned: bool) -> int:
+    return sum(pieces(fc.size, chunk, fc.cuts[1:])[2] for fc in (cut_table(s, chunk, aligned) for s in files(c)))
+
+
+def parse_cost(c: dict, chunk: int, aligned: bool = False) -> float:
     """Seconds the runtime takes to parse and check the table of ``c`` (best of 3)."""
     from packer.runtime.chunks import parse_table, table_doc
 
     table, pinned = {}, {}
     for i, shard in enumerate(files(c)):
-        size, rel = shard[-1][0] + shard[-1][1], f"weights/model-{i:05d}-of-99999.safetensors"
-        table[rel] = (size, "0" * 64, ("0" * 64,) * -(-size // chunk))
-        pinned[rel] = {"size": size, "sha256": "0" * 64}
+        fc, rel = cut_table(shard, chunk, aligned), f"weights/model-{i:05d}-of-99999.safetensors"
+        table[rel] = (fc.size, "0" * 64, ("0" * 64,) * pieces(fc.size, chunk, fc.cuts[1:])[2], fc.cuts[1:])
+        pinned[rel] = {"size": fc.size, "sha256": "0" * 64}
     data = json.dumps(table_doc(chunk, table), sort_keys=True, separators=(",", ":")).encode()
     best = float("inf")
     for _ in range(3):
@@ -124,9 +148,12 @@ def hashing_cost(size: int = 512 * MIB) -> None:
         f.flush()
         fd = f.fileno()
         sha256_range(fd, 0, size)  # page cache warm
+        # a 7B's density of cuts (2 328 in 13.5 GB: one per ~5.8 MB), none on the MiB grid
+        cuts = tuple(range(5_800_007, size, 5_800_007))
         for name, run in [("whole only (before)", lambda: sha256_range(fd, 0, size)),
                           *[(f"whole + {c // MIB} MiB chunks", lambda c=c: sha256_chunked(fd, 0, size, c))
-                            for c in (1 * MIB, 4 * MIB, 16 * MIB)]]:
+                            for c in (1 * MIB, 4 * MIB, 16 * MIB)],
+                          ("whole + 1 MiB chunks, cut", lambda: sha256_chunked(fd, 0, size, MIB, cuts))]:
             cpu = min(_cpu(run) for _ in range(3))
             wall = min(_wall(run) for _ in range(3))
             print(f"  {name:24s} {cpu:6.3f} CPU-s, {wall:6.3f} s wall for {size // MIB} MiB "
@@ -172,7 +199,26 @@ def _cpu(run) -> float:  # type: ignore[no-untyped-def]
     return time.process_time() - t
 
 
+def aligned() -> None:
+    """The chunks a build cuts now: hashed/share per degree, the table and its parse."""
+    print("chunks cut at the ranks' splits (packer-chunks/v2; cut for TP 2, 4, 8):")
+    for name, c in LLAMAS.items():
+        for chunk in (1 * MIB, 4 * MIB):
+            grid, cut = chunk_total(c, chunk, False), chunk_total(c, chunk, True)
+            line = [f"  {name} {chunk // MIB:2d} MiB: table {table_bytes(c, chunk, True) / 1e6:6.3f} MB "
+                    f"(grid {table_bytes(c, chunk) / 1e6:6.3f}), {cut} chunks (grid {grid}, +{cut - grid}), "
+                    f"parsed in {parse_cost(c, chunk, True) * 1e3:5.1f} ms"]
+            for world in (2, 4, 8, 3, 16):
+                worst = max((per_rank(c, chunk, world, r, aligned=True) for r in range(world)),
+                            key=lambda x: x[1] / x[0])
+                line.append(f"TP{world}: {worst[1] / worst[0]:.4f} ({(worst[1] - worst[0]) / 1e6:.2f} MB over)")
+            print(" | ".join(line))
+
+
 def main() -> None:
+    aligned()
+    if "--aligned-only" in sys.argv:
+        return
     for name, c in LLAMAS.items():
         total = sum(s[-1][0] + s[-1][1] for s in files(c))
         print(f"{name}: {total / 1e9:.1f} GB in {len(files(c))} files")

@@ -71,7 +71,7 @@ def _with_chunk_table(ctx: StageContext, out: StageOutput) -> StageOutput:
     from packer.oci.reread import PLAIN
 
     vouches = {f.path: out.vouched.get(str(f.place().blob_digest) if f.blob else PLAIN + f.path) for f in out.files}
-    digests = {rel: (v.chunk, v.chunks) for rel, v in vouches.items() if v is not None}
+    digests = {rel: (v.chunk, v.chunks, v.cuts) for rel, v in vouches.items() if v is not None}
     data = chunk_table(out.files, digests)
     if data is None:
         return out

@@ -32,12 +32,16 @@ __all__ = ["CHUNKS_NAME", "CHUNKS_REL", "DEFAULT_CHUNK", "MAX_CHUNK", "MIN_CHUNK
 DEFAULT_CHUNK = 1 << 20  # 1 MiB: benchmarks/RESULTS.md ("Chunk size") gives the numbers
 
 
-def chunk_table(files: tuple[FileEntry, ...], digests: Mapping[str, tuple[int, tuple[str, ...]]]) -> bytes | None:
-    """The bytes of ``packer-chunks.json`` for the weight files hashed in chunks.
+Hashed = tuple[int, tuple[str, ...], tuple[int, ...]]  # (chunk size, chunk digests, cuts) of one file
+
+
+def chunk_table(files: tuple[FileEntry, ...], digests: Mapping[str, Hashed]) -> bytes | None:
+    """The bytes of ``packer-chunks.json`` (``packer-chunks/v2``) for the weight files hashed in chunks.
 
     Args:
         files: the weights stage's files (each file's final size and sha256).
-        digests: ``{path in OUT: (chunk size, chunk digests)}`` from the build's read of the bytes.
+        digests: ``{path in OUT: (chunk size, chunk digests, cuts)}`` from the build's read of
+            the bytes (:func:`packer.hashing.sha256_chunked`).
 
     Returns:
         canonical JSON (same digests, same bytes), or None when no file was hashed in chunks.
@@ -45,13 +49,13 @@ def chunk_table(files: tuple[FileEntry, ...], digests: Mapping[str, tuple[int, t
     Raises:
         ValueError: files hashed with different chunk sizes (a bug in the build).
     """
-    sizes = {chunk for chunk, _ in digests.values()}
+    sizes = {chunk for chunk, _, _ in digests.values()}
     if not sizes:
         return None
     if len(sizes) != 1:
         raise ValueError(f"chunk_table: one chunk size per build, got {sorted(sizes)}")
     by_path = {f.path: f for f in files}
-    table = {rel: (by_path[rel].size, by_path[rel].sha256, chunks) for rel, (_, chunks) in digests.items()}
+    table = {rel: (by_path[rel].size, by_path[rel].sha256, chunks, cuts) for rel, (_, chunks, cuts) in digests.items()}
     return canonical_json(table_doc(sizes.pop(), table))
 
 
@@ -73,26 +77,26 @@ def _read_table(out: Path, manifest: Mapping[str, Any]) -> dict[str, FileChunks]
         raise VerifyError(str(e)) from None
 
 
-def _hashed(out: Path, place: FilePlace, chunk: int) -> tuple[str, ...]:
-    path, offset, size = place.path(out)
+def _hashed(out: Path, place: FilePlace, fc: FileChunks) -> tuple[str, ...]:
+    path, offset, _ = place.path(out)
     with open_regular(path, VerifyError) as f:
         try:  # each chunk by the one span hasher: every byte read once, in reads of HASH_READ
-            return tuple(hash_span(f.fileno(), offset + a, min(chunk, size - a), str(path), buffer=HASH_READ)
-                         for a in range(0, size, chunk))
+            return tuple(hash_span(f.fileno(), offset + a, b - a, str(path), buffer=HASH_READ)
+                         for a, b in map(fc.bounds, range(fc.total)))
         except (OSError, ArtifactMismatchError) as e:
             raise VerifyError(f"{path}: cannot read {place.rel} to check its chunks ({e})") from e
 
 
 def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, FilePlace],
-                  vouched: Mapping[str, tuple[int, tuple[str, ...]]] | None = None) -> int:
+                  vouched: Mapping[str, Hashed] | None = None) -> int:
     """Check the build's chunk table against the weight files' bytes.
 
     Args:
         out: the build directory.
         manifest: its manifest (``weights.chunks`` names the table; absent: nothing to check).
         places: every files entry, read (:func:`packer.place.places_of`).
-        vouched: ``{path in OUT: (chunk size, digests)}`` the build's own re-read hashed, for
-            its final verification: those files are not read again.
+        vouched: ``{path in OUT: (chunk size, digests, cuts)}`` the build's own re-read hashed,
+            for its final verification: those files are not read again.
 
     Returns:
         the bytes hashed here (0 when everything was vouched for or there is no table).
@@ -111,10 +115,12 @@ def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, F
     hashed = 0
     for rel, fc in sorted(table.items()):
         mine = (vouched or {}).get(rel)
-        if mine is not None and mine[0] == fc.chunk:
+        if mine is not None and (mine[0], (0, *mine[2])) == (fc.chunk, fc.cuts):
             got = mine[1]
         else:
-            got, hashed = _hashed(out, places[rel], fc.chunk), hashed + fc.size
+            got, hashed = _hashed(out, places[rel], fc), hashed + fc.size
+        if len(got) != fc.total:  # the table's own count: a digest missing is a chunk unproven
+            raise VerifyError(f"{out / CHUNKS_REL}: {len(got)} chunks of {rel} hashed, the table holds {fc.total}")
         try:
             for i, digest in enumerate(got):  # the runtime's one prover, its one message
                 prove_chunk(_where(out, places[rel]), fc, i, digest, table=CHUNKS_REL)

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from packer.reading import open_regular
+from packer.runtime.chunks import chunk_ends
 from packer.runtime.env import ArtifactMismatchError
 from packer.runtime.proof import hash_span
 from packer.runtime.reading import read_at
@@ -90,46 +91,45 @@ def sha256_range(fd: int, start: int, end: int) -> str:
 
 
 class _Chunks:
-    """sha256 of each ``chunk``-byte piece of a range fed in order from ``start``."""
+    """sha256 of each chunk of a range fed in order, the chunks ending at ``ends`` (absolute)."""
 
-    def __init__(self, start: int, chunk: int) -> None:
-        self.start, self.chunk, self.piece = start, chunk, hashlib.sha256()
+    def __init__(self, ends: list[int]) -> None:
+        self.ends, self.k, self.piece = ends, 0, hashlib.sha256()
         self.done: list[str] = []
 
     def feed(self, view: memoryview, at: int) -> None:
         pos = 0
         while pos < len(view):  # a chunk's end may fall inside the buffer (a chunk under its size)
-            take = min(len(view) - pos, self.chunk - (at + pos - self.start) % self.chunk)
+            take = min(len(view) - pos, self.ends[self.k] - (at + pos))
             self.piece.update(view[pos:pos + take])
             pos += take
-            if (at + pos - self.start) % self.chunk == 0:
+            if at + pos == self.ends[self.k]:
                 self.done.append(self.piece.hexdigest())
-                self.piece = hashlib.sha256()
-
-    def close(self, end: int) -> tuple[str, ...]:
-        if (end - self.start) % self.chunk:
-            self.done.append(self.piece.hexdigest())
-        return tuple(self.done)
+                self.piece, self.k = hashlib.sha256(), self.k + 1
 
 
-def sha256_chunked(fd: int, start: int, end: int, chunk: int) -> tuple[str, tuple[str, ...]]:
-    """sha256 (hex) of bytes ``start:end`` of ``fd`` and of each ``chunk``-byte piece of them, from
-    one read (``pread`` into buffers of this call's own, as :func:`sha256_range`).
+def sha256_chunked(fd: int, start: int, end: int, chunk: int,
+                   cuts: tuple[int, ...] = ()) -> tuple[str, tuple[str, ...]]:
+    """sha256 (hex) of bytes ``start:end`` of ``fd`` and of each of its chunks, from one read
+    (``pread`` into buffers of this call's own, as :func:`sha256_range`).
 
-    The chunks are hashed on a helper thread from the buffer just read while this one reads the
-    next and hashes it whole (hashlib releases the GIL): two buffers, each reused only once the
-    helper is done with it. Where cores are free the chunks cost no wall time.
+    The range is cut at ``cuts`` (offsets from ``start``, sorted, inside the range: the chunk
+    table's, :func:`packer.runtime.chunks.tp_cuts`) and each piece into ``chunk``-byte chunks
+    from its start (:func:`packer.runtime.chunks.chunk_ends`). The chunks are hashed on a helper
+    thread from the buffer just read while this one reads the next and hashes it whole (hashlib
+    releases the GIL): two buffers, each reused only once the helper is done with it. Where cores
+    are free the chunks cost no wall time; cuts change where a chunk ends, not the bytes hashed.
 
     Returns:
-        ``(whole, chunks)``: the range's sha256 and each chunk's, the last chunk shorter.
+        ``(whole, chunks)``: the range's sha256 and each chunk's, in order.
 
     Raises:
-        ValueError: not ``0 <= start <= end`` or ``chunk < 1``; EOFError: the file ends
-            before ``end``; OSError: unreadable.
+        ValueError: not ``0 <= start <= end``, ``chunk < 1`` or cuts outside the range; EOFError:
+            the file ends before ``end``; OSError: unreadable.
     """
-    if not 0 <= start <= end or chunk < 1:
+    if not 0 <= start <= end or chunk < 1 or any(not 0 < c < end - start for c in cuts):
         raise ValueError(f"sha256_chunked: not a range of bytes in chunks: {start}:{end} by {chunk}")
-    whole, pieces = hashlib.sha256(), _Chunks(start, chunk)
+    whole, pieces = hashlib.sha256(), _Chunks([start + e for e in chunk_ends(end - start, chunk, cuts)])
     bufs = [memoryview(bytearray(min(HASH_READ, end - start))) for _ in range(2)]
     with ThreadPoolExecutor(1, thread_name_prefix="packer-chunks") as helper:
         pending: Future[None] | None = None
@@ -146,7 +146,7 @@ def sha256_chunked(fd: int, start: int, end: int, chunk: int) -> tuple[str, tupl
             at, turn = at + n, 1 - turn
         if pending is not None:
             pending.result()
-    return whole.hexdigest(), pieces.close(end)
+    return whole.hexdigest(), tuple(pieces.done)
 
 
 def file_entry(root: Path, path: Path) -> FileEntry:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.bundle import verify_bundle
-from packer.chunks import chunk_difference, verify_chunks
+from packer.chunks import Hashed, chunk_difference, verify_chunks
 from packer.components import artifact_files, components_of
 from packer.errors import ImageArtifactMismatchError, VerifyError, WarmStateError
 from packer.filetree import disk_usage
@@ -246,11 +246,11 @@ def verify(out: Path, *, public_key: Path | None = None, vouched: Vouched | None
 
 
 def _chunk_vouches(places: dict[str, FilePlace], vouched: Vouched | None,
-                   plain: dict[str, Vouch]) -> dict[str, tuple[int, tuple[str, ...]]]:
+                   plain: dict[str, Vouch]) -> dict[str, Hashed]:
     """The chunk digests the build's re-read took of each file, by its path (a blob holds one file)."""
     by_blob = {p.blob_digest: rel for rel, p in places.items() if p.in_blob}
     held = {by_blob[d]: v for d, v in (vouched or {}).items() if d in by_blob}
-    return {rel: (v.chunk, v.chunks) for rel, v in {**held, **plain}.items() if v.chunk}
+    return {rel: (v.chunk, v.chunks, v.cuts) for rel, v in {**held, **plain}.items() if v.chunk}
 
 
 def _verify(out: Path, public_key: Path | None, vouched: Vouched | None) -> dict[str, Any]:
@@ -346,7 +346,6 @@ def verify_ref(ref: str, *, public_key: Path | None = None) -> dict[str, Any]:
 def _prove_view(view: Any) -> dict[str, Any]:
     """Every weight file of ``view``'s build read through its source, each chunk proven; the
     small files checked against the manifest (their size and sha256)."""
-    from packer.runtime.chunks import chunk_count
     from packer.runtime.proof import SpanCheck, check_sha256, hash_span
     from packer.runtime.view import close_source
 
@@ -368,7 +367,7 @@ def _prove_view(view: Any) -> dict[str, Any]:
                 SpanCheck(table).check_file(rel, src, base, where)
         finally:
             close_source(src)
-        nbytes, chunks = nbytes + size, chunks + chunk_count(size, table[rel].chunk)
+        nbytes, chunks = nbytes + size, chunks + table[rel].total
     for rel in small:
         view.check_small(rel, verify=True)
         nbytes += files[rel]["size"]

@@ -94,10 +94,11 @@ def _during_the_re_read(monkeypatch: pytest.MonkeyPatch, act: Any) -> list[int |
         act(fd)
         return real(fd, start, end)
 
-    def hash_file(fd: int, start: int, end: int, chunk: int) -> tuple[str, tuple[str, ...]]:  # the file's
+    def hash_file(fd: int, start: int, end: int, chunk: int,
+                  cuts: tuple[int, ...] = ()) -> tuple[str, tuple[str, ...]]:  # the file's
         time.sleep(0.2)  # still reading when the blob's hash has failed
         try:
-            return real_chunked(fd, start, end, chunk)
+            return real_chunked(fd, start, end, chunk, cuts)
         finally:
             try:
                 seen.append(os.fstat(fd).st_ino)

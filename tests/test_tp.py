@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from packer.runtime.tp import split
+from packer.runtime.chunks import split
 from packer.stub import emit_loader
 from tests.hf_fixtures import llama, packer_artifacts
 

@@ -15,7 +15,9 @@ than sharing one mapping, whose page faults cost more than the copies):
 - the blob's digest names it: it moves to ``image/blobs/sha256/<digest>``;
 - the file's sha256, which the manifest, the emitted loader and the model signature pin, comes
   from these bytes, never from the child; so does the sha256 of each of its chunks (the chunk
-  table, :mod:`packer.runtime.chunks`), hashed from the same buffers.
+  table, :mod:`packer.runtime.chunks`), hashed from the same buffers, cut where the file's own
+  header puts its tensors and their ranks' row splits (the header's few KiB read once more, by
+  the build side's one header reader, :mod:`packer.safetensors_header`).
 
 A weight file written as a plain file (``image.weights = "external"``, ``image.single_layer``)
 is re-read the same way by :func:`reread_files`: its sha256 and its chunks' from one read of
@@ -34,12 +36,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from packer.errors import WeightsError
 from packer.hashing import sha256_chunked, sha256_range
 from packer.place import BLOBS, blob_rel
 from packer.reading import open_regular, walk_tree
+from packer.runtime.chunks import tp_cuts
+from packer.safetensors_header import read_header
 from packer.util.formats import SAFETENSORS_SUFFIX, UNNAMED_BLOBS
 from packer.util.fsutil import FileEntry, Identity, identity
 from packer.util.idents import check_rel_name, shown
@@ -60,6 +64,8 @@ class Vouch:
             identity takes both digests; stat shows no write since, which is what it can tell.
         chunk, chunks: the chunk size (bytes) and the file's chunk digests (hex), from the
             same read.
+        cuts: where the file's chunks were cut besides the fixed grid (its offsets, from its
+            own header: :func:`packer.runtime.chunks.header_cuts`).
     """
 
     offset: int
@@ -69,6 +75,7 @@ class Vouch:
     identity: Identity
     chunk: int = 0
     chunks: tuple[str, ...] = ()
+    cuts: tuple[int, ...] = ()
 
 
 Vouched = dict[str, Vouch]  # "sha256:<blob hex>" (a blob) or "file:<path in OUT>" (a plain file) -> what was read
@@ -131,9 +138,9 @@ def _framing_matches(fd: int, size: int, prefix: bytes, suffix: bytes) -> bool:
 
 
 def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
-            hash_fd: Callable[[int, int], _T]) -> tuple[_T, Identity]:
+            hash_fd: Callable[[BinaryIO, int], _T]) -> tuple[_T, Identity]:
     """Open ``path`` (a regular file of its own), check its size, hash it, and prove the read
-    saw one unchanged file: ``(hash_fd(fd, size), the file's identity)``.
+    saw one unchanged file: ``(hash_fd(f, size), the file's identity)``.
 
     ``wrong_size(size)`` says what is wrong with that size (None: nothing); ``what`` names the
     file in the messages ("layer blob", "weight file").
@@ -151,7 +158,7 @@ def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
         if (why := wrong_size(size)) is not None:
             raise WeightsError(f"{path}: {why}")
         try:
-            got = hash_fd(fd, size)
+            got = hash_fd(f, size)
         except EOFError as e:
             raise WeightsError(f"{path}: shrank while the build re-read it ({e})") from e
         except OSError as e:
@@ -164,6 +171,31 @@ def _reread(path: Path, what: str, wrong_size: Callable[[int], str | None],
     return got, before
 
 
+def _cuts(f: BinaryIO, entry: FileEntry, offset: int, path: Path) -> tuple[int, ...]:
+    """Where the chunks of the safetensors file at ``offset`` of ``f`` are cut (its data's start,
+    its tensors' starts and ends, their ranks' row splits: :func:`packer.runtime.chunks.tp_cuts`),
+    from its own header (the build side's one reader; its few KiB read twice, here and in the hash).
+
+    Raises:
+        WeightsError: a header that is not a safetensors header of the file's size.
+    """
+    if not entry.path.endswith(SAFETENSORS_SUFFIX):
+        return ()
+    header, start = read_header(f, path, entry.size, error=WeightsError, offset=offset)
+    tensors = []
+    for name, rec in header.items():
+        if name == "__metadata__":
+            continue
+        offs, shape = (rec.get("data_offsets"), rec.get("shape")) if isinstance(rec, dict) else (None, None)
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)
+                and isinstance(shape, list) and all(type(x) is int for x in shape)
+                and 0 <= offs[0] <= offs[1] <= entry.size - start):
+            raise WeightsError(f"{path}: {shown(entry.path)}: tensor {shown(str(name)[:80])} is not a header "
+                               f"entry of a {entry.size}-byte file")
+        tensors.append((offs[0], offs[1], shape))
+    return tp_cuts(start, tensors, entry.size)
+
+
 def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecutor, chunk: int) -> Vouch:
     prefix, suffix = framing(entry.path, entry.size)
 
@@ -173,22 +205,24 @@ def _read(path: Path, entry: FileEntry, framing: Framing, pool: ThreadPoolExecut
         return (f"{size} bytes, with {shown(entry.path)} at offset {entry.offset}: not its "
                 f"layer ({len(prefix)} + {entry.size} + {len(suffix)} bytes)")
 
-    def hashed(fd: int, size: int) -> tuple[str, tuple[str, tuple[str, ...]]]:
+    def hashed(f: BinaryIO, size: int) -> tuple[str, tuple[str, tuple[str, ...]], tuple[int, ...]]:
+        fd = f.fileno()
         if not _framing_matches(fd, size, prefix, suffix):
             raise WeightsError(f"{path}: the tar framing around {shown(entry.path)} is not what this "
                                "build writes: the weights stage wrote it wrong (or it shrank)")
+        cuts = _cuts(f, entry, entry.offset, path)
         blob = pool.submit(sha256_range, fd, 0, size)  # the blob: its name
-        inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk)  # the file
+        inside = pool.submit(sha256_chunked, fd, entry.offset, entry.offset + entry.size, chunk, cuts)  # the file
         try:
-            return blob.result(), inside.result()
+            return blob.result(), inside.result(), cuts
         finally:
             hashers: list[Future[Any]] = [blob, inside]
             for h in hashers:  # neither hasher may outlive the descriptor it reads
                 h.cancel()
             wait(hashers)
 
-    (digest, (sha256, chunks)), before = _reread(path, "layer blob", wrong_size, hashed)
-    return Vouch(entry.offset, entry.size, sha256, digest, before, chunk, chunks)
+    (digest, (sha256, chunks), cuts), before = _reread(path, "layer blob", wrong_size, hashed)
+    return Vouch(entry.offset, entry.size, sha256, digest, before, chunk, chunks, cuts)
 
 
 def _read_plain(root: Path, entry: FileEntry, chunk: int) -> Vouch:
@@ -196,11 +230,15 @@ def _read_plain(root: Path, entry: FileEntry, chunk: int) -> Vouch:
     whole and in chunks (no symlink on the way, a file of its own, the size the writer said)."""
     rel = check_rel_name(entry.path, where=f"the weights stage's reply for {shown(entry.path)}", error=WeightsError)
     path = _unlinked(root, str(rel), "the weight file's place")
-    (sha256, chunks), before = _reread(
+    def hashed(f: BinaryIO, size: int) -> tuple[tuple[str, tuple[str, ...]], tuple[int, ...]]:
+        cuts = _cuts(f, entry, 0, path)
+        return sha256_chunked(f.fileno(), 0, size, chunk, cuts), cuts
+
+    ((sha256, chunks), cuts), before = _reread(
         path, "weight file",
         lambda size: None if size == entry.size else f"{size} bytes; the weights stage wrote {shown(entry.size)}",
-        lambda fd, size: sha256_chunked(fd, 0, size, chunk))
-    return Vouch(0, entry.size, sha256, "", before, chunk, chunks)
+        hashed)
+    return Vouch(0, entry.size, sha256, "", before, chunk, chunks, cuts)
 
 
 def reread_files(root: Path, files: tuple[FileEntry, ...],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from .chunks import FileChunks, chunk_count
+from .chunks import FileChunks
 from .env import ArtifactMismatchError
 from .reading import PositionalSource, read_at
 
@@ -135,7 +135,7 @@ class SpanCheck:
             ArtifactMismatchError: as :meth:`check`, for the first chunk that differs.
         """
         fc = self.table[rel]
-        for i in range(chunk_count(fc.size, fc.chunk)):
+        for i in range(fc.total):
             a, b = fc.bounds(i)
             prove_chunk(where or rel, fc, i, hash_span(fd, base + a, b - a, where or rel), rank=self.rank)
             self.hashed, self.chunks = self.hashed + (b - a), self.chunks + 1

@@ -18,8 +18,8 @@ whose image and byte sources are made here:
    hashed as it arrives and refused by the one prover (:func:`~.proof.prove_chunk`), naming
    file, chunk, blob and rank, unless it is the table's. Edge chunks shared by two reads are
    kept (a few) and fetched once. The reader threads of the ring or the CPU copy run several
-   requests at once; a bulk read is cut into requests of about :data:`REQUEST` bytes on the chunk
-   grid (:meth:`RemoteFile.spans`).
+   requests at once; a bulk read is cut into requests of about :data:`REQUEST` bytes on the chunks'
+   edges (:meth:`RemoteFile.spans`).
 
 What is proven: the loader's embedded manifest pins the chunk table's sha256 and each weight
 file's place; the table pins every chunk. So every byte a load uses is proven before it is
@@ -108,11 +108,13 @@ class RemoteFile:
 
     def spans(self, at: int, n: int) -> list[tuple[int, int]]:
         """``[(start, length)]`` (starts relative to ``at``) cutting a bulk read of blob bytes
-        ``[at, at + n)`` into requests of about :data:`REQUEST` bytes, cut on the chunk grid, so
-        that no chunk is fetched by two of them."""
-        lo = at - self.place.offset
-        step = max(REQUEST // self.chunks.chunk, 1) * self.chunks.chunk
-        cuts = [lo, *range((lo // step + 1) * step, lo + n, step), lo + n]
+        ``[at, at + n)`` into requests of about :data:`REQUEST` bytes, each cut moved back to the
+        start of the chunk it falls in (the table's chunk edges), so that no chunk is fetched by
+        two of them."""
+        fc, lo = self.chunks, at - self.place.offset
+        step = max(REQUEST // fc.chunk, 1) * fc.chunk
+        edges = (max(lo, fc.bounds(fc.holding(p))[0]) for p in range((lo // step + 1) * step, lo + n, step))
+        cuts = [lo, *edges, lo + n]
         return [(a - lo, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
     def read_at(self, view: memoryview, at: int) -> None:

@@ -20,8 +20,11 @@ its ``from_pretrained(tp_plan="auto")``) and fills every parameter with this ran
 Weight files are opened with ``POSIX_FADV_RANDOM`` before their header is read: no readahead,
 a read brings in its own pages only.
 ``verify=True`` (and ``PACKER_REQUIRE_SIGNATURE``) checks, with the build's chunk table, only the
-chunks covering what this rank reads (each header, its spans, the replicated tensors): the
-span's own bytes as read, the rest of its edge chunks read for the hash. A changed byte is
+chunks covering what this rank reads (each header, its spans, the replicated tensors). A
+build's table cuts its chunks where the ranks split (:data:`~.chunks.TP_DEGREES`, by the
+:func:`~.chunks.split` this module splits with), so at those degrees a span is whole chunks and a
+rank hashes its share; elsewhere (an older table, another degree) the rest of a span's edge
+chunks is read for the hash. A changed byte is
 refused by the rank whose span holds it (:func:`~.proof.prove_chunk` names file, chunk and
 rank); the ``verify chunks`` stage reports the bytes hashed. A build without a table (older
 manifests) hashes every file whole, so every rank reads everything.
@@ -33,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .assign import module_slots
-from .chunks import rank_name
+from .chunks import rank_name, split
 from .env import torch_dtype
 from .hf import hf_construct, hf_finish
 from .hf_convert import REFUSE, conversion_table
@@ -168,13 +171,6 @@ def _put(torch: Any, slot: Any, value: Any) -> None:
     for mod, name in slot.owners:
         (mod._parameters if slot.kind == "param" else mod._buffers)[name] = value
     slot.tensor = value
-
-
-def split(size: int, world: int, rank: int) -> tuple[int, int]:
-    """``(length, offset)`` of ``rank``'s part of ``size`` as DTensor's ``Shard`` splits it."""
-    chunk = -(-size // world)
-    start = min(rank * chunk, size)
-    return min(size, start + chunk) - start, start
 
 
 def local_part(torch: Any, stored: Stored, ref: Any, dev: Any, stats: dict[str, int]) -> Any:
