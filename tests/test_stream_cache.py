@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests import test_stream
+from tests.built import open_build
 from tests.registry_fixtures import Proxy, blob_file, docker_registry
 from tests.test_stream import CHUNK, WEIGHTS, Pushed, equal, insecure, stage, stub
 
@@ -108,9 +109,11 @@ def test_a_byte_flipped_in_the_caches_copy_is_refused_naming_the_chunk(
         pl = stub(out)
         with pytest.raises(pl.ArtifactMismatchError) as e:
             pl.load_weights("cpu", root=pushed.ref("plain", cache))
-    chunk, text = at // CHUNK, str(e.value)
+    fc = open_build(out).chunk_table()[WEIGHTS]  # chunks cut at the tensors and the ranks' splits
+    chunk, text = fc.holding(at), str(e.value)
+    lo, hi = fc.bounds(chunk)
     assert "\n" not in text
-    assert f"{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, {(chunk + 1) * CHUNK})" in text, text
+    assert f"{WEIGHTS}: chunk {chunk} (bytes [{lo}, {hi})" in text, text
     assert "the registry's copy is corrupt or not this build's" in text
 
 
@@ -244,9 +247,11 @@ def test_a_redirect_to_object_storage_keeps_the_range_drops_the_credentials_and_
     assert weight and all(r is not None and r.startswith("bytes=") for _, r, _ in weight), weight  # Range kept
     assert storage.seen and all(a is None for _, _, a in storage.seen)  # no credential reached the storage
     assert any(a == BASIC for _, _, a in front.seen)  # the registry itself had them
-    chunk = (entry["size"] // 2) // CHUNK
+    fc = open_build(out).chunk_table()[WEIGHTS]
+    chunk = fc.holding(entry["size"] // 2)
+    lo, hi = fc.bounds(chunk)
     assert "\n" not in str(e.value)
-    assert f"{WEIGHTS}: chunk {chunk} (bytes [{chunk * CHUNK}, {(chunk + 1) * CHUNK})" in str(e.value), str(e.value)
+    assert f"{WEIGHTS}: chunk {chunk} (bytes [{lo}, {hi})" in str(e.value), str(e.value)
 
 
 def test_reads_out_of_file_order_from_a_registry_that_never_serves_ranges(
