@@ -198,7 +198,7 @@ def spread(xs: list[float]) -> str:
     return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
 
 
-def bench(size: str, rounds: int, work: Path) -> dict[str, Any]:
+def bench(size: str, rounds: int, work: Path, tp_only: bool = False) -> dict[str, Any]:
     from packer.building import build
     from packer.oci.push import push
     from packer.recipe import recipe_from_dict
@@ -217,17 +217,19 @@ def bench(size: str, rounds: int, work: Path) -> dict[str, Any]:
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ("stream", "stream-first", "pull", "local")}
         tp_ranks: dict[str, list[list[dict[str, Any]]]] = {"tp-stream": [], "tp-local": []}
         for _ in range(rounds):
-            for mode in runs:
+            for mode in runs if not tp_only else ():
                 before = proc_cpu(proc.pid)
                 runs[mode].append(run_child(["--child", mode, str(out), ref, str(work / size)], env))
                 runs[mode][-1]["registry_cpu_s"] = proc_cpu(proc.pid) - before
             for mode in tp_ranks if size == "1GB" else ():
                 tp_ranks[mode].append(tp(out, ref, address, mode))
-        costs = request_costs(ref, address, proc.pid) if size == "1GB" else []
+        costs = request_costs(ref, address, proc.pid) if size == "1GB" and not tp_only else []
     finally:
         proc.terminate()
         proc.wait()
-    return {"size": size, "nbytes": runs["stream"][0]["nbytes"], "runs": runs, "tp": tp_ranks, "costs": costs}
+    nbytes = runs["stream"][0]["nbytes"] if runs["stream"] else tp_ranks["tp-stream"][0][0]["sharded"] + \
+        tp_ranks["tp-stream"][0][0]["replicated"]
+    return {"size": size, "nbytes": nbytes, "runs": runs, "tp": tp_ranks, "costs": costs}
 
 
 def proc_cpu(pid: int) -> float:
@@ -258,6 +260,12 @@ def request_costs(ref: str, address: str, pid: int) -> list[dict[str, float]]:
 
 def report(res: dict[str, Any]) -> None:
     r, gb = res["runs"], res["nbytes"] / 1e9
+    if r["stream"]:
+        report_loads(res, r, gb)
+    report_tp(res)
+
+
+def report_loads(res: dict[str, Any], r: dict[str, list[dict[str, Any]]], gb: float) -> None:
     med = {m: statistics.median(x["all_s"] if x["all_s"] is not None else x["first_s"] for x in r[m]) for m in r}
     print(f"\n{res['size']} model: {res['nbytes']} bytes of weights ({r['stream'][0]['tensors']} tensors), "
           f"{len(r['stream'])} interleaved rounds, min / median / max")
@@ -277,6 +285,9 @@ def report(res: dict[str, Any]) -> None:
     for c in res["costs"]:
         print(f"one Range request of {c['size'] >> 10} KiB ({c['requests']} in a row): registry CPU "
               f"{c['registry_ms']:.2f} ms, wall {c['wall_ms']:.2f} ms")
+
+
+def report_tp(res: dict[str, Any]) -> None:
     for mode, label in (("tp-stream", "streamed"), ("tp-local", "local, verify=True")):
         for rank in (0, 1) if res["tp"].get(mode) else ():
             print(f"TP 2 {label}, rank {rank}: call to model {spread([r[rank]['load_s'] for r in res['tp'][mode]])} s")
@@ -301,9 +312,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/packer-stream-bench"))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tp-only", action="store_true", help="only the tensor parallel rounds (1GB)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    results = [bench(s, args.rounds, args.work) for s in args.sizes.split(",")]
+    results = [bench(s, args.rounds, args.work, args.tp_only) for s in args.sizes.split(",")]
     for res in results:
         report(res)
     if args.json:
