@@ -512,9 +512,9 @@ def unbundle(ctx: Ctx, archive: Path, out: Path) -> None:
 
 
 @main.command("demo-model")
-@click.argument("dest", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("dir", type=click.Path(path_type=Path))
 @_common
-def demo_model(ctx: Ctx, dest: Path) -> None:
+def demo_model(ctx: Ctx, dir: Path) -> None:
     """Write the embedded demo model into DIR as a model directory (no network).
 
     The files a published model has (pickle weights pytorch_model.bin as torch.save writes
@@ -527,9 +527,9 @@ def demo_model(ctx: Ctx, dest: Path) -> None:
     """
     from packer.demo import write_demo_model
 
-    names = write_demo_model(dest)
-    ctx.log(f"wrote the demo model ({len(names)} files: {', '.join(names)}) into {dest}")
-    ctx.emit({"dir": str(dest), "files": names})
+    names = write_demo_model(dir)
+    ctx.log(f"wrote the demo model ({len(names)} files: {', '.join(names)}) into {dir}")
+    ctx.emit({"dir": str(dir), "files": names})
 
 
 @main.command()
