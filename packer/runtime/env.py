@@ -90,7 +90,7 @@ class ArtifactMismatchError(RuntimeError):
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         cls._home = cls.__module__
-        if PUBLIC_MODULE is not None:
+        if PUBLIC_MODULE is not None and cls.__module__.startswith(f"{__package__}."):  # the runtime's own
             cls.__module__ = PUBLIC_MODULE
 
     def __init__(self, message: object = "", *args: object) -> None:
