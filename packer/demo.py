@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from packer.errors import UsageError
+from packer.errors import PackerError, UsageError
 from packer.util.fsutil import atomic_open, atomic_write_bytes, remove_tree
 from packer.util.show import shell_word
 
@@ -239,6 +239,7 @@ def write_demo_model(dest: str | Path) -> list[str]:
 
     Raises:
         UsageError: ``dest``'s parent is missing, or ``dest`` exists and is not an empty directory.
+        PackerError: nothing can be written beside ``dest``.
     """
     dest = Path(dest)
     if not dest.parent.is_dir():
@@ -246,7 +247,10 @@ def write_demo_model(dest: str | Path) -> list[str]:
                          f"(mkdir -p {shell_word(str(dest.parent))}), or name a DIR whose parent exists")
     if dest.exists() and not (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
         raise UsageError(f"demo-model: {dest} already exists; name a new directory (it is created)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    except OSError as e:  # the temporary name means nothing to the user: the place does
+        raise PackerError(f"demo-model: cannot write {dest}: {e.strerror or e}") from e
     try:
         write_demo(tmp)
         tmp.chmod(0o755)
