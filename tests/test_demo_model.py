@@ -131,7 +131,7 @@ def test_vllm_serves_the_signed_demo_build_as_the_tutorial_does(tmp_path: Path) 
     assert body["usage"]["completion_tokens"] == 4, text[-3000:]
     assert isinstance(body["choices"][0]["text"], str)  # decoded by the demo's tokenizer
     assert f"of {out} loaded through packer_loader.py on cpu" in text
-    assert "[startup] verify sha256:" in text  # the required signature forces the weights' sha256
+    assert "[startup] verify chunks:" in text  # the required signature forces every chunk's proof
 
 
 def _complete(port: int, proc: subprocess.Popen[bytes]) -> dict[str, object]:
