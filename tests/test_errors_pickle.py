@@ -104,3 +104,18 @@ def test_the_emitted_loaders_errors_show_the_name_users_import_them_by(tmp_path:
         ma.NoSuchName  # noqa: B018
     # the build side's runtime package keeps its own importable name
     assert packer.runtime.env.ArtifactMismatchError.__module__ == "packer.runtime.env"
+
+
+def test_the_build_sides_errors_show_and_pickle_as_packer_names() -> None:
+    """Each class of packer.errors is ``packer.<Name>`` (what the README's paragraph and a user's
+    ``except`` name), in a traceback and through pickle; none is left under ``packer.errors.``."""
+    import traceback
+
+    classes = [v for v in vars(packer.errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
+    assert len(classes) >= 20
+    for cls in classes:
+        assert cls.__module__ == "packer" and cls.__name__ in packer.__all__
+        assert getattr(packer, cls.__qualname__) is cls
+        err = _make(cls)
+        assert traceback.format_exception_only(err)[-1].startswith(f"packer.{cls.__name__}: ")
+        assert type(pickle.loads(pickle.dumps(err))) is cls
