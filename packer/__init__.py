@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from packer.building import BuildResult, build
     from packer.bundle import bundle_to_file, unbundle
     from packer.checkpoint import inspect_checkpoint
+    from packer.demo import write_demo_model
     from packer.errors import (
         BlobDigestError,
         BundleError,
@@ -63,6 +64,7 @@ _HOMES: dict[str, str] = {
     "load_recipe": "packer.recipe", "demo_recipe": "packer.recipe", "Recipe": "packer.recipe",
     "inspect_checkpoint": "packer.checkpoint",
     "bundle_to_file": "packer.bundle", "unbundle": "packer.bundle",
+    "write_demo_model": "packer.demo",
     **dict.fromkeys((
         "PackerError", "DependencyError", "RecipeError", "SourceError", "CheckpointError", "UnsafeInputError",
         "DisallowedGlobalError", "TruncatedPickle", "WeightsError", "BundleError", "ImageError", "UsageError",
@@ -74,6 +76,7 @@ __all__ = [
     "__version__",
     "build", "BuildResult", "verify", "push", "profile",
     "load_recipe", "demo_recipe", "Recipe", "inspect_checkpoint", "bundle_to_file", "unbundle",
+    "write_demo_model",
     "PackerError", "DependencyError", "RecipeError", "SourceError", "CheckpointError", "UnsafeInputError",
     "DisallowedGlobalError", "TruncatedPickle", "WeightsError", "BundleError", "ImageError", "UsageError",
     "VerifyError", "BlobDigestError", "ImageArtifactMismatchError", "LoaderError", "StubError", "SignError",

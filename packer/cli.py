@@ -511,6 +511,27 @@ def unbundle(ctx: Ctx, archive: Path, out: Path) -> None:
     ctx.emit({"out": str(out), "files": names})
 
 
+@main.command("demo-model")
+@click.argument("dir", type=click.Path(path_type=Path))
+@_common
+def demo_model(ctx: Ctx, dir: Path) -> None:
+    """Write the embedded demo model into DIR as a model directory (no network).
+
+    The files a published model has (pickle weights pytorch_model.bin as torch.save writes
+    them, config.json, a working tokenizer), so a recipe with source = "DIR" walks the whole
+    tutorial offline. DIR must not exist, or be empty; its parent must exist.
+
+    \b
+    Example:
+      packer demo-model my-model && packer build my-model -o out
+    """
+    from packer.demo import write_demo_model
+
+    names = write_demo_model(dir)
+    ctx.log(f"wrote the demo model ({len(names)} files: {', '.join(names)}) into {dir}")
+    ctx.emit({"dir": str(dir), "files": names})
+
+
 @main.command()
 @click.argument("out", type=BuildRoot(file_okay=False))
 @click.option("--public-key", type=InputPath(dir_okay=False), metavar="PUB",

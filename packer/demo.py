@@ -13,12 +13,15 @@ import itertools
 import json
 import random
 import struct
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from packer.util.fsutil import atomic_open, atomic_write_bytes
+from packer.errors import PackerError, UsageError
+from packer.util.fsutil import atomic_open, atomic_write_bytes, remove_tree
+from packer.util.show import shell_word
 
 ARCHIVE = "pytorch_model"  # the top directory inside the zip, as torch names it
 _ALIGN = 64  # torch aligns storage entries to 64 bytes so they can be mmapped
@@ -217,3 +220,44 @@ def write_demo(dest: Path, shape: DemoShape = DemoShape()) -> Path:
         text = json.dumps(content, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         atomic_write_bytes(dest / name, text.encode())
     return dest
+
+
+def write_demo_model(dest: str | Path) -> list[str]:
+    """Write the demo model as a model directory a user would have (``packer demo-model DIR``).
+
+    The same files ``packer build`` with no recipe converts (a ``torch.save`` zip pickle
+    ``pytorch_model.bin``, config.json, generation_config.json and a working tokenizer), written
+    to a folder of their own so that every step of the tutorial, from a recipe naming a local
+    source to vLLM serving the build, runs with no hub. They go into a temporary sibling first
+    and are renamed to ``dest`` whole: an interrupted call leaves no half-written model.
+
+    Args:
+        dest: the new directory; its parent must exist, ``dest`` must not (or be empty).
+
+    Returns:
+        The names of the files written, sorted.
+
+    Raises:
+        UsageError: ``dest``'s parent is missing, or ``dest`` exists and is not an empty directory.
+        PackerError: nothing can be written beside ``dest``.
+    """
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        raise UsageError(f"demo-model: {dest.parent} does not exist; create it first "
+                         f"(mkdir -p {shell_word(str(dest.parent))}), or name a DIR whose parent exists")
+    if dest.exists() and not (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
+        raise UsageError(f"demo-model: {dest} already exists; name a new directory (it is created)")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    except OSError as e:  # the temporary name means nothing to the user: the place does
+        raise PackerError(f"demo-model: cannot write {dest}: {e.strerror or e}") from e
+    try:
+        write_demo(tmp)
+        tmp.chmod(0o755)
+        if dest.exists():
+            dest.rmdir()  # empty, checked above
+        tmp.rename(dest)
+    except BaseException:
+        remove_tree(tmp, ignore_errors=True)
+        raise
+    return sorted(p.name for p in dest.iterdir())

@@ -175,3 +175,11 @@ class WarmStateError(PackerError):
     The message names the file and the reason; at a server's start such a state is refused
     (the engine compiles as usual), in ``packer verify`` and ``packer warm`` it is exit code 1.
     """
+
+
+# Every class here is in ``packer.__all__`` and is caught as ``packer.<Name>``: tracebacks and reprs
+# show that name, and pickling finds the class there too (``packer.__getattr__`` resolves it), so a
+# user never meets the module it happens to be defined in (tests/test_errors_pickle.py holds both).
+for _cls in [v for v in list(globals().values()) if isinstance(v, type) and issubclass(v, BaseException)]:
+    _cls.__module__ = "packer"
+del _cls

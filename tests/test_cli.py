@@ -29,7 +29,7 @@ def test_help_does_not_import_torch() -> None:
 
 
 @pytest.mark.parametrize("command", ["build", "convert", "inspect", "bundle", "unbundle", "verify", "profile", "push",
-                                     "stream"])
+                                     "stream", "demo-model"])
 def test_every_command_has_help_with_examples(command: str) -> None:
     proc = packer(command, "--help")
     assert proc.returncode == 0 and "Example" in proc.stdout and "--json" in proc.stdout
@@ -296,9 +296,11 @@ CALLS = {"build": ("packer.building", "build"), "convert": ("packer.weights.sand
          "inspect": ("packer.checkpoint", "inspect_checkpoint"), "bundle": ("packer.bundle", "bundle_to_file"),
          "unbundle": ("packer.bundle", "unbundle"), "verify": ("packer.verifying", "verify"),
          "profile": ("packer.profiling", "profile"), "warm": ("packer.warm_step", "warm_output"),
-         "push": ("packer.pushing", "push"), "stream": ("packer.stream", "lay_out")}
+         "push": ("packer.pushing", "push"), "stream": ("packer.stream", "lay_out"),
+         "demo-model": ("packer.demo", "write_demo_model")}
 # a command whose argument is no path: what it refuses, and the end of its one line
-REFUSED = {"stream": (["oci://127.0.0.1:9/nowhere@sha256:" + "0" * 64], "Connection refused)")}
+REFUSED = {"stream": (["oci://127.0.0.1:9/nowhere@sha256:" + "0" * 64], "Connection refused)"),
+           "demo-model": (["/proc/nowhere"], "cannot write /proc/nowhere: No such file or directory")}
 
 
 def _commands() -> list[str]:

@@ -52,3 +52,20 @@ def test_the_docs_tree_is_linked_from_the_readme_or_another_page() -> None:
                 reached.add((page.parent / path).resolve())
     orphans = [str(p.relative_to(ROOT)) for p in PAGES if p.name != "README.md" and p.resolve() not in reached]
     assert not orphans
+
+
+def test_every_page_a_message_links_exists_with_its_heading() -> None:
+    """A refusal that ends with ``(see docs/PAGE.md#ANCHOR)`` (a disallowed global, a push refused with
+    400 or 401, an unsigned build under PACKER_REQUIRE_SIGNATURE) sends the reader to a heading that exists."""
+    found = {}
+    for source in sorted((ROOT / "packer").rglob("*.py")):
+        for target in re.findall(r"docs/[\w./-]+\.md(?:#[\w-]+)?", source.read_text()):
+            found[target] = source.relative_to(ROOT)
+    assert {"docs/troubleshooting.md#checkpoints", "docs/troubleshooting.md#a-push-refused-with-400-or-401",
+            "docs/troubleshooting.md#a-build-refused-under-packer_require_signature"} <= set(found)
+    broken = []
+    for target, source in sorted(found.items()):
+        path, _, anchor = target.partition("#")
+        if not (ROOT / path).is_file() or (anchor and anchor not in _anchors(ROOT / path)):
+            broken.append(f"{source}: {target}")
+    assert not broken

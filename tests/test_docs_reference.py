@@ -145,3 +145,58 @@ def test_the_readmes_python_functions_are_the_public_surface() -> None:
     named = set(re.findall(r"`packer\.([A-Za-z_]+)", paragraph)) - {"__all__"}
     assert named and named <= set(packer.__all__), named - set(packer.__all__)
     assert all(callable(getattr(packer, n)) for n in named)
+
+
+def test_the_readmes_python_paragraph_places_every_command() -> None:
+    """The paragraph names each command once: as one library function (the list before "one function
+    each") or as command-line only (the list before "command-line only"), so a new command is placed."""
+    assert isinstance(main, click.Group)
+    text = (ROOT / "README.md").read_text()
+    paragraph = " ".join(text[text.index("From Python"):text.index("until one is used")].split())
+    functions = set(re.findall(r"`([a-z-]+)`", paragraph[:paragraph.index("one function each")]))
+    cli_only = paragraph[paragraph.index("one function each"):paragraph.index("command-line only")]
+    only = set(re.findall(r"`([a-z-]+)`", cli_only[cli_only.rindex("("):]))
+    assert not functions & only, functions & only
+    assert functions | only == set(main.commands)
+
+
+# --- keywords the pages give, against the real signatures -------------------------------------
+
+_CALL = re.compile(r"\b(packer\.)?([A-Za-z_]+)\(([^()]*)\)")
+
+
+def _signature_callables(page: str) -> dict[str, object]:
+    """The functions a page's ``name(kw=...)`` may mean: the library's (``packer.__all__``), and on the
+    loader's page the emitted loader's (its Build's methods and the runtime's module functions)."""
+    import packer
+    from packer.runtime import loader
+
+    names: dict[str, object] = {n: getattr(packer, n) for n in packer.__all__ if callable(getattr(packer, n))}
+    if page == "loader.md":
+        names |= {n: getattr(loader.Build, n) for n in dir(loader.Build) if not n.startswith("_")}
+        names |= {n: getattr(loader, n) for n in ("init_empty", "warmup", "report", "release_ring")}
+    return names
+
+
+def _keywords(fn: object) -> tuple[set[str], bool]:
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
+    return {p.name for p in params}, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def test_every_keyword_a_reference_page_gives_is_in_the_signature() -> None:
+    """``build(layer_digests=False)``, ``load_into(model, device=...)``: each keyword a page passes to a
+    library or loader function is a parameter of it (a renamed or removed one fails here)."""
+    checked = 0
+    for page in sorted(REF.glob("*.md")):
+        callables = _signature_callables(page.name)
+        for _, name, args in _CALL.findall(page.read_text()):
+            fn = callables.get(name)
+            if fn is None:
+                continue  # another library's (torch.ones, transformers' from_pretrained)
+            params, any_kw = _keywords(fn)
+            for kw in re.findall(r"(?:^|,)\s*([A-Za-z_]+)\s*=", args):
+                assert any_kw or kw in params, f"{page.name}: {name}({kw}=...) but {name} takes {sorted(params)}"
+                checked += 1
+    assert checked >= 10

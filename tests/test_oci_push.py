@@ -237,4 +237,4 @@ def test_a_registry_asking_for_credentials_is_named_as_the_cause(tmp_path: Path,
         proc = _packer("push", str(signed_out), f"{address}/models/demo:1.0", "--no-tls-verify")
     cause = ("remove the auth section" if auth != "htpasswd" else "the registry asks for credentials: log in")
     _one_line(proc, 1, cause)
-    assert "docs/troubleshooting.md#images-and-registries" in proc.stderr
+    assert proc.stderr.rstrip().endswith("(see docs/troubleshooting.md#a-push-refused-with-400-or-401)")

@@ -96,7 +96,8 @@ def test_required_signature_refusals(signed_out: tuple[Path, dict[str, Any], Pat
         require_signature(out, str(pub), manifest=other)
     (out / "model.sig").rename(out / "moved.sig")
     with pytest.raises(ArtifactMismatchError, match=r"model.sig: missing, and PACKER_REQUIRE_SIGNATURE asks for "
-                                                    "a build signed with packer build --sign-key"):
+                                                    r"a build signed with packer build --sign-key \(see docs/"
+                                                    r"troubleshooting.md#a-build-refused-under-packer_require_signature\)$"):
         require_signature(out, str(pub), manifest=manifest)
 
 

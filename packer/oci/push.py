@@ -48,7 +48,7 @@ def image_tags(out_dir: Path) -> tuple[str, str | None]:
     return str(images[0]), (str(views[0]) if views else None)
 
 
-TROUBLESHOOTING = "docs/troubleshooting.md#images-and-registries"
+TROUBLESHOOTING = "docs/troubleshooting.md#a-push-refused-with-400-or-401"
 
 
 def _hint(stderr: str, *, tls_verify: bool) -> str:

@@ -567,8 +567,8 @@ def extract_cached(archive: str | os.PathLike[str], root: str | os.PathLike[str]
 
     Args:
         archive: the ``bundle.tar.zst`` file.
-        root: cache directory; default ``/dev/shm/packer-bundles-<uid>`` when ``/dev/shm`` is
-            writable, else ``packer-bundles-<uid>`` in the temp directory.
+        root: cache directory; default :func:`.bundle_cache.private_root`
+            (``$XDG_CACHE_HOME/packer/bundles-<uid>``, else ``/dev/shm``'s, else the temp directory's).
         expected_sha256: the archive digest pinned by the manifest.
         max_bytes, max_members, max_depth, max_window: caps, as for :meth:`Bundle.open`.
 

@@ -54,16 +54,59 @@ DTYPES = {
 }
 
 
+# The name a user imports the emitted loader's errors by. Shipped into a build, this package runs
+# under a private name (``_packer_runtime_<hash>``, one per build in a process): tracebacks and
+# reprs show the public one instead, while pickling keeps the private one (:meth:`ArtifactMismatchError.__reduce__`),
+# which names exactly this build's class where several builds are loaded.
+PUBLIC_MODULE = "packer_loader" if __name__.startswith("_packer_runtime_") else None
+
+
+def _rebuilt(module: str, qualname: str, args: tuple[object, ...], state: dict[str, object]) -> BaseException:
+    """An error of the class ``qualname`` of this runtime's own ``module`` with ``args`` and
+    attributes ``state``, its ``__init__`` not called (its message was escaped when first made)."""
+    import importlib
+
+    if not module.isidentifier():
+        raise TypeError(f"not a runtime module: {module!r}")
+    # a module of this very package (this build's checked runtime, found by its own finder)
+    cls = getattr(importlib.import_module(f"{__package__}.{module}"), qualname)
+    new: BaseException = cls.__new__(cls)
+    BaseException.__init__(new, *args)
+    new.__dict__.update(state)
+    return new
+
+
 class ArtifactMismatchError(RuntimeError):
     """The artifacts on disk do not match the manifest embedded in this loader.
 
     Its message is escaped when it is made (:func:`printable`): a serving engine prints it as it
     is (vLLM's traceback, a worker's log line), outside any entry point of packer's, and it names
-    paths, members, references and a registry's words, which an input chose.
+    paths, members, references and a registry's words, which an input chose. It and every
+    subclass (the registry's ``RegistryError``) show as ``packer_loader.<name>`` in a build.
     """
+
+    _home = __name__  # the module that defines the class, whatever __module__ shows
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._home = cls.__module__
+        if PUBLIC_MODULE is not None and cls.__module__.startswith(f"{__package__}."):  # the runtime's own
+            cls.__module__ = PUBLIC_MODULE
 
     def __init__(self, message: object = "", *args: object) -> None:
         super().__init__(printable(str(message)), *args)
+
+    def __reduce__(self) -> str | tuple[object, ...]:
+        # by the defining module, not by __module__: the public name is not importable in every
+        # process, and where two builds are loaded it would not say which build's class this is
+        package, _, module = type(self)._home.rpartition(".")
+        if package != __package__:  # a subclass defined outside the runtime: by its own name
+            return super().__reduce__()
+        return _rebuilt, (module, type(self).__qualname__, self.args, dict(self.__dict__))
+
+
+if PUBLIC_MODULE is not None:
+    ArtifactMismatchError.__module__ = PUBLIC_MODULE
 
 
 def _wanted_env() -> dict[str, str]:

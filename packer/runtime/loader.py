@@ -235,6 +235,20 @@ def warmup(model: Callable[..., Any], example_inputs: Any, *, cudnn_benchmark: b
                timeline=timeline)
 
 
+def stub_attribute(name: str) -> type:
+    """The emitted stub's module ``__getattr__``: ``packer_loader.RegistryError`` (the
+    ArtifactMismatchError of a streamed load the registry cannot serve), imported on first use.
+
+    Raises:
+        AttributeError: any other name.
+    """
+    if name != "RegistryError":
+        raise AttributeError(f"module 'packer_loader' has no attribute {name!r}")
+    from .transport import RegistryError
+
+    return RegistryError
+
+
 def release_ring() -> int:
     """Free the staging rings of this process (waits for a load in progress); the bytes freed."""
     from .ring import release_ring as free

@@ -91,8 +91,8 @@ class RuntimeSettings(NamedTuple):
     Attributes:
         artifacts: ``PACKER_ARTIFACTS``: the artifact directory ("" = the loader's own).
         weights_dir: ``PACKER_WEIGHTS_DIR``: weights mounted elsewhere ("" = under artifacts).
-        bundle_cache: ``PACKER_BUNDLE_CACHE``: where the bundle is extracted ("" = a private
-            directory on /dev/shm).
+        bundle_cache: ``PACKER_BUNDLE_CACHE``: where the bundle is extracted and ``model_dir()``
+            is made ("" = a private directory under ``$XDG_CACHE_HOME/packer``, see ``bundle_cache``).
         startup_log: ``PACKER_STARTUP_LOG``: ``text``, ``json`` or ``off`` (any case).
         ring_slots: ``PACKER_RING_SLOTS``: staging slots of the ring (default 4).
         chunk_mb: ``PACKER_CHUNK_MB``: staging chunk in MiB before rounding (default 64).

@@ -216,6 +216,9 @@ def digest_difference(signed: Mapping[str, str], pinned: Mapping[str, str], wher
     return None
 
 
+UNSIGNED_HELP = "docs/troubleshooting.md#a-build-refused-under-packer_require_signature"
+
+
 def read_public_key(public_key: str) -> bytes:
     """The PEM bytes of ``PACKER_REQUIRE_SIGNATURE``'s key file.
 
@@ -257,7 +260,7 @@ def require_signature(root: str | Path, public_key: str, *,
         data = read_bytes(where, "signature")
     except FileNotFoundError:
         raise ArtifactMismatchError(f"{where}: missing, and PACKER_REQUIRE_SIGNATURE asks for a build signed "
-                                    "with packer build --sign-key") from None
+                                    f"with packer build --sign-key (see {UNSIGNED_HELP})") from None
     signed = signed_digests(open_signed(data, pem, where, key_name=public_key), where)
     problem = None if manifest is None else digest_difference(signed, model_files(manifest), where,
                                                               "this loader's manifest")

@@ -168,6 +168,7 @@ warm_context = _build.warm_context
 warmup_inputs = _build.warmup_inputs
 proven_done = _build.proven_done  # the vLLM load format's: after load_weights(proven=True)
 main = _build.main
+__getattr__ = _loader.stub_attribute  # RegistryError on first use: a local load imports no HTTP module
 
 _build.serve_pool()  # a no-op unless this process is the fork server warm_context starts
 
