@@ -23,7 +23,7 @@ from packer.recipe import demo_recipe, recipe_from_dict, with_sign_key
 from packer.runtime.signature import model_layout, open_signed
 from packer.util.fsutil import canonical_json
 from packer.verifying import verify
-from tests.built import weight_location
+from tests.built import open_build, weight_location
 from tests.oci_validate import REF, require_tool, run, validate_layout, validate_referrer
 from tests.sign_fixtures import image_model_dir, loader_model_dir, make_keypair, model_signing_verify
 from tests.test_build import tree
@@ -90,9 +90,14 @@ def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Pa
     copy = _copy(signed, tmp_path / "copy")
     held, offset, _ = weight_location(copy, "weights/model.safetensors")  # its one copy: in its layer blob
     _flip(held, offset + 20_000)
-    # and the chunk table names the chunk that holds the byte (byte 20000: chunk 0 of 1 MiB)
-    with pytest.raises(VerifyError, match=r"weights/model.safetensors: sha256 \w+… differs.*; .*\(weights/model."
-                                          r"safetensors at offset \d+\): chunk 0 \(bytes \[0, 1048576\) of") as e:
+    # and the chunk table names the chunk that holds the byte (cut at the tensors and the ranks' splits)
+    fc = open_build(signed).chunk_table()["weights/model.safetensors"]
+    chunk = fc.holding(20_000)
+    lo, hi = fc.bounds(chunk)
+    assert lo <= 20_000 < hi
+    named = (r"weights/model.safetensors: sha256 \w+… differs.*; .*\(weights/model.safetensors at offset \d+\): "
+             rf"chunk {chunk} \(bytes \[{lo}, {hi}\) of")
+    with pytest.raises(VerifyError, match=named) as e:
         verify(copy, public_key=keys["pub"])
     print(e.value)
     linked = Path(loader_model_dir(copy, tmp_path / "cache").stdout.strip())
@@ -104,7 +109,8 @@ def test_a_flipped_weight_byte_fails_everywhere(signed: Path, keys: dict[str, Pa
                        capture_output=True, text=True, env=env, timeout=300)
     print(r.stderr)  # the signature pins digests, so the loader checks every chunk of what it loads
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith(
-        f"packer_loader: self-test failed: {copy.resolve() / 'weights' / 'model.safetensors'}: chunk 0 (bytes [0, ")
+        f"packer_loader: self-test failed: {copy.resolve() / 'weights' / 'model.safetensors'}: chunk {chunk} "
+        f"(bytes [{lo}, {hi}) ")
 
 
 def _attacker_build(tmp_path: Path, signed: Path, attacker_key: Path, edit: str) -> Path:
