@@ -13,8 +13,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -96,7 +94,7 @@ def test_a_missing_parent_is_named(tmp_path: Path) -> None:
 @pytest.mark.vllm
 def test_vllm_serves_the_signed_demo_build_as_the_tutorial_does(tmp_path: Path) -> None:
     from tests.sign_fixtures import make_keypair
-    from tests.test_vllm_format import env, vllm_python
+    from tests.test_vllm_format import complete, env, vllm_python
 
     py = vllm_python()
     d = demo_model(tmp_path / "my-model")
@@ -120,7 +118,7 @@ def test_vllm_serves_the_signed_demo_build_as_the_tutorial_does(tmp_path: Path) 
     with log.open("w") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=run_env)
     try:
-        body = _complete(port, proc)
+        body = complete(port, proc, "demo", "baba deko")
     finally:
         proc.terminate()
         try:
@@ -132,20 +130,3 @@ def test_vllm_serves_the_signed_demo_build_as_the_tutorial_does(tmp_path: Path) 
     assert isinstance(body["choices"][0]["text"], str)  # decoded by the demo's tokenizer
     assert f"of {out} loaded through packer_loader.py on cpu" in text
     assert "[startup] verify chunks:" in text  # the required signature forces every chunk's proof
-
-
-def _complete(port: int, proc: subprocess.Popen[bytes]) -> dict[str, object]:
-    """One text completion once the server answers (a minute or two here)."""
-    deadline = time.monotonic() + 540
-    req = json.dumps({"model": "demo", "prompt": "baba deko", "max_tokens": 4, "temperature": 0,
-                      "ignore_eos": True}).encode()
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited"
-        try:
-            with urllib.request.urlopen(urllib.request.Request(
-                    f"http://127.0.0.1:{port}/v1/completions", req, {"Content-Type": "application/json"}),
-                    timeout=30) as r:
-                return dict(json.loads(r.read()))
-        except OSError:
-            time.sleep(2)
-    raise AssertionError("the server did not answer within 9 minutes")

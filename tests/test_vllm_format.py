@@ -283,7 +283,7 @@ def test_api_server_serves_through_the_packer_load_format(tmp_path: Path) -> Non
         proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT,
                                 env={**env(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     try:
-        body = _complete(port, proc, d)
+        body = complete(port, proc, str(d), [2, 3, 4])
     finally:
         proc.terminate()
         try:
@@ -296,10 +296,10 @@ def test_api_server_serves_through_the_packer_load_format(tmp_path: Path) -> Non
     assert f"of {out} loaded through packer_loader.py on cpu" in text
 
 
-def _complete(port: int, proc: subprocess.Popen[bytes], model_dir: Path) -> dict[str, object]:
-    """One completion once the server answers (it starts in a minute or two here)."""
+def complete(port: int, proc: subprocess.Popen[bytes], model: str, prompt: str | list[int]) -> dict[str, object]:
+    """One greedy completion of 4 tokens once the server answers (it starts in a minute or two here)."""
     deadline = time.monotonic() + 540
-    req = json.dumps({"model": str(model_dir), "prompt": [2, 3, 4], "max_tokens": 4, "temperature": 0,
+    req = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
                       "ignore_eos": True}).encode()
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the server exited"

@@ -19,20 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.tp_worker import IDS, emitted_loader, plan_bytes, read_bytes
-
-
-def drop_cache(folder: Path) -> None:
-    """Evict every file of the build ``folder`` from the page cache: its weight files lie in
-    layer blobs (``image/blobs/sha256/...``) as well as beside the small files."""
-    for f in sorted(folder.rglob("*")):
-        if f.is_file() and not f.is_symlink():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+from tests.tp_worker import IDS, drop_cache, emitted_loader, plan_bytes, read_bytes
 
 
 def _load(pl: Any, torch: Any, mine: Path) -> dict[str, Any]:
@@ -47,7 +34,7 @@ def _load(pl: Any, torch: Any, mine: Path) -> dict[str, Any]:
     disk = -1
     if root is None:  # again, on a cold cache: the first load also faulted in code pages
         model = None
-        drop_cache(mine)
+        drop_cache(mine, "*")  # the weights lie in layer blobs too
         before = read_bytes()
         pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", verify=True)
         disk = read_bytes() - before

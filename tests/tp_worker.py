@@ -29,9 +29,12 @@ def read_bytes() -> int:
     raise RuntimeError("no read_bytes in /proc/self/io")
 
 
-def drop_cache(folder: Path) -> None:
-    """Evict ``folder``'s weight files from the page cache (written back first)."""
-    for f in sorted(folder.rglob("*.safetensors")):
+def drop_cache(folder: Path, pattern: str = "*.safetensors") -> None:
+    """Evict ``folder``'s files matching ``pattern`` (its weight files) from the page cache,
+    written back first; a build's weights lie in its layer blobs too: ``pattern="*"``."""
+    for f in sorted(folder.rglob(pattern)):
+        if not f.is_file() or f.is_symlink():
+            continue
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
