@@ -1,0 +1,185 @@
+"""vLLM started from one parent that imported torch and vLLM once: ``python -m packer.adapters.vllm_start``.
+
+``python -m packer.adapters.vllm_start -m vllm.entrypoints.openai.api_server --model /models ...``
+(or ``... vllm_start SCRIPT ARGS``) imports torch, vLLM, its engine core, executor and the
+platform's worker, and packer's plugin, once, checks that CUDA was not initialised, and forks a
+fork server from itself; then it runs the entry in its own process, where vLLM's caller (the
+API server, or the script's ``LLM``) runs as usual. vLLM's default process layout stays (the
+caller, the engine core, its workers), but every process vLLM starts is forked from that server
+(the standard library's ``forkserver`` loop, with its protocol) instead of a fresh interpreter that
+imports torch and vLLM again: ``import torch`` runs once per start.
+
+Why vLLM does not fork on CPU, and what is done about it here: its CPU platform forces ``spawn``
+because the engine core sets each worker's OpenMP variables (``OMP_NUM_THREADS``, the places or
+``GOMP_CPU_AFFINITY``/``KMP_AFFINITY``) just before starting it, and an OpenMP runtime that was
+loaded already never reads them again. A child of the server gets the environment of the process
+that asked for it (as a spawned one would), then (:mod:`packer.adapters.forked_env`) its thread
+count and CPU set from those variables, and the Inductor options that Inductor reads only at its
+import, as a fresh process would read them; any other such variable that changed is named on
+stderr.
+
+A child forked after CUDA initialisation cannot use CUDA, so CUDA initialised before the server
+forks stops the start with one line (exit 1), and the server's guard
+(:func:`packer.runtime.pool.guard_forks`) refuses, in one line, any child forked after CUDA was
+initialised there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import runpy
+import socket
+import sys
+from multiprocessing import connection, forkserver
+from typing import Any
+
+from packer.adapters import forked_env
+from packer.runtime.pool import cuda_initialised, guard_forks
+
+USAGE = "usage: python -m packer.adapters.vllm_start (-m MODULE | SCRIPT) [ARGS...]"
+PRELOAD = ("torch", "vllm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor",
+           "packer.adapters.vllm_format")
+WORKERS = {"cpu": "vllm.v1.worker.cpu_worker", "cuda": "vllm.v1.worker.gpu_worker"}
+SERVER_NAME = "vllm_start"
+_STATE: dict[str, Any] = {}  # the server's pid, inherited by every process of the start
+
+
+class StartRefused(RuntimeError):
+    """The start cannot fork its processes safely (CUDA initialised, usage)."""
+
+
+def preload() -> list[str]:
+    """Import what every process of a vLLM start imports; returns the module names imported."""
+    names = list(PRELOAD)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
+
+    worker = WORKERS.get(str(current_platform.device_type))
+    if worker:
+        importlib.import_module(worker)
+        names.append(worker)
+    load_general_plugins()  # once here: the children inherit vLLM's "plugins loaded"
+    return names
+
+
+def start_server() -> int:
+    """Fork the fork server from this process and point this process's multiprocessing at it.
+
+    Returns:
+        The server's pid.
+
+    Raises:
+        StartRefused: CUDA was initialised in this process.
+    """
+    if cuda_initialised():
+        raise StartRefused("CUDA was initialised before the fork server started; a child forked after "
+                           "that cannot use CUDA. Keep torch.cuda out of what runs before vllm_start forks")
+    forked_env.remember()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the server: the standard library's loop, in this already-imported process
+        os.close(alive_w)
+        code = 0
+        try:
+            guard_forks(SERVER_NAME)
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit as e:  # every client gone: alive_r at EOF
+            code = e.code if isinstance(e.code, int) else 0
+        finally:
+            os._exit(code)
+    listener.close()
+    os.close(alive_r)
+    server = forkserver._forkserver
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    _STATE["server"] = pid
+    server.ensure_running = _server_running  # type: ignore[method-assign]
+    _route_vllm()
+    forked_env.carry()
+    return pid
+
+
+def _server_running() -> None:
+    """``ForkServer.ensure_running`` in every process of the start: the one server, never a new one."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    try:
+        os.kill(_STATE["server"], 0)
+    except ProcessLookupError:
+        raise RuntimeError(f"packer {SERVER_NAME}: the fork server (pid {_STATE['server']}) is gone") from None
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """vLLM's ``get_mp_context`` under vllm_start: the server's ``forkserver`` context."""
+    from vllm.utils import system_utils
+
+    sync = getattr(system_utils, "_sync_visible_devices_env_vars", None)
+    if sync is not None:
+        sync()
+    return multiprocessing.get_context("forkserver")
+
+
+def _route_vllm() -> None:
+    """Every module that bound vLLM's ``get_mp_context`` gets :func:`_context` (CPU forces spawn there)."""
+    from vllm.utils import system_utils
+
+    original = system_utils.get_mp_context
+    for module in list(sys.modules.values()):  # __dict__: a lazy module's getattr would import
+        if getattr(module, "__dict__", {}).get("get_mp_context") is original:
+            module.get_mp_context = _context  # type: ignore[union-attr]
+
+
+def run_entry(argv: list[str]) -> None:
+    """Run ``-m MODULE ARGS`` or ``SCRIPT ARGS`` as ``python`` would, as ``__main__``.
+
+    Raises:
+        StartRefused: no entry given.
+    """
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if argv[:1] == ["-m"] and len(argv) > 1:
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv and not argv[0].startswith("-"):
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+    else:
+        raise StartRefused(USAGE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Preload, fork the server, run the entry; one line and exit 1 where the start is refused."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        preload()
+        start_server()
+    except StartRefused as e:
+        print(f"packer {SERVER_NAME}: {e}", file=sys.stderr)
+        return 1
+    try:
+        run_entry(argv)
+    except StartRefused as e:
+        print(f"packer {SERVER_NAME}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
