@@ -78,16 +78,21 @@ def start_server() -> int:
     if cuda_initialised():
         raise StartRefused("CUDA was initialised before the fork server started; a child forked after "
                            "that cannot use CUDA. Keep torch.cuda out of what runs before vllm_start forks")
-    forked_env.remember()
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
     listener.bind(address)
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
+    server = forkserver._forkserver
+    # before the fork: the server and every process it forks have them too
+    server.ensure_running = _server_running  # type: ignore[method-assign]
+    forked_env.remember()
+    forked_env.carry()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
+    _STATE["server"] = pid or os.getpid()
     if pid == 0:  # the server: the standard library's loop, in this already-imported process
         os.close(alive_w)
         code = 0
@@ -100,14 +105,9 @@ def start_server() -> int:
             os._exit(code)
     listener.close()
     os.close(alive_r)
-    server = forkserver._forkserver
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
-    _STATE["server"] = pid
-    server.ensure_running = _server_running  # type: ignore[method-assign]
-    _route_vllm()
-    forked_env.carry()
     return pid
 
 
@@ -132,7 +132,7 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("forkserver")
 
 
-def _route_vllm() -> None:
+def route_vllm() -> None:
     """Every module that bound vLLM's ``get_mp_context`` gets :func:`_context` (CPU forces spawn there)."""
     from vllm.utils import system_utils
 
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         preload()
+        route_vllm()
         start_server()
     except StartRefused as e:
         print(f"packer {SERVER_NAME}: {e}", file=sys.stderr)
