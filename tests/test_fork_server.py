@@ -110,3 +110,68 @@ def test_cpu_lists_in_the_forms_vllm_writes() -> None:
     assert cpu_list("GOMP_CPU_AFFINITY", "4 5 6-8") == {4, 5, 6, 7, 8}
     assert cpu_list("KMP_AFFINITY", "granularity=fine,explicit,proclist=[3,9]") == {3, 9}
     assert cpu_list("OMP_PLACES", "cores") == set() and cpu_list("OMP_PLACES", "{0:4}") == set()
+
+
+GPU_SCRIPT = """
+import json, multiprocessing, os, sys
+import torch
+from packer.adapters import vllm_start
+
+
+def on_gpu(q):
+    q.put(torch.ones(2, device="cuda").sum().item())
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fork-after-init":  # the advice "initialise CUDA, then fork", without the guard
+        torch.zeros(1, device="cuda")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                torch.zeros(1, device="cuda")
+                os._exit(0)
+            except Exception as e:
+                print(f"child: {type(e).__name__}: {e}".splitlines()[0], flush=True)
+                os._exit(3)
+        print(json.dumps({"child exit": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}))
+        sys.exit(0)
+    if sys.argv[1] == "init-first":
+        torch.cuda.init()
+    try:
+        vllm_start.start_server()
+    except vllm_start.StartRefused as e:
+        print(f"packer vllm_start: {e}", file=sys.stderr)
+        sys.exit(1)
+    ctx = multiprocessing.get_context("forkserver")
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=on_gpu, args=(q,))
+    p.start()
+    p.join(120)
+    print(json.dumps({"exitcode": p.exitcode, "sum": None if q.empty() else q.get(),
+                      "caller initialised CUDA": torch.cuda.is_initialized()}))
+"""
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_children_of_the_server_use_cuda_and_cuda_first_is_refused(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("hardware: no CUDA device")
+    script = tmp_path / "gpu_caller.py"
+    script.write_text(GPU_SCRIPT)
+
+    def go(mode: str) -> subprocess.CompletedProcess[str]:
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300, check=False)
+
+    r = go("plain")  # the server forked before CUDA: its child initialises CUDA itself and uses it
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"exitcode": 0, "sum": 2.0,
+                                                               "caller initialised CUDA": False}
+    r = go("init-first")  # CUDA initialised, then vllm_start would fork: refused, one line
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        "packer vllm_start: CUDA was initialised before the fork server started"), r.stderr
+    r = go("fork-after-init")  # why: a child forked after CUDA initialisation cannot use CUDA
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"child exit": 3}, r.stdout
