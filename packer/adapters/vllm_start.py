@@ -7,7 +7,9 @@ fork server from itself; then it runs the entry in its own process, where vLLM's
 API server, or the script's ``LLM``) runs as usual. vLLM's default process layout stays (the
 caller, the engine core, its workers), but every process vLLM starts is forked from that server
 (the standard library's ``forkserver`` loop, with its protocol) instead of a fresh interpreter that
-imports torch and vLLM again: ``import torch`` runs once per start.
+imports torch and vLLM again: ``import torch`` runs once per start. The server first imports
+what the engine core and the worker import when they start (:data:`SERVER_PRELOAD`), on the other
+core while the caller builds its configuration; a request for a process waits until it is done.
 
 Why vLLM does not fork on CPU, and what is done about it here: its CPU platform forces ``spawn``
 because the engine core sets each worker's OpenMP variables (``OMP_NUM_THREADS``, the places or
@@ -42,6 +44,15 @@ USAGE = "usage: python -m packer.adapters.vllm_start (-m MODULE | SCRIPT) [ARGS.
 PRELOAD = ("torch", "vllm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor",
            "packer.adapters.vllm_format")
 WORKERS = {"cpu": "vllm.v1.worker.cpu_worker", "cuda": "vllm.v1.worker.gpu_worker"}
+# What the engine core and the worker import after they start (seen on vLLM 0.32's CPU build, a
+# compile-mode start from a warm state), imported by the server while the caller builds its
+# configuration: on another core, before it forks them. Names a version lacks are skipped.
+SERVER_PRELOAD = {"cpu": ("vllm.v1.core.sched.scheduler", "vllm.v1.attention.backends.cpu_attn",
+                          "vllm.compilation.backends", "vllm.compilation.caching", "vllm.v1.pool.flash_maxsim",
+                          "vllm.distributed.elastic_ep", "vllm.model_executor.layers.quantization.online.fp8",
+                          "compressed_tensors", "torch._dynamo.backends.inductor", "torch.fx.experimental.validator",
+                          "torch.export._trace", "sympy.combinatorics", "torch._inductor.codegen.wrapper_fxir",
+                          "torch._inductor.codegen.cpp_wrapper_cpu_array_ref")}
 SERVER_NAME = "vllm_start"
 _STATE: dict[str, Any] = {}  # the server's pid, inherited by every process of the start
 
@@ -58,7 +69,9 @@ def preload() -> list[str]:
     from vllm.platforms import current_platform
     from vllm.plugins import load_general_plugins
 
-    worker = WORKERS.get(str(current_platform.device_type))
+    device = str(current_platform.device_type)
+    _STATE["device"] = device
+    worker = WORKERS.get(device)
     if worker:
         importlib.import_module(worker)
         names.append(worker)
@@ -98,6 +111,7 @@ def start_server() -> int:
         code = 0
         try:
             guard_forks(SERVER_NAME)
+            _server_preload()
             forkserver.main(listener.fileno(), alive_r, [])
         except SystemExit as e:  # every client gone: alive_r at EOF
             code = e.code if isinstance(e.code, int) else 0
@@ -109,6 +123,15 @@ def start_server() -> int:
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
     return pid
+
+
+def _server_preload() -> None:
+    """In the server, before its loop: :data:`SERVER_PRELOAD` for this device (a request waits)."""
+    for name in SERVER_PRELOAD.get(_STATE.get("device", ""), ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
 
 
 def _server_running() -> None:
