@@ -175,3 +175,16 @@ def test_on_a_gpu_children_of_the_server_use_cuda_and_cuda_first_is_refused(tmp_
     r = go("fork-after-init")  # why: a child forked after CUDA initialisation cannot use CUDA
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"child exit": 3}, r.stdout
+
+
+def test_without_vllm_the_start_is_one_line(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here: this test is for a python without it")
+    r = subprocess.run([sys.executable, "-m", "packer.adapters.vllm_start", "-m", "vllm.entrypoints.openai.api_server"],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+                       cwd=tmp_path, timeout=120, check=False)
+    assert r.returncode == 1 and not r.stdout
+    assert r.stderr.startswith(f"packer vllm_start: cannot import vllm in {sys.executable}: ") and \
+        r.stderr.count("\n") == 1, r.stderr

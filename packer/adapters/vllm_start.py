@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartRefused as e:
         print(f"packer {SERVER_NAME}: {e}", file=sys.stderr)
         return 1
+    except ImportError as e:  # run it with the python of vLLM's environment
+        print(f"packer {SERVER_NAME}: cannot import {e.name or 'vLLM'} in {sys.executable}: {e}", file=sys.stderr)
+        return 1
     try:
         run_entry(argv)
     except StartRefused as e:
