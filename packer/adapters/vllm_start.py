@@ -115,6 +115,9 @@ def start_server() -> int:
             forkserver.main(listener.fileno(), alive_r, [])
         except SystemExit as e:  # every client gone: alive_r at EOF
             code = e.code if isinstance(e.code, int) else 0
+        except BaseException as e:  # the caller then finds the server gone, and says so
+            sys.stderr.write(f"packer {SERVER_NAME}: the fork server failed: {type(e).__name__}: {e}\n")
+            code = 1
         finally:
             os._exit(code)
     listener.close()
@@ -132,6 +135,9 @@ def _server_preload() -> None:
             importlib.import_module(name)
         except ImportError:
             continue
+        except Exception as e:  # the children import it themselves, as they would without the server
+            sys.stderr.write(f"packer {SERVER_NAME}: the fork server skipped importing {name}: "
+                             f"{type(e).__name__}: {e}\n")
 
 
 def _server_running() -> None:
