@@ -52,7 +52,17 @@ SERVER_PRELOAD = {"cpu": ("vllm.v1.core.sched.scheduler", "vllm.v1.attention.bac
                           "vllm.distributed.elastic_ep", "vllm.model_executor.layers.quantization.online.fp8",
                           "compressed_tensors", "torch._dynamo.backends.inductor", "torch.fx.experimental.validator",
                           "torch.export._trace", "sympy.combinatorics", "torch._inductor.codegen.wrapper_fxir",
-                          "torch._inductor.codegen.cpp_wrapper_cpu_array_ref")}
+                          "torch._inductor.codegen.cpp_wrapper_cpu_array_ref",
+                          "torch._inductor.codegen.cpp_wrapper_gpu",
+                          "torch._inductor.codegen.cuda_combined_scheduling", "torch._inductor.codegen.halide",
+                          "torch._inductor.codegen.pallas", "torch._inductor.codegen.mps",
+                          "torch._inductor.codegen.xpu.xpu_combined_scheduling", "torch._inductor.hooks",
+                          "torch.distributed.tensor.experimental", "sympy.tensor.tensor",
+                          "torch._dynamo.backends.registry", "vllm.model_executor.layers.quantization.online.int8",
+                          "vllm.model_executor.layers.quantization.online.mxfp4",
+                          "vllm.model_executor.layers.quantization.online.mxfp8",
+                          "vllm.model_executor.layers.quantization.online.nvfp4", "vllm.triton_utils.dispatcher",
+                          "setproctitle", "multiprocessing.popen_forkserver")}
 SERVER_NAME = "vllm_start"
 _STATE: dict[str, Any] = {}  # the server's pid, inherited by every process of the start
 
