@@ -1,15 +1,15 @@
 """vLLM started from one parent that imported torch and vLLM once: ``python -m packer.adapters.vllm_start``.
 
 ``python -m packer.adapters.vllm_start -m vllm.entrypoints.openai.api_server --model /models ...``
-(or ``... vllm_start SCRIPT ARGS``) imports torch, vLLM, its engine core, executor and the
-platform's worker, and packer's plugin, once, checks that CUDA was not initialised, and forks a
-fork server from itself; then it runs the entry in its own process, where vLLM's caller (the
+(or ``... vllm_start SCRIPT ARGS``) imports torch, vLLM, its engine core and executor, and
+packer's plugin, once, checks that CUDA was not initialised, and forks a fork server from itself; then it runs the entry in its own process, where vLLM's caller (the
 API server, or the script's ``LLM``) runs as usual. vLLM's default process layout stays (the
 caller, the engine core, its workers), but every process vLLM starts is forked from that server
 (the standard library's ``forkserver`` loop, with its protocol) instead of a fresh interpreter that
 imports torch and vLLM again: ``import torch`` runs once per start. The server first imports
-what the engine core and the worker import when they start (:data:`SERVER_PRELOAD`), on the other
-core while the caller builds its configuration; a request for a process waits until it is done.
+the platform's worker and what the engine core and the worker import when they start
+(:data:`SERVER_PRELOAD`), on the other core while the caller imports its entry and builds its
+configuration; a request for a process waits until it is done.
 
 Why vLLM does not fork on CPU, and what is done about it here: its CPU platform forces ``spawn``
 because the engine core sets each worker's OpenMP variables (``OMP_NUM_THREADS``, the places or
@@ -43,7 +43,7 @@ from packer.runtime.pool import cuda_initialised, guard_forks
 USAGE = "usage: python -m packer.adapters.vllm_start (-m MODULE | SCRIPT) [ARGS...]"
 PRELOAD = ("torch", "vllm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor",
            "packer.adapters.vllm_format")
-WORKERS = {"cpu": "vllm.v1.worker.cpu_worker", "cuda": "vllm.v1.worker.gpu_worker"}
+WORKERS = {"cpu": ("vllm.v1.worker.cpu_worker",), "cuda": ("vllm.v1.worker.gpu_worker",)}
 # What the engine core and the worker import after they start (seen on vLLM 0.32's CPU build, a
 # compile-mode start from a warm state), imported by the server while the caller builds its
 # configuration: on another core, before it forks them. Names a version lacks are skipped.
@@ -72,19 +72,15 @@ class StartRefused(RuntimeError):
 
 
 def preload() -> list[str]:
-    """Import what every process of a vLLM start imports; returns the module names imported."""
+    """Import what every process of a vLLM start imports (the worker's own modules are the server's:
+    :func:`_server_preload`); returns the module names imported."""
     names = list(PRELOAD)
     for name in PRELOAD:
         importlib.import_module(name)
     from vllm.platforms import current_platform
     from vllm.plugins import load_general_plugins
 
-    device = str(current_platform.device_type)
-    _STATE["device"] = device
-    worker = WORKERS.get(device)
-    if worker:
-        importlib.import_module(worker)
-        names.append(worker)
+    _STATE["device"] = str(current_platform.device_type)
     load_general_plugins()  # once here: the children inherit vLLM's "plugins loaded"
     return names
 
@@ -139,8 +135,10 @@ def start_server() -> int:
 
 
 def _server_preload() -> None:
-    """In the server, before its loop: :data:`SERVER_PRELOAD` for this device (a request waits)."""
-    for name in SERVER_PRELOAD.get(_STATE.get("device", ""), ()):
+    """In the server, before its loop: the platform's worker and :data:`SERVER_PRELOAD` for this device,
+    while the caller imports its own entry and builds its configuration (a request waits)."""
+    device = _STATE.get("device", "")
+    for name in (*WORKERS.get(device, ()), *SERVER_PRELOAD.get(device, ())):
         try:
             importlib.import_module(name)
         except ImportError:
