@@ -47,7 +47,7 @@ def carry() -> None:
     if _ORIGINAL:
         return
     _ORIGINAL.update(get=spawn.get_preparation_data, prepare=spawn.prepare)
-    spawn.get_preparation_data = _preparation_data  # type: ignore[assignment]
+    spawn.get_preparation_data = _preparation_data
     spawn.prepare = _prepare  # type: ignore[assignment]
 
 

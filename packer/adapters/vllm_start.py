@@ -2,8 +2,9 @@
 
 ``python -m packer.adapters.vllm_start -m vllm.entrypoints.openai.api_server --model /models ...``
 (or ``... vllm_start SCRIPT ARGS``) imports torch, vLLM, its engine core and executor, and
-packer's plugin, once, checks that CUDA was not initialised, and forks a fork server from itself; then it runs the entry in its own process, where vLLM's caller (the
-API server, or the script's ``LLM``) runs as usual. vLLM's default process layout stays (the
+packer's plugin, once, checks that CUDA was not initialised, and forks a fork server from itself;
+then it runs the entry in its own process, where vLLM's caller (the API server, or the script's
+``LLM``) runs as usual. vLLM's default process layout stays (the
 caller, the engine core, its workers), but every process vLLM starts is forked from that server
 (the standard library's ``forkserver`` loop, with its protocol) instead of a fresh interpreter that
 imports torch and vLLM again: ``import torch`` runs once per start. The server first imports
@@ -98,14 +99,15 @@ def start_server() -> int:
         raise StartRefused("CUDA was initialised before the fork server started; a child forked after "
                            "that cannot use CUDA. Keep torch.cuda out of what runs before vllm_start forks")
     listener = socket.socket(socket.AF_UNIX)
-    address = connection.arbitrary_address("AF_UNIX")
+    stdlib: Any = connection  # arbitrary_address and the server's fields are the standard library's own
+    address = stdlib.arbitrary_address("AF_UNIX")
     listener.bind(address)
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
-    server = forkserver._forkserver
+    server: Any = forkserver._forkserver
     # before the fork: the server and every process it forks have them too
-    server.ensure_running = _server_running  # type: ignore[method-assign]
+    server.ensure_running = _server_running
     forked_env.remember()
     forked_env.carry()
     sys.stdout.flush()
@@ -176,7 +178,7 @@ def route_vllm() -> None:
     original = system_utils.get_mp_context
     for module in list(sys.modules.values()):  # __dict__: a lazy module's getattr would import
         if getattr(module, "__dict__", {}).get("get_mp_context") is original:
-            module.get_mp_context = _context  # type: ignore[union-attr]
+            module.__dict__["get_mp_context"] = _context
 
 
 def run_entry(argv: list[str]) -> None:
