@@ -11,8 +11,13 @@
 #    vLLM cannot be installed here, so an engine stand-in takes the ring's device tensors through
 #    its load_weights as vLLM's model does; the vLLM side itself runs on CPU under `pytest -m vllm`), benchmarks/gpu_load.py (gpu_load.md,
 #    gpu_load.json, gpu_load_trace.json, each rewritten as a measurement finishes) and, when it
-#    exists, benchmarks/cold_start.py --device cuda (into cold_start/);
-# 4. where vLLM is importable, benchmarks/vllm_warm.py: packer's warm state on this GPU (warm.txt);
+#    exists, benchmarks/cold_start.py --device cuda (into cold_start/); among the tests, vllm_start's
+#    fork server on the GPU (tests/test_fork_server.py): its child initialises and uses CUDA, CUDA
+#    initialised before its fork is refused in one line, and a plain fork after CUDA initialisation
+#    fails in the child (why the guard exists);
+# 4. where vLLM is importable, benchmarks/vllm_warm.py: packer's warm state on this GPU, and the
+#    same start through `python -m packer.adapters.vllm_start` (warm-once: torch imported once,
+#    token ids equal) (warm.txt);
 # 5. appends a summary line to env.txt; exit 1 when a step failed.
 # The device tool brings back at most 8 files: this script writes 6, cold_start/ gets the rest.
 set -u -o pipefail
@@ -77,6 +82,7 @@ timeout "$(( $(left) < 120 ? $(left) : 120 ))" "$PY" -m pytest -q -p no:cachepro
     tests/test_cuda.py tests/test_ring.py tests/test_graphs.py \
     "tests/test_loader.py::test_cuda_graph_capture_on_gpu" \
     "tests/test_vllm_format.py::test_load_into_vllm_hands_every_tensor_in_file_order" \
+    "tests/test_fork_server.py::test_on_a_gpu_children_of_the_server_use_cuda_and_cuda_first_is_refused" \
     2>&1 | tee "$OUT/pytest.txt"
 TESTS=$?
 
@@ -111,7 +117,7 @@ if [ -x "$VLLM_PREFIX/bin/python" ] && "$VLLM_PREFIX/bin/python" -c "import vllm
         && "$PY" -c "import zstandard, click" 2>/dev/null; then
     say "vllm_warm.py on cuda ($(left) s left)"
     PACKER_VLLM_VENV="$VLLM_PREFIX" timeout "$(left)" "$PY" benchmarks/vllm_warm.py --rounds 1 --layers 2 --rewarm \
-        --contenders cold,warm 2>&1 | tee "$OUT/warm.txt"
+        --contenders cold,warm,warm-once 2>&1 | tee "$OUT/warm.txt"
     WARM=$?
 else
     say "warm step skipped: no vLLM (and zstandard, click) importable here"

@@ -17,7 +17,13 @@ folder first on ``PATH`` whose C/C++ compilers log each run (the compiles are co
   other worker start method);
 * ``warm-inproc``: the same with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (for ``LLM``, the engine
   core and the model in the caller's process: one process importing torch and vLLM instead of
-  three; for the API server, the model inside the engine core's process: two).
+  three; for the API server, the model inside the engine core's process: two);
+* ``warm-once``: the warm state and vLLM's default process layout, started through
+  ``python -m packer.adapters.vllm_start``: the caller imports torch and vLLM once and the engine
+  core and its worker are forked from a server forked from it.
+
+Every start's interpreters that import torch are counted (a ``sitecustomize`` on ``PYTHONPATH``
+appends the pid of each process whose ``import torch`` runs; a forked process appends nothing).
 
 ``--entry serve`` starts vLLM's OpenAI API server instead (``python -m
 vllm.entrypoints.openai.api_server`` with the same arguments) and asks it, over HTTP, for the
@@ -32,7 +38,7 @@ compiler runs that compiled or linked. Every warm run must print the hit line an
 AOT artifact; token ids are compared across all runs.
 
 Usage: .venv/bin/python benchmarks/vllm_warm.py [--rounds 3] [--layers 4] [--width 1024] [--rewarm]
-       [--contenders cold,warm,warm-fork,warm-inproc] [--entry llm|serve]
+       [--contenders cold,warm,warm-fork,warm-inproc,warm-once] [--entry llm|serve]
 """
 
 from __future__ import annotations
@@ -72,7 +78,19 @@ if __name__ == "__main__":
     main()
 """
 CONTENDERS = {"cold": {"PACKER_WARM": "off"}, "warm": {}, "warm-fork": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"},
-              "warm-inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+              "warm-inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "warm-once": {}}
+LAUNCHERS = {"warm-once": ["-m", "packer.adapters.vllm_start"]}  # put before the entry's own arguments
+COUNTER = """
+import os, sys
+class _CountTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            with open({log!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+        return None
+sys.meta_path.insert(0, _CountTorch())
+"""
 COMPILERS = ("g++", "gcc", "c++", "cc", "clang", "clang++")
 HIT = "packer: warm state: hit ("
 AOT = "Directly load AOT compilation from path"
@@ -163,8 +181,12 @@ def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object
     caches = Path(tempfile.mkdtemp(prefix="vllm-warm-bench-"))
     (caches / "tmp").mkdir()  # Inductor keeps its precompiled headers under $TMPDIR: fresh, as in a new pod
     compiler_wrappers(caches / "bin", caches / "compilers.log")
+    (caches / "site").mkdir()
+    (caches / "site" / "sitecustomize.py").write_text(COUNTER.format(log=str(caches / "torch-imports")))
+    (caches / "child.py").write_text(CHILD)
     extra = {"VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-             "TRITON_CACHE_DIR": str(caches / "triton"), "TMPDIR": str(caches / "tmp"), "PYTHONPATH": str(REPO),
+             "TRITON_CACHE_DIR": str(caches / "triton"), "TMPDIR": str(caches / "tmp"),
+             "PYTHONPATH": f"{caches / 'site'}:{REPO}",
              "PATH": f"{caches / 'bin'}:{os.environ.get('PATH', '')}", **CONTENDERS[contender]}
     start = time.time()
     logs = caches / "log"
@@ -176,8 +198,8 @@ def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object
                 cmd = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *ARGS,
                        "--port", str(port)]
             else:
-                cmd = ["-c", CHILD, str(model_dir)]
-            proc = subprocess.Popen([str(VENV / "bin" / "python"), *cmd], stdout=f,
+                cmd = [str(caches / "child.py"), str(model_dir)]
+            proc = subprocess.Popen([str(VENV / "bin" / "python"), *LAUNCHERS.get(contender, []), *cmd], stdout=f,
                                     stderr=subprocess.STDOUT, text=True, env={**env(), **extra}, cwd=caches,
                                     start_new_session=True)
             if entry == "serve":
@@ -187,6 +209,7 @@ def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object
             f.seek(0)
             log = f.read()
         compiles = compile_runs(caches / "compilers.log")
+        imports = len((caches / "torch-imports").read_text().split()) if (caches / "torch-imports").exists() else 0
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     if (proc.returncode != 0 and entry != "serve") or (entry == "serve" and "first" not in box):
@@ -195,8 +218,8 @@ def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object
     res: dict[str, Any] = box if entry == "serve" else json.loads(answers[0])
     line = next((x for x in log.splitlines() if x.startswith("packer: warm state:")), "")
     return {"ready": res["ready"] - start, "first": res["first"] - start, "cpu": cpu, "ids": res["ids"],
-            "compiles": compiles, "logprobs": res["logprobs"], "hit": log.count(HIT) == 1 and AOT in log,
-            "line": line}
+            "compiles": compiles, "imports": imports, "logprobs": res["logprobs"],
+            "hit": log.count(HIT) == 1 and AOT in log, "line": line}
 
 
 def session_cpu(proc: subprocess.Popen[str], every: float = 0.2, timeout: float = 1200) -> float:
@@ -246,6 +269,7 @@ def main() -> int:
     out = warm_state(model_dir, build_out(args.layers, args.width), args.rewarm)
     for line in roots_held(out):
         print(f"root: {line}")
+    print(f"load average (1, 5, 15 min) at the start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     results: dict[str, list[dict[str, object]]] = {w: [] for w in who_all}
     for i in range(args.rounds):
         order = who_all[i % len(who_all):] + who_all[:i % len(who_all)]  # each contender in turn first
@@ -253,7 +277,8 @@ def main() -> int:
             results[who].append(run(model_dir, who, args.entry))
             last = results[who][-1]
             print(f"round {i + 1} {who}: first answer {last['first']:.1f} s, {last['cpu']:.1f} CPU-s, "
-                  f"{last['compiles']} compiles  {last['line']}", file=sys.stderr)
+                  f"{last['compiles']} compiles, torch imported {last['imports']}x, load {os.getloadavg()[0]:.2f}  "
+                  f"{last['line']}", file=sys.stderr)
     ids = [r["ids"] for rs in results.values() for r in rs]
     same = all(x == ids[0] for x in ids)
     warm = [r for w, rs in results.items() if w != "cold" for r in rs]
@@ -263,16 +288,19 @@ def main() -> int:
     print(f"entry {args.entry}; model dir {model_dir} ({args.layers} layers, width {args.width}), "
           f"warm state {size / 1e6:.1f} MB, "
           f"{args.rounds} rounds, {os.cpu_count()} cores; token ids equal: {same}; hit line and AOT load in every "
-          f"warm run: {hits}; logprobs in every answer: {logprobs}")
+          f"warm run: {hits}; logprobs in every answer: {logprobs}; load average (1, 5, 15 min) at the end: "
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("| (min / median / max) | " + " | ".join(who_all) + " |")
     print("|---|" + "---|" * len(who_all))
     for key, label in (("ready", "process start → engine ready, s"), ("first", "process start → first answer, s"),
-                       ("cpu", "CPU seconds, all its processes"), ("compiles", "compiler runs (compile or link)")):
+                       ("cpu", "CPU seconds, all its processes"), ("compiles", "compiler runs (compile or link)"),
+                       ("imports", "interpreters that imported torch")):
         cold = statistics.median(float(r[key]) for r in results["cold"])  # type: ignore[arg-type]
         cells = []
         for w in who_all:
             values = [float(r[key]) for r in results[w]]  # type: ignore[arg-type]
-            ratio = f" ({statistics.median(values) / cold:.2f}×)" if w != "cold" and cold and key != "compiles" else ""
+            ratio = (f" ({statistics.median(values) / cold:.2f}×)"
+                     if w != "cold" and cold and key not in ("compiles", "imports") else "")
             cells.append(stats(values).replace("  ", " ").strip() + ratio)
         print(f"| {label} | " + " | ".join(cells) + " |")
     return 0 if same and hits and logprobs else 1

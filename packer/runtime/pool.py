@@ -61,10 +61,15 @@ def prepare_loader(loader: Loader, *, prefetch: bool = False) -> dict[str, Any]:
             "config": config, "prefetch": prefetch}
 
 
+def cuda_initialised() -> bool:
+    """Whether CUDA was initialised in this process (False where torch is not imported)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
 def _before_fork() -> None:
     """Runs in the server just before each fork: was CUDA initialised here?"""
-    torch = sys.modules.get("torch")
-    _SERVER["cuda"] = bool(torch is not None and torch.cuda.is_initialized())
+    _SERVER["cuda"] = cuda_initialised()
 
 
 class _Guard:
@@ -80,8 +85,8 @@ REFUSED = 70  # exit status of a worker forked from a server where CUDA was init
 def _refuse_in_child(_: Any) -> None:
     """In each worker before its target runs (multiprocessing swallows exceptions here)."""
     if _SERVER.get("cuda"):
-        sys.stderr.write(f"packer warm pool: CUDA was initialised in the fork server (pid "
-                         f"{_SERVER.get('pid')}); a child forked after that cannot use CUDA. Keep "
+        sys.stderr.write(f"packer {_SERVER.get('name', 'warm pool')}: CUDA was initialised in the fork server "
+                         f"(pid {_SERVER.get('pid')}); a child forked after that cannot use CUDA. Keep "
                          "torch.cuda out of the preloaded modules\n")
         sys.stderr.flush()
         os._exit(REFUSED)
@@ -92,13 +97,28 @@ def serve_pool(prepare: Callable[..., dict[str, Any]]) -> None:
     spec = os.environ.pop(POOL_ENV, None)
     if spec is None or _SERVER:
         return
-    from multiprocessing import util
-
     _SERVER.update(pid=os.getpid(), error=None, cuda=False)
     try:
         _SERVER["prepared"] = prepare(**loads_json(spec, POOL_ENV))
     except Exception as e:  # reported to warm_context by the probe, not lost in the server
         _SERVER["error"] = f"{type(e).__name__}: {e}"
+    guard_forks()
+
+
+def guard_forks(name: str | None = None) -> None:
+    """Make this process a guarded fork server: before each fork it records whether CUDA was
+    initialised here, and a multiprocessing child forked after that exits with :data:`REFUSED`
+    and one line on stderr before its target runs (never a child that silently cannot use CUDA).
+
+    Args:
+        name: what the refusal line calls the server (default: the warm pool).
+    """
+    from multiprocessing import util
+
+    _SERVER.update(pid=os.getpid(), cuda=False)
+    _SERVER.setdefault("error", None)
+    if name:
+        _SERVER["name"] = name
     os.register_at_fork(before=_before_fork)
     util.register_after_fork(_GUARD, _refuse_in_child)
 
