@@ -156,18 +156,18 @@ def tp_rank(out: Path, ref: str, streamed: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     dist.barrier()  # both ranks start the clock together
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu()
     if streamed:
         model = pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", root=ref)
     else:
         model = pl.from_pretrained(AutoModelForCausalLM, device="cpu", tp_plan="auto", root=out, verify=True)
-    load_s = time.perf_counter() - t0
+    load_s, cpu_s = time.perf_counter() - t0, _cpu() - cpu0
     stages = [s for s in pl.report() if s["stage"] == "fetch (registry, proven)"]
     sys.path.insert(0, str(REPO))
     from tests.tp_worker import plan_bytes  # what the plan shards and replicates, as the TP tests count it
 
     sharded, replicated = plan_bytes(model)
-    return {"rank": dist.get_rank(), "load_s": load_s, "fetched": stages[-1]["bytes"] if stages else 0,
+    return {"rank": dist.get_rank(), "load_s": load_s, "cpu_s": cpu_s, "fetched": stages[-1]["bytes"] if stages else 0,
             "chunks": stages[-1].get("chunks", 0) if stages else 0, "sharded": sharded, "replicated": replicated}
 
 
@@ -290,7 +290,9 @@ def report_loads(res: dict[str, Any], r: dict[str, list[dict[str, Any]]], gb: fl
 def report_tp(res: dict[str, Any]) -> None:
     for mode, label in (("tp-stream", "streamed"), ("tp-local", "local, verify=True")):
         for rank in (0, 1) if res["tp"].get(mode) else ():
-            print(f"TP 2 {label}, rank {rank}: call to model {spread([r[rank]['load_s'] for r in res['tp'][mode]])} s")
+            runs = res["tp"][mode]
+            print(f"TP 2 {label}, rank {rank}: call to model {spread([r[rank]['load_s'] for r in runs])} s, "
+                  f"CPU {spread([r[rank]['cpu_s'] for r in runs])} s")
     for t in res["tp"]["tp-stream"][-1] if res["tp"].get("tp-stream") else ():
         share = t["sharded"] / 2 + t["replicated"]
         print(f"TP 2 rank {t['rank']}: fetched and hashed {t['fetched'] / 1e6:.1f} MB in {t['chunks']} chunks; "
