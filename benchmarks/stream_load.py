@@ -74,11 +74,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_registry(work: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_registry(work: Path, upstream: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Debian's ``docker-registry`` on loopback, its storage under ``work``; with ``upstream``
+    (``host:port``), a pull-through cache of that registry."""
     port = free_port()
+    proxy = f"proxy:\n  remoteurl: http://{upstream}\n" if upstream else ""
     (work / "registry.yml").write_text(
         "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {work / 'registry-data'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
+        f"    rootdirectory: {work / 'registry-data'}\nhttp:\n  addr: 127.0.0.1:{port}\n{proxy}")
     proc = subprocess.Popen(["docker-registry", "serve", str(work / "registry.yml")], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     for _ in range(200):
