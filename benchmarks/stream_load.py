@@ -27,6 +27,7 @@ registry serves from it as the local load reads from it). Ratios are medians of 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -311,6 +312,7 @@ def main() -> None:
             got = child(mode, out, ref, Path(sys.argv[5]))
         print(json.dumps(got))
         sys.stdout.flush()
+        atexit._run_exitfuncs()  # the streamed loads' private directories; then no slow teardown
         os._exit(0)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1GB,4GB")

@@ -430,7 +430,8 @@ def _ranks(work: Path, world: int = 2) -> list[dict[str, Any]]:
     for r in range(world):
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO),
-               "PACKER_BUNDLE_CACHE": str(work / f"cache{r}"), "OMP_NUM_THREADS": "1", "PACKER_STARTUP_LOG": "off"}
+               "PACKER_BUNDLE_CACHE": str(work / f"cache{r}"), "OMP_NUM_THREADS": "1", "PACKER_STARTUP_LOG": "off",
+               "TMPDIR": str(work)}  # the worker ends in os._exit: what a streamed load made stays in work
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.tp_verify_worker", str(work)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:

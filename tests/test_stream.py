@@ -408,6 +408,44 @@ def test_a_flipped_byte_is_refused_by_the_streaming_rank_that_fetches_it(pushed:
     assert not ours[0]["error"].startswith("mismatch"), ours[0]["error"]
 
 
+_CHILD = """
+import multiprocessing, sys
+sys.path.insert(0, sys.argv[1])
+import packer_loader
+
+
+def load(ref):
+    assert len(packer_loader.load_weights("cpu", root=ref)) > 0
+
+
+if __name__ == "__main__":
+    import os, tempfile
+
+    load(sys.argv[2])  # this process's private directory first: a forked child inherits its clean-up
+    p = multiprocessing.get_context(sys.argv[3]).Process(target=load, args=(sys.argv[4],))  # a directory of its own
+    p.start()
+    p.join()
+    left = os.listdir(tempfile.gettempdir())
+    assert len(left) == 1, f"after the child: {left} (the parent's alone, the child's gone)"
+    sys.exit(p.exitcode)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_every_process_that_streams_removes_its_small_files(pushed: Pushed, tmp_path: Path, method: str) -> None:
+    """A multiprocessing child (a TP rank, an engine's worker) ends without running ``atexit``: the
+    private copy of the image's small files it fetched is removed all the same, and a forked child
+    never removes its parent's."""
+    out, _ = pushed.builds["plain"]
+    (tmp_path / "child.py").write_text(_CHILD)  # tmp_path / "tmp": made by _streaming_env
+    env = {**os.environ, "PACKER_REGISTRY_INSECURE": pushed.address, "TMPDIR": str(tmp_path / "tmp")}
+    by_tag = f"oci://{pushed.address}/models/plain:1"  # the same image: another loader's key
+    got = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(out), pushed.ref("plain"), method, by_tag],
+                         capture_output=True, text=True, env=env, check=False)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_the_stream_command_lays_out_a_model_directory(pushed: Pushed, tmp_path: Path) -> None:
     out, _ = pushed.builds["plain"]
     env = {**os.environ, "PACKER_REGISTRY_INSECURE": pushed.address}

@@ -10,6 +10,7 @@ caller's signature check on the view's root before a weight byte is read.
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -82,7 +83,7 @@ def _registry(manifest: dict[str, Any] | None, base: str | Path, dest: Path | No
         image = RemoteImage.fetch(str(base))
         where = image.materialize(dest)
         if dest is None and not keep:
-            atexit.register(shutil.rmtree, where, True)  # this process's private copy of the small files
+            _remove_at_exit(where)
     else:
         where = Path(base)
         image = RemoteImage.fetch(str(stream_ref(where)))
@@ -95,6 +96,23 @@ def _registry(manifest: dict[str, Any] | None, base: str | Path, dest: Path | No
             raise ArtifactMismatchError(f"{image.ref}: the image holds another build than this loader's "
                                         "(its manifest.json pins other files)")
     return RegistryView(manifest, where, image)
+
+
+def _remove_at_exit(where: Path) -> None:
+    """Remove ``where`` (this process's private copy of an image's small files) when this process
+    ends: at exit, and at the end of a multiprocessing child (fork and forkserver children end in
+    ``os._exit``, past ``atexit``, after multiprocessing's own finalizers); never from a process
+    forked from this one."""
+    from multiprocessing import util
+
+    pid = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == pid:
+            shutil.rmtree(where, ignore_errors=True)
+
+    atexit.register(remove)
+    util.Finalize(None, remove, exitpriority=0)
 
 
 def _shipped(root: Path, name: str) -> dict[str, Any]:
