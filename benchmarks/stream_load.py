@@ -322,7 +322,8 @@ def main() -> None:
     ap.add_argument("--tp-only", action="store_true", help="only the tensor parallel rounds (1GB)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    results = [bench(s, args.rounds, args.work, args.tp_only) for s in args.sizes.split(",")]
+    sizes = ["1GB"] if args.tp_only else args.sizes.split(",")  # the TP rounds run at 1 GB only
+    results = [bench(s, args.rounds, args.work, args.tp_only) for s in sizes]
     for res in results:
         report(res)
     if args.json:
