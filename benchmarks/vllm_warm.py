@@ -62,6 +62,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_startup import REPO, VENV, build_out, env, make_model  # noqa: E402
 
+sys.path.insert(0, str(REPO))
+from tests.torch_imports import count_in  # noqa: E402
+from tests.torch_imports import imports as torch_imports  # noqa: E402
+
 ARGS = ["--load-format", "packer", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2"]
 CHILD = """
 import json, sys, time
@@ -80,17 +84,6 @@ if __name__ == "__main__":
 CONTENDERS = {"cold": {"PACKER_WARM": "off"}, "warm": {}, "warm-fork": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"},
               "warm-inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "warm-once": {}}
 LAUNCHERS = {"warm-once": ["-m", "packer.adapters.vllm_start"]}  # put before the entry's own arguments
-COUNTER = """
-import os, sys
-class _CountTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            sys.meta_path.remove(self)
-            with open({log!r}, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
-        return None
-sys.meta_path.insert(0, _CountTorch())
-"""
 COMPILERS = ("g++", "gcc", "c++", "cc", "clang", "clang++")
 HIT = "packer: warm state: hit ("
 AOT = "Directly load AOT compilation from path"
@@ -181,8 +174,7 @@ def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object
     caches = Path(tempfile.mkdtemp(prefix="vllm-warm-bench-"))
     (caches / "tmp").mkdir()  # Inductor keeps its precompiled headers under $TMPDIR: fresh, as in a new pod
     compiler_wrappers(caches / "bin", caches / "compilers.log")
-    (caches / "site").mkdir()
-    (caches / "site" / "sitecustomize.py").write_text(COUNTER.format(log=str(caches / "torch-imports")))
+    count_in(caches / "site", caches / "torch-imports")
     (caches / "child.py").write_text(CHILD)
     extra = {"VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
              "TRITON_CACHE_DIR": str(caches / "triton"), "TMPDIR": str(caches / "tmp"),
@@ -209,7 +201,7 @@ def run(model_dir: Path, contender: str, entry: str = "llm") -> dict[str, object
             f.seek(0)
             log = f.read()
         compiles = compile_runs(caches / "compilers.log")
-        imports = len((caches / "torch-imports").read_text().split()) if (caches / "torch-imports").exists() else 0
+        imports = torch_imports(caches / "torch-imports")
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     if (proc.returncode != 0 and entry != "serve") or (entry == "serve" and "first" not in box):

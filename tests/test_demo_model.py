@@ -94,7 +94,7 @@ def test_a_missing_parent_is_named(tmp_path: Path) -> None:
 @pytest.mark.vllm
 def test_vllm_serves_the_signed_demo_build_as_the_tutorial_does(tmp_path: Path) -> None:
     from tests.sign_fixtures import make_keypair
-    from tests.test_vllm_format import complete, env, vllm_python
+    from tests.test_vllm_format import env, serve_once, vllm_python
 
     py = vllm_python()
     d = demo_model(tmp_path / "my-model")
@@ -114,18 +114,7 @@ def test_vllm_serves_the_signed_demo_build_as_the_tutorial_does(tmp_path: Path) 
     args = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--load-format", "packer",
             "--served-model-name", "demo", "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", "--max-model-len", "64", "--max-num-seqs", "2"]
-    log = tmp_path / "server.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=run_env)
-    try:
-        body = complete(port, proc, "demo", "baba deko")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    text = log.read_text()
+    body, text = serve_once(args, run_env, tmp_path / "server.log", port, "demo", "baba deko")
     assert body["usage"]["completion_tokens"] == 4, text[-3000:]
     assert isinstance(body["choices"][0]["text"], str)  # decoded by the demo's tokenizer
     assert f"of {out} loaded through packer_loader.py on cpu" in text

@@ -278,22 +278,28 @@ def test_api_server_serves_through_the_packer_load_format(tmp_path: Path) -> Non
     args = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(d),
             "--load-format", "packer", "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
             "--max-num-seqs", "2", "--host", "127.0.0.1", "--port", str(port)]
-    log = tmp_path / "server.log"
+    body, text = serve_once(args, {**env(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, tmp_path / "server.log",
+                            port, str(d), [2, 3, 4])
+    assert body["usage"]["completion_tokens"] == 4, text[-3000:]
+    assert "[startup] headers:" in text and "[startup] map:" in text
+    assert f"of {out} loaded through packer_loader.py on cpu" in text
+
+
+def serve_once(args: list[str], environ: dict[str, str], log: Path, port: int, model: str,
+               prompt: str | list[int]) -> tuple[dict[str, object], str]:
+    """Start the API server ``args`` (its output to ``log``), ask :func:`complete`, stop it;
+    the answer and the server's log."""
     with log.open("w") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT,
-                                env={**env(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=environ)
     try:
-        body = complete(port, proc, str(d), [2, 3, 4])
+        body = complete(port, proc, model, prompt)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    text = log.read_text()
-    assert body["usage"]["completion_tokens"] == 4, text[-3000:]
-    assert "[startup] headers:" in text and "[startup] map:" in text
-    assert f"of {out} loaded through packer_loader.py on cpu" in text
+    return body, log.read_text()
 
 
 def complete(port: int, proc: subprocess.Popen[bytes], model: str, prompt: str | list[int]) -> dict[str, object]:

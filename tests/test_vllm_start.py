@@ -15,26 +15,13 @@ from pathlib import Path
 import pytest
 
 from tests.test_vllm_format import PROMPTS, REPO, build, env, vllm_python
-
-COUNTER = """
-import os, sys
-class _CountTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            sys.meta_path.remove(self)
-            with open({log!r}, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
-        return None
-sys.meta_path.insert(0, _CountTorch())
-"""
+from tests.torch_imports import count_in, imports
 
 
 def counted_env(tmp: Path, name: str) -> tuple[dict[str, str], Path]:
     """vLLM's default process layout (no ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with torch's imports counted."""
-    site = tmp / f"site-{name}"
-    site.mkdir()
-    log = tmp / f"torch-imports-{name}"
-    (site / "sitecustomize.py").write_text(COUNTER.format(log=str(log)))
+    site, log = tmp / f"site-{name}", tmp / f"torch-imports-{name}"
+    count_in(site, log)
     e = {k: v for k, v in env(tmp).items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     e["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)])
     return e, log
@@ -50,7 +37,7 @@ def start(tmp: Path, model_dir: Path, name: str, launcher: list[str]) -> tuple[l
     assert r.returncode == 0, out[-4000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]
     assert len(lines) == 1, out[-4000:]
-    return json.loads(lines[0])["ids"], len(log.read_text().split()), out
+    return json.loads(lines[0])["ids"], imports(log), out
 
 
 @pytest.mark.vllm
