@@ -9,7 +9,6 @@ caller's signature check on the view's root before a weight byte is read.
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 from collections.abc import Callable
@@ -100,9 +99,9 @@ def _registry(manifest: dict[str, Any] | None, base: str | Path, dest: Path | No
 
 def _remove_at_exit(where: Path) -> None:
     """Remove ``where`` (this process's private copy of an image's small files) when this process
-    ends: at exit, and at the end of a multiprocessing child (fork and forkserver children end in
-    ``os._exit``, past ``atexit``, after multiprocessing's own finalizers); never from a process
-    forked from this one."""
+    ends, by a multiprocessing finalizer: it runs at exit (multiprocessing's own ``atexit``
+    hook) and at the end of a multiprocessing child, which fork and forkserver end in
+    ``os._exit``, past ``atexit``; never from a process forked from this one."""
     from multiprocessing import util
 
     pid = os.getpid()
@@ -111,7 +110,6 @@ def _remove_at_exit(where: Path) -> None:
         if os.getpid() == pid:
             shutil.rmtree(where, ignore_errors=True)
 
-    atexit.register(remove)
     util.Finalize(None, remove, exitpriority=0)
 
 
