@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tests.registry_fixtures import LoopbackCA
+from tests.registry_fixtures import LoopbackCA, QuietHTTPServer
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -96,12 +96,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.connection.close()
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(QuietHTTPServer):
     owner: HostileRegistry
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # a client cut off by its deadline, a reset on purpose: expected here, not news
 
 
 class HostileRegistry:

@@ -59,7 +59,9 @@ def test_the_total_is_bounded_before_a_byte_is_written(tmp_path: Path) -> None:
     out = tmp_path / "out"
     code, output = _convert(src, out)
     assert code == 1 and not out.exists()
-    line, = output.strip().splitlines()
+    lines = output.strip().splitlines()
+    assert len(lines) == 1, output
+    line = lines[0]
     assert f"{src}: tensor 'w'" in line
     assert "holds 4398046511104 bytes over its storage 'data/0' of 16 bytes" in line
     assert "weights.max_expansion = 4 times" in line and "--max-expansion" in line

@@ -21,7 +21,7 @@ import torch
 
 from tests import test_stream
 from tests.built import open_build
-from tests.registry_fixtures import Proxy, blob_file, docker_registry
+from tests.registry_fixtures import Proxy, QuietHTTPServer, blob_file, docker_registry
 from tests.test_stream import CHUNK, WEIGHTS, Pushed, equal, insecure, stage, stub
 
 # the streaming tests' fixtures: the registry with the builds pushed; no auth file of the
@@ -154,8 +154,7 @@ class _Server:
                 owner.seen.append((self.path, self.headers.get("Range"), self.headers.get("Authorization")))
                 owner.handle(self)
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
