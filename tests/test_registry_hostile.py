@@ -332,6 +332,31 @@ def test_a_layer_over_the_decompression_cap_is_one_line(media: str, hostile: Hos
     assert "decompresses to more than the cap of 8388608 bytes" in _one_line(e.value)
 
 
+@pytest.mark.parametrize("kind", ["gzip", "zstd", "zstd declaring its size"])
+def test_a_layer_over_the_cap_a_memory_limit_lowered_says_so(kind: str, hostile: HostileRegistry, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """However the layer passes the lowered cap (found while inflating, or declared in its zstd
+    frame), the line names the memory limit that lowered it: the refusal's kind, not its text."""
+    import zstandard
+
+    from packer.runtime import inflate
+
+    size = 48 << 20
+    bomb = {"gzip": lambda: _gzip_bomb(size), "zstd": lambda: _zstd_bomb(size),
+            "zstd declaring its size": lambda: zstandard.ZstdCompressor(level=1).compress(bytes(size))}[kind]()
+    ref = hostile.image("m/hostile", [(bomb, GZIP_LAYER if kind == "gzip" else ZSTD_LAYER)])
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setattr(remote, "memory_budget", lambda: 16 << 20)
+    monkeypatch.setattr(inflate, "memory_budget", lambda: None)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref).materialize(tmp_path / "out")
+    line = _one_line(e.value)
+    assert "more than the cap of" in line or "over the cap of" in line, line
+    assert line.endswith("what half this process's memory limit (its cgroup's) leaves beside the layer and the "
+                         "files so far"), line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("media", [GZIP_LAYER, ZSTD_LAYER])
 def test_a_bomb_under_the_cap_but_over_the_memory_is_one_line(media: str, hostile: HostileRegistry, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:

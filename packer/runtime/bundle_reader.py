@@ -31,7 +31,7 @@ import zstandard
 from .bundle_cache import cache_root, cached
 from .bundle_cache import is_dir as _is_dir
 from .env import ArtifactMismatchError
-from .inflate import STEP, InflateError, collect
+from .inflate import STEP, InflateError, OverCapError, collect
 from .reading import open_regular
 
 DEFAULT_MAX_BYTES = 512 * 2**20  # decompressed tar stream; the largest tokenizers are ~50 MB
@@ -60,6 +60,11 @@ _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXE
 
 class BundleFormatError(ValueError):
     """The archive is malformed, hostile or over a cap; the whole archive is rejected."""
+
+
+class BundleOverCapError(BundleFormatError, OverCapError):
+    """Compressed bundle data whose output would pass its byte cap: a format error that is also
+    the one kind of refusal a caller that lowered the cap (to a memory limit) may explain."""
 
 
 def member_key(name: str) -> str:
@@ -168,7 +173,7 @@ def _frames(data: bytes | bytearray, max_window: int, max_bytes: int) -> list[tu
         end, declared = _frame_end(data, pos, max_window, budget)
         declared_total += declared or 0
         if declared_total > max_bytes:
-            raise BundleFormatError(f"zstd data declares {declared_total} bytes, over the cap of {max_bytes}")
+            raise BundleOverCapError(f"zstd data declares {declared_total} bytes, over the cap of {max_bytes}")
         frames.append((pos, end, declared))
         pos = end
     if not frames:
@@ -180,7 +185,8 @@ def decompress(data: bytes | bytearray, max_bytes: int, max_window: int = DEFAUL
     """zstd ``data`` (one or more frames) decompressed, at most ``max_bytes``.
 
     Raises:
-        BundleFormatError: malformed frames, a window over ``max_window``, or over the cap.
+        BundleFormatError: malformed frames, a window over ``max_window``, or (its subclass
+            :class:`BundleOverCapError`) over the cap.
     """
     return _decompress(data, max_bytes, max_window)
 
@@ -189,6 +195,8 @@ def _decompress(data: bytes | bytearray, max_bytes: int, max_window: int) -> byt
     frames = _frames(data, max_window, max_bytes)
     try:
         return collect(_zstd_pieces(memoryview(data), frames, max_window), max_bytes)
+    except OverCapError as e:
+        raise BundleOverCapError(str(e)) from None
     except InflateError as e:
         raise BundleFormatError(str(e)) from None
     except zstandard.ZstdError as e:

@@ -28,13 +28,17 @@ class InflateError(ValueError):
     """Compressed data refused: over its cap, out of memory, or malformed (one line)."""
 
 
+class OverCapError(InflateError):
+    """Compressed data whose output would pass its cap (what it declares, or what it yields)."""
+
+
 def collect(pieces: Iterable[bytes], cap: int) -> bytearray:
     """The pieces a decoder yields (each at most :data:`STEP` bytes) in one buffer, at most
     ``cap`` bytes.
 
     Raises:
-        InflateError: the output would pass ``cap`` (checked before a piece is kept), or memory
-            ran out on the way.
+        OverCapError: the output would pass ``cap`` (checked before a piece is kept).
+        InflateError: memory ran out on the way.
     """
     budget = memory_budget()
     why = f"the cap of {cap} bytes"
@@ -44,7 +48,7 @@ def collect(pieces: Iterable[bytes], cap: int) -> bytearray:
     try:
         for piece in pieces:
             if len(out) + len(piece) > cap:
-                raise InflateError(f"decompresses to more than {why}")
+                raise OverCapError(f"decompresses to more than {why}")
             out += piece
     except MemoryError:
         size = len(out)

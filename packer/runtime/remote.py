@@ -47,7 +47,7 @@ from typing import Any
 from .blob_reader import BlobReader
 from .chunks import FileChunks
 from .env import STREAM_FILE, ArtifactMismatchError
-from .inflate import InflateError, gunzip, memory_budget
+from .inflate import InflateError, OverCapError, gunzip, memory_budget
 from .place import FilePlace
 from .proof import hash_span, prove_chunk
 from .registry import MAX_DOC, MAX_LAYERS, OciRef, Registry, RegistryError, parse_ref
@@ -340,7 +340,7 @@ class RemoteImage:
                 total += len(tar)
                 layer = Bundle.from_tar(tar).subtree(prefix)
             except (BundleFormatError, InflateError) as e:
-                why, kind = held if "more than the cap" in str(e) else "", media.rpartition("+")[2]
+                why, kind = held if isinstance(e, OverCapError) else "", media.rpartition("+")[2]
                 raise RegistryError(f"{self.ref}: layer {digest[:19]}... ({kind}): {e}{why}") from None
             twice = [p for p, (_, d) in layer.items() if p in members and not (d and members[p][1])]
             if twice:
