@@ -67,9 +67,9 @@ _HOMES: dict[str, str] = {
     "write_demo_model": "packer.demo",
     **dict.fromkeys((
         "PackerError", "DependencyError", "RecipeError", "SourceError", "CheckpointError", "UnsafeInputError",
-        "DisallowedGlobalError", "TruncatedPickle", "WeightsError", "BundleError", "ImageError", "UsageError",
-        "VerifyError", "BlobDigestError", "ImageArtifactMismatchError", "LoaderError", "StubError", "SignError",
-        "EngineAdapterError", "WarmStateError"), "packer.errors"),
+        "DisallowedGlobalError", "PayloadError", "TruncatedPickle", "WeightsError", "BundleError", "ImageError",
+        "UsageError", "VerifyError", "ChunkMismatchError", "BlobDigestError", "ImageArtifactMismatchError",
+        "LoaderError", "StubError", "SignError", "EngineAdapterError", "WarmStateError"), "packer.errors"),
 }
 
 __all__ = [
@@ -78,9 +78,9 @@ __all__ = [
     "load_recipe", "demo_recipe", "Recipe", "inspect_checkpoint", "bundle_to_file", "unbundle",
     "write_demo_model",
     "PackerError", "DependencyError", "RecipeError", "SourceError", "CheckpointError", "UnsafeInputError",
-    "DisallowedGlobalError", "TruncatedPickle", "WeightsError", "BundleError", "ImageError", "UsageError",
-    "VerifyError", "BlobDigestError", "ImageArtifactMismatchError", "LoaderError", "StubError", "SignError",
-    "EngineAdapterError", "WarmStateError",
+    "DisallowedGlobalError", "PayloadError", "TruncatedPickle", "WeightsError", "BundleError", "ImageError",
+    "UsageError", "VerifyError", "ChunkMismatchError", "BlobDigestError", "ImageArtifactMismatchError",
+    "LoaderError", "StubError", "SignError", "EngineAdapterError", "WarmStateError",
 ]
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from packer.errors import VerifyError
+from packer.errors import ChunkMismatchError, VerifyError
 from packer.hashing import HASH_READ
 from packer.place import FilePlace
 from packer.reading import JSON_DOC, open_regular, read_bytes
@@ -102,8 +102,9 @@ def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, F
         the bytes hashed here (0 when everything was vouched for or there is no table).
 
     Raises:
-        VerifyError: a malformed table, one that leaves out a weight file, or a chunk whose
-            bytes differ, naming the file and the chunk (index and byte range).
+        VerifyError: a malformed table, one that leaves out a weight file, or (its subclass
+            :class:`~packer.errors.ChunkMismatchError`) a chunk whose bytes differ, naming the
+            file and the chunk (index and byte range).
     """
     table = _read_table(out, manifest)
     if table is None:
@@ -125,7 +126,7 @@ def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, F
             for i, digest in enumerate(got):  # the runtime's one prover, its one message
                 prove_chunk(_where(out, places[rel]), fc, i, digest, table=CHUNKS_REL)
         except ArtifactMismatchError as e:
-            raise VerifyError(str(e)) from None
+            raise ChunkMismatchError(str(e)) from None
     return hashed
 
 
@@ -141,6 +142,8 @@ def chunk_difference(out: Path, manifest: Mapping[str, Any], places: Mapping[str
     cannot tell (no table, a table that is itself wrong)."""
     try:
         verify_chunks(out, manifest, places)
-    except VerifyError as e:
-        return str(e) if ": chunk " in str(e) else None
+    except ChunkMismatchError as e:
+        return str(e)
+    except VerifyError:
+        return None
     return None

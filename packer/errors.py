@@ -96,6 +96,11 @@ class DisallowedGlobalError(UnsafeInputError):
     """A pickle global outside the allowlist (the message names every one and the flags to pass)."""
 
 
+class PayloadError(DisallowedGlobalError):
+    """A pickle global that runs commands or code when called (``os.system``, ``builtins.eval``):
+    a payload, not data; no flag reads it, and no re-save advice is given."""
+
+
 class TruncatedPickle(CheckpointError):
     """The pickle runs past the end of the bytes given (a caller may retry with more)."""
 
@@ -121,6 +126,11 @@ class UsageError(PackerError):
 
 class VerifyError(PackerError):
     """An artifact does not match its manifest; the message names the first mismatch."""
+
+
+class ChunkMismatchError(VerifyError):
+    """A chunk of a weight file whose sha256 is not the chunk table's; the message names the file,
+    the chunk (index and byte range) and both digests."""
 
 
 class BlobDigestError(VerifyError):

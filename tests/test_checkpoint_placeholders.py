@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import io
 import json
 import pathlib
 import pickle
@@ -29,7 +30,7 @@ import torch
 from packer.checkpoint import inspect_checkpoint, read_checkpoint
 from packer.checkpoint.pickle_vm import policy_for, run_pickle
 from packer.checkpoint.placeholders import Placeholder
-from packer.errors import UnsafeInputError
+from packer.errors import DisallowedGlobalError, PayloadError, UnsafeInputError
 from packer.recipe import WeightsConfig
 from packer.weights.convert import convert
 from tests.ckpt_factory import tensor_bytes
@@ -303,3 +304,25 @@ def test_a_dangerous_global_is_named_dangerous_and_no_flag_is_offered(tmp_path: 
     assert f"{payload} runs commands or code when called" in lines[0]
     assert "--allow-global" not in lines[0] and "docs/troubleshooting.md#checkpoints" in lines[0]
     assert not (tmp_path / "o").exists()
+
+
+def _one_global(module: str, name: str) -> bytes:
+    return b"\x80\x02}q\x00X\x01\x00\x00\x00wq\x01c" + f"{module}\n{name}\n".encode() + b"q\x02s."
+
+
+@pytest.mark.parametrize("policy", ["plain", "placeholders"])
+def test_a_payload_is_its_own_kind_of_refusal(tmp_path: Path, policy: str) -> None:
+    """Callers tell a payload from a global that may be allowed by its class, never by its text:
+    as the main pickle, and as the first pickle of a legacy file (which gets no re-save advice)."""
+    from packer.checkpoint.legacy import load_legacy
+
+    pol = policy_for(("x.*",) if policy == "placeholders" else ())
+    with pytest.raises(PayloadError):
+        run_pickle(_one_global("posix", "system"), where="x: data.pkl", policy=pol)
+    with pytest.raises(DisallowedGlobalError) as e:
+        run_pickle(_one_global("mylib", "Config"), where="x: data.pkl", policy=pol)
+    assert not isinstance(e.value, PayloadError)
+    data = b"\x80\x02cposix\nsystem\nq\x00."  # a legacy file whose magic-number pickle is a payload
+    with pytest.raises(PayloadError) as p:
+        load_legacy(io.BytesIO(data), tmp_path / "evil.bin", len(data))
+    assert "pickle.dump" not in str(p.value) and "runs commands or code when called" in str(p.value)

@@ -27,7 +27,7 @@ import torch
 
 from packer.building import build
 from packer.chunks import CHUNKS_REL
-from packer.errors import VerifyError
+from packer.errors import ChunkMismatchError, VerifyError
 from packer.hashing import sha256_chunked
 from packer.recipe import demo_recipe, with_sign_key
 from packer.runtime.chunks import TP_DEGREES, FileChunks, chunk_ends, parse_table, split
@@ -316,7 +316,7 @@ def test_verify_checks_the_table_against_the_bytes(built: Path, tmp_path: Path) 
     places = places_of(manifest["files"], where="m")
     assert verify_chunks(built, json.loads((built / "manifest.json").read_bytes()), places) > 0  # read, hashed: ok
     five = open_build(built).chunk_table()[WEIGHTS].bounds(5)[0]
-    with pytest.raises(VerifyError, match=rf"\({WEIGHTS} at offset \d+\): chunk 5 \(bytes \[{five}, "):
+    with pytest.raises(ChunkMismatchError, match=rf"\({WEIGHTS} at offset \d+\): chunk 5 \(bytes \[{five}, "):
         verify_chunks(bad, manifest, places)
 
 

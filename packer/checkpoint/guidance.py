@@ -25,7 +25,7 @@ from typing import Any
 
 from packer.checkpoint.placeholders import PLACEHOLDER_TYPES, GlobalPolicy, Placeholder, PlaceholderDict, type_name
 from packer.checkpoint.tree import Global, PickleDict, TensorRef
-from packer.errors import CheckpointError, DisallowedGlobalError
+from packer.errors import CheckpointError, DisallowedGlobalError, PayloadError
 from packer.util.show import shell_word
 
 MAX_NAMED = 40  # globals named in one message; the flags list is cut at the same place
@@ -185,7 +185,7 @@ def one_message(first: DisallowedGlobalError, refused: list[str], value: object)
     every = f" ({len(refused)} in this pickle: {', '.join(shown)}{more})" if len(refused) > 1 else ""
     head = f"{where}: global {qual} is not allowed{every}; packer never imports or calls anything"
     if bad := [q for q in refused if dangerous(q)]:  # a payload: said so, and no flag offered for anything
-        return DisallowedGlobalError(f"{head}; {dangerous_hint(bad)}")
+        return PayloadError(f"{head}; {dangerous_hint(bad)}")
     subclass = _subclass_message(where, refused)
     if subclass is not None:
         return DisallowedGlobalError(subclass)

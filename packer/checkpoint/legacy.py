@@ -19,7 +19,7 @@ from packer.checkpoint.pickle_vm import DEFAULT_POLICY, NO_GLOBALS, run_pickle
 from packer.checkpoint.placeholders import GlobalPolicy
 from packer.checkpoint.records import StorageRange
 from packer.checkpoint.tree import Global, StorageRef, short
-from packer.errors import CheckpointError, TruncatedPickle, UnsafeInputError
+from packer.errors import CheckpointError, PayloadError, TruncatedPickle, UnsafeInputError
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -151,7 +151,7 @@ def load_legacy(f: BinaryIO, path: Path, size: int, *, policy: GlobalPolicy = DE
     try:
         magic, pos = pickles.run(0, "magic number pickle", policy=NO_GLOBALS)
     except UnsafeInputError as e:  # a first pickle holding objects: pickle.dump's, not torch.save's
-        if "runs commands or code when called" in str(e):  # a payload, not a pickle.dump of data: no re-save advice
+        if isinstance(e, PayloadError):  # a payload, not a pickle.dump of data: no re-save advice
             raise
         raise UnsafeInputError(f"{e}; {RAW_PICKLE}") from e
     if type(magic) is not int or magic != MAGIC_NUMBER:

@@ -33,7 +33,7 @@ from packer.checkpoint.tree import (
     PickleSet,
     reduce_call,
 )
-from packer.errors import CheckpointError, DisallowedGlobalError, TruncatedPickle, UnsafeInputError
+from packer.errors import CheckpointError, DisallowedGlobalError, PayloadError, TruncatedPickle, UnsafeInputError
 from packer.util.show import shell_word
 
 PersistentLoad = Callable[[object], object]
@@ -419,9 +419,11 @@ class PickleVM:
                 raise self.fail(f"{qual}: the checkpoint holds {UNCONVERTED[key]}")
             from packer.checkpoint.guidance import dangerous, dangerous_hint  # a refusal only: off the hot path
 
+            kind = DisallowedGlobalError
             if not _PYTHON_NAME.match(qual):
                 hint = "it is not a Python name, so no class can be allowed: this is not a checkpoint's pickle"
             elif dangerous(qual):
+                kind = PayloadError
                 hint = dangerous_hint([qual])
             elif module == "torch.nn" or module.startswith("torch.nn."):  # a whole pickled module
                 hint = ("it is a pickled torch.nn module, not a state dict: save model.state_dict() "
@@ -431,7 +433,7 @@ class PickleVM:
                         f"--allow-global {shell_word(qual)} (recipe: weights.allow_globals)")
             else:
                 hint = "this pickle may hold plain values only"
-            raise DisallowedGlobalError(
+            raise kind(
                 f"{self.where} at byte {self.op_pos}: global {qual} is not allowed; packer never imports or calls "
                 f"anything and reads tensors, plain containers and known plain-data types; {hint}"
             )
