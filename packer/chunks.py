@@ -79,12 +79,12 @@ def _read_table(out: Path, manifest: Mapping[str, Any]) -> dict[str, FileChunks]
 
 def _hashed(out: Path, place: FilePlace, fc: FileChunks) -> tuple[str, ...]:
     path, offset, _ = place.path(out)
-    with open_regular(path, VerifyError) as f:
-        try:  # each chunk by the one span hasher: every byte read once, in reads of HASH_READ
+    try:  # each chunk by the one span hasher: every byte read once, in reads of HASH_READ
+        with open_regular(path, VerifyError) as f:
             return tuple(hash_span(f.fileno(), offset + a, b - a, str(path), buffer=HASH_READ)
                          for a, b in map(fc.bounds, range(fc.total)))
-        except (OSError, ArtifactMismatchError) as e:
-            raise VerifyError(f"{path}: cannot read {place.rel} to check its chunks ({e})") from e
+    except (OSError, ArtifactMismatchError) as e:  # missing or unreadable: a VerifyError, as any
+        raise VerifyError(f"{path}: cannot read {place.rel} to check its chunks ({e})") from e
 
 
 def verify_chunks(out: Path, manifest: Mapping[str, Any], places: Mapping[str, FilePlace],

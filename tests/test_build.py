@@ -174,6 +174,27 @@ def test_verify_names_every_link_of_a_changed_layer_tarball(demo_out: Path, tmp_
     verify(copy)
 
 
+def test_a_layer_that_cannot_be_read_is_named_by_its_read_error(demo_out: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fails a read (EIO) fails the re-read that looks for a digest mismatch too: the
+    first error stands, in one line, never the second's raw OSError."""
+    import errno
+
+    import packer.oci.verify as oci_verify
+
+    real = oci_verify._HashingReader.read
+
+    def failing(self: oci_verify._HashingReader, n: int = -1) -> bytes | memoryview:
+        if self.size > 0:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, n)
+
+    monkeypatch.setattr(oci_verify._HashingReader, "read", failing)
+    with pytest.raises(VerifyError, match=r"blobs/sha256/[0-9a-f]{64}.*: cannot read layer: \[Errno 5\] "
+                                          r"Input/output error$"):
+        verify(demo_out)
+
+
 def test_verify_rejects_extra_and_missing_files(demo_out: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(demo_out), str(copy)], check=True)

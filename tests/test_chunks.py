@@ -419,6 +419,14 @@ def test_verify_names_the_chunk_of_a_flipped_byte_in_a_plain_file(plain_built: P
         verify(bad)
 
 
+def test_verify_of_a_missing_weight_file_says_it_is_missing(plain_built: Path, tmp_path: Path) -> None:
+    """The chunk table's look for the differing chunk, after a refusal, never replaces the refusal."""
+    bad = _copy(plain_built, tmp_path / "bad")
+    (bad / WEIGHTS).unlink()
+    with pytest.raises(VerifyError, match=rf"bad/{WEIGHTS}: listed in the manifest but missing"):
+        verify(bad)
+
+
 # --- tensor parallel ranks that verify what they read ---
 
 

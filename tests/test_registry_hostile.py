@@ -189,6 +189,42 @@ def test_a_redirect_to_another_host_carries_the_range_but_no_credentials(
     assert hostile.seen[-1].headers.get("authorization") == BASIC  # the registry itself had them
 
 
+BAD_ADDRESSES = {
+    "a port of escapes": "http://127.0.0.1:\x1bc\x9b2J/x",
+    "an unbalanced bracket": "http://[::1/x",
+    "a port out of range": "http://127.0.0.1:70000/x",
+    "a port of zero": "http://127.0.0.1:0/x",
+    "a host in other letters": "http://h\xe9st.example/x",
+    "a space in the host": "http://127.0.0.1 .example/x",
+    "credentials in it": "http://u:p@127.0.0.1:1/x",
+    "no host": "https:///x",
+    "another scheme": "file:///etc/passwd",
+}
+
+
+@pytest.mark.parametrize("where", ["redirect", "realm"])
+@pytest.mark.parametrize("address", list(BAD_ADDRESSES.values()), ids=list(BAD_ADDRESSES))
+def test_an_address_the_registry_names_is_checked_before_anything_is_sent(
+        where: str, address: str, hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A redirect's ``Location`` or a token realm that is no http(s) address of a host is refused in
+    one line, escaped, as a RegistryError (never http.client's InvalidURL with the raw text)."""
+    ref = _small_image(hostile)
+    digest = ref.rpartition("@")[2]
+    if where == "redirect":
+        def route(h: Handler) -> None:
+            h.answer(307, b"", {"Location": address})
+    else:
+        route = _bearer(address)
+    hostile.routes[f"/v2/m/hostile/manifests/{digest}"] = route
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref)
+    text = _one_line(e.value)
+    assert "not an http(s) address of a host; refused, nothing sent" in text, text
+    assert ("redirected to" if where == "redirect" else "names the token realm") in text, text
+    assert "\x9b" not in text and len(hostile.seen) == 1, (text, hostile.seen)
+
+
 # --- 2. deadlines: a drip is cut off, per request and per load ---
 
 

@@ -284,9 +284,14 @@ def _check_layer(image: Path, desc: dict[str, Any], diff_id: str, rules: dict[st
         stream.drain()
         reader.drain()
     except (OSError, EOFError, tarfile.TarError, ValueError, zlib.error, VerifyError) as e:
-        # a damaged blob explains any read error: name the digest mismatch first
-        reader.drain()
-        _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
+        # a damaged blob explains any read error: name the digest mismatch first (when the
+        # rest of the blob can be read: a read that fails again leaves the first error standing)
+        try:
+            reader.drain()
+        except OSError:
+            pass
+        else:
+            _check_digest(path, desc, reader.size, "sha256:" + reader.hash.hexdigest())
         if isinstance(e, VerifyError):
             raise
         raise _fail(str(path), f"cannot read layer: {e}") from e

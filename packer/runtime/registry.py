@@ -51,7 +51,7 @@ from typing import Any
 from .env import STREAM_SCHEME, ArtifactMismatchError, is_ref, printable
 from .reading import loads_json, read_bytes
 from .settings import RegistrySettings
-from .transport import TRIES, Budget, Connections, Deadline, RegistryError, Response
+from .transport import TRIES, Budget, Connections, Deadline, RegistryError, Response, named_address
 
 _DOMAIN_PART = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
 _HOST = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9A-Fa-f:.]+\])"
@@ -284,10 +284,12 @@ class Registry:
                 return resp
             body = resp.read(64 * 1024, f"the answer {resp.status} to {deadline.what}")  # drained: reused
             if resp.status in (301, 302, 303, 307, 308) and hops < 5:
-                url, hops = urllib.parse.urljoin(url, resp.header("Location")), hops + 1
-                if not urllib.parse.urlsplit(url).scheme.startswith("http"):
-                    raise RegistryError(f"{self.ref}: {deadline.what}: redirected to a "
-                                        f"{printable(urllib.parse.urlsplit(url).scheme)[:20]!r} address")
+                where, hops = resp.header("Location"), hops + 1
+                try:
+                    url = urllib.parse.urljoin(url, where)
+                except ValueError:  # an unbalanced "[" (an IPv6 host): checked below as it was given
+                    url = where
+                named_address(url, f"{self.ref}: {deadline.what}: redirected to")
                 continue
             if resp.status == 401 and own and not renewed:
                 self._authorize(resp.header("WWW-Authenticate"))
@@ -362,16 +364,13 @@ class Registry:
                 a host:port not listed in ``PACKER_REGISTRY_INSECURE``: one line naming the
                 host that asked, the realm and why.
         """
-        u = urllib.parse.urlsplit(realm)
+        u = named_address(realm, f"{self.ref}: {self.ref.host} names the token realm")
         shown = printable(realm[:100])
-        if u.scheme not in ("http", "https") or not u.hostname or "@" in u.netloc:
-            raise RegistryError(f"{self.ref}: {self.ref.host} names the token realm {shown!r}, not an "
-                                "http(s) address of a host; refused")
         if u.scheme == "http" and u.netloc not in self.settings.insecure:
             raise RegistryError(f"{self.ref}: {self.ref.host} names the token realm {shown!r} in plain HTTP; "
                                 f"refused, nothing sent: credentials and tokens go in plain HTTP only to a "
                                 f"host:port listed in PACKER_REGISTRY_INSECURE ({u.netloc} is not)")
-        return u.hostname.lower() == _hostname(self.ref.host)
+        return (u.hostname or "").lower() == _hostname(self.ref.host)
 
     # -- documents and blobs
 

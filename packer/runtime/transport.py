@@ -38,6 +38,29 @@ class RegistryError(ArtifactMismatchError):
     """The registry cannot serve the streamed load: one line naming the reference and why."""
 
 
+def named_address(url: str, what: str) -> urllib.parse.SplitResult:
+    """``url``, an address a registry named (a redirect's ``Location``, a token realm), split and
+    checked before a connection is opened to it.
+
+    ``what`` starts the message (``"<ref>: <request>: redirected to"``).
+
+    Raises:
+        RegistryError: not http(s); no host; credentials in it; a port that is no number from 1
+            to 65535; a host:port with anything but printable ASCII (no space): one line, the
+            address escaped.
+    """
+    try:
+        u = urllib.parse.urlsplit(url)
+        port = u.port  # ValueError: not a number, or out of range
+    except ValueError:
+        u, port = None, None
+    if (u is None or u.scheme not in ("http", "https") or not u.hostname or "@" in u.netloc or port == 0
+            or not u.netloc.isascii() or not u.netloc.isprintable() or " " in u.netloc):
+        raise RegistryError(f"{what} {printable(url[:100])!r}: not an http(s) address of a host; refused, "
+                            "nothing sent")
+    return u
+
+
 class Budget:
     """One load's limits: the requests it made, and its time with requests in flight.
 
