@@ -142,15 +142,21 @@ FSDP2 = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_fsdp2_two_ranks_on_gloo_assemble_bitwise(tmp_path: Path) -> None:
+    import shutil
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2)
     out = tmp_path / "ck"
-    r = subprocess.run([sys.executable, str(script), str(out), port], capture_output=True, text=True, timeout=300)
+    for _ in range(3):  # the fixture's own flakes: gloo's threads abort at exit now and then
+        with socket.socket() as s:  # ("terminate called without an active exception"), or the
+            s.bind(("127.0.0.1", 0))  # free port is taken before the ranks bind it
+            port = str(s.getsockname()[1])
+        shutil.rmtree(out, ignore_errors=True)
+        r = subprocess.run([sys.executable, str(script), str(out), port], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode == 0:
+            break
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(list(out.glob("*.distcp"))) == 2
     want = torch.load(str(out) + ".full.pt", weights_only=True)
