@@ -222,19 +222,10 @@ class QuietHTTPServer(http.server.ThreadingHTTPServer):
     needed) is expected here. socketserver's own ``handle_error`` prints the traceback to
     ``sys.stderr`` of the moment: from a thread that outlived its test, into whichever test holds
     it then, a ``CliRunner``'s capture included, where it reads as extra lines of that command.
+    It serves any request handler, the proxy's raw TCP one too.
     """
 
     daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass
-
-
-class QuietTCPServer(socketserver.ThreadingTCPServer):
-    """:class:`QuietHTTPServer`'s quiet failure, for a raw TCP server (the proxy)."""
-
-    daemon_threads = True
-    allow_reuse_address = True
 
     def handle_error(self, request: object, client_address: object) -> None:
         pass
@@ -265,7 +256,7 @@ class Proxy:
             def handle(self) -> None:
                 proxy.serve(self.request)
 
-        self.server = QuietTCPServer(("127.0.0.1", 0), Handler)
+        self.server = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
