@@ -33,10 +33,13 @@ from packer.util.show import show
 from packer.verifying import verify
 from packer.warm.capture import check_engine_args, check_request, warm
 from packer.warm.pins import WARM_DIR, plain_dir, plain_file, write_state
-from packer.warm.requests import DEFAULT_REQUESTS
+from packer.warm.requests import DEFAULT_REQUESTS, ENGINE_MISSING
 from packer.warm.swap import Renames
 
-_PROBE = "from vllm.platforms import current_platform as p; print(p.device_type)"
+# the device kind vLLM runs on; an interpreter without vllm exits with ENGINE_MISSING
+_PROBE = ("import sys\ntry:\n    from vllm.platforms import current_platform as p\n"
+          "except ModuleNotFoundError as e:\n    if e.name != 'vllm':\n        raise\n"
+          f"    sys.exit({ENGINE_MISSING})\nprint(p.device_type)\n")
 
 
 def warm_output(out: Path, *, engine: str, engine_args: list[str], python: str | None = None,
@@ -257,7 +260,7 @@ def _device_kind(python: str, timeout: float) -> tuple[str | None, str]:
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"{python} did not run ({type(e).__name__}: {e})"
     if r.returncode != 0:
-        if "No module named 'vllm'" in r.stderr:
+        if r.returncode == ENGINE_MISSING:
             return None, f"vLLM is not installed in {python} (warm.python names its interpreter)"
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         return None, f"{python} could not start vLLM: {show(last[-300:])}"

@@ -173,11 +173,12 @@ def test_a_malformed_manifest_names_the_place(tmp_path: Path) -> None:
         load_state(state)
 
 
-def without_vllm(tmp: Path) -> Path:
-    """An interpreter that cannot import vllm: this one, with a ``vllm`` on its path that is not there."""
+def without_vllm(tmp: Path, body: str = "raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')") -> Path:
+    """An interpreter that cannot import vllm: this one, with a ``vllm`` on its path that is not there
+    (``body``: what that ``vllm`` runs instead)."""
     hide = tmp / "no-vllm" / "vllm"
     hide.mkdir(parents=True)
-    (hide / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'vllm\'", name="vllm")\n')
+    (hide / "__init__.py").write_text(body + "\n")
     python = tmp / "python-without-vllm"
     python.write_text(f'#!/bin/sh\nPYTHONPATH={hide.parent}:$PYTHONPATH exec {sys.executable} "$@"\n')
     python.chmod(0o755)
@@ -196,6 +197,17 @@ def test_packer_warm_without_the_engine_is_one_line(tmp_path: Path) -> None:
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert lines[0] == (f"error: {python} cannot import vllm: run packer warm with --python pointing at "
                         "the engine's interpreter (the one vLLM is installed in), or pip install vllm there")
+
+
+def test_a_vllm_that_fails_is_not_called_absent(tmp_path: Path) -> None:
+    """The probe's exit status tells an interpreter without vllm from a vLLM whose start fails:
+    the words "No module named 'vllm'" in what it printed prove nothing."""
+    from packer.warm_step import _device_kind
+
+    python = without_vllm(tmp_path, "import sys\nprint(\"plugin skipped: No module named 'vllm'\", file=sys.stderr)\n"
+                                    "raise RuntimeError('no platform detected')")
+    kind, why = _device_kind(str(python), timeout=60)
+    assert (kind, why) == (None, f"{python} could not start vLLM: RuntimeError: no platform detected")
 
 
 def test_a_warm_table_where_the_engine_is_not_installed_is_a_note(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from packer.runtime.reading import loads_json
-from packer.warm.requests import DEFAULT_REQUESTS, REQUESTS_ENV, check_requests
+from packer.warm.requests import DEFAULT_REQUESTS, ENGINE_MISSING, REQUESTS_ENV, check_requests
 
 _PARAMS_ASIDE = ("prompt_tokens",)
 
@@ -51,7 +51,13 @@ def prompt(length: int, vocab: int) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    from vllm import LLM, SamplingParams
+    try:
+        from vllm import LLM, SamplingParams
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":  # one of vLLM's own imports: its traceback says which
+            raise
+        print(f"{sys.executable} cannot import vllm: {e}", file=sys.stderr)
+        return ENGINE_MISSING
 
     llm = LLM(**engine_kwargs(argv[0], argv[1:]))
     model = llm.llm_engine.model_config

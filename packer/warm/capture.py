@@ -40,7 +40,7 @@ from packer.util.fsutil import canonical_json, remove_tree
 from packer.util.show import show
 from packer.warm.key import STATE_ENV, state_name
 from packer.warm.pins import WARM_DIR, collect
-from packer.warm.requests import DEFAULT_REQUESTS, REQUESTS_ENV, check_requests
+from packer.warm.requests import DEFAULT_REQUESTS, ENGINE_MISSING, REQUESTS_ENV, check_requests
 from packer.warm.roots import CACHE_ENV, ROOTS
 
 ENGINES = ("vllm",)
@@ -254,7 +254,7 @@ def _failure(python: str, r: subprocess.CompletedProcess[str]) -> str:
     """One line for a failed warm run: the engine's last error line (a missing vLLM said as such)."""
     said = [x.strip() for x in (r.stdout + r.stderr).splitlines() if x.strip()]
     last = said[-1] if said else "no output"
-    if "No module named 'vllm'" in last:
+    if r.returncode == ENGINE_MISSING:  # the runner's own status for an interpreter without vllm
         return (f"{python} cannot import vllm: run packer warm with --python pointing at the engine's "
                 "interpreter (the one vLLM is installed in), or pip install vllm there")
     return f"{python} -m {RUNNER}: the engine's warm run failed (exit {r.returncode}): {show(last[-600:])}"
