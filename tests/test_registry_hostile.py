@@ -195,6 +195,7 @@ BAD_ADDRESSES = {
     "a port out of range": "http://127.0.0.1:70000/x",
     "a port of zero": "http://127.0.0.1:0/x",
     "a host in other letters": "http://h\xe9st.example/x",
+    "a path in other letters": "http://127.0.0.1:1/v2/m/\xe9vil",  # http.client can send ASCII alone
     "a space in the host": "http://127.0.0.1 .example/x",
     "credentials in it": "http://u:p@127.0.0.1:1/x",
     "no host": "https:///x",
@@ -260,6 +261,85 @@ def test_a_dripped_blob_span_is_cut_off_and_not_resumed(hostile: HostileRegistry
     assert time.monotonic() - started < 3
     assert f"bytes 0-2047 of blob {digest[:19]}...: cut off after 1." in _one_line(e.value)
     assert len(hostile.seen) == 1  # a drip is not resumed: that would be five deadlines
+
+
+def test_a_blob_span_that_goes_silent_is_one_request_not_five(hostile: HostileRegistry,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers, then nothing: the socket's timeout ends it, and it is not resumed (each resume
+    would bring a deadline of its own)."""
+    data = os.urandom(4 << 20)  # a 2 MiB span's deadline is 3 s: the socket's timeout (1 s) ends it
+
+    def silent(h: Handler) -> None:
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes 0-{(2 << 20) - 1}/{4 << 20}")
+        h.send_header("Content-Length", str(2 << 20))
+        h.end_headers()
+        h.wfile.flush()
+        time.sleep(6)
+        h.close_connection = True
+    digest = hostile.blob("m/hostile", data, silent)
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setenv("PACKER_REGISTRY_TIMEOUT", "1")
+    reg = Registry(parse_ref(f"oci://{hostile.address}/m/hostile@{digest}"))
+    started = time.monotonic()
+    with pytest.raises(RegistryError) as e:
+        reg.read_range(digest, 0, memoryview(bytearray(2 << 20)))
+    assert time.monotonic() - started < 2.5
+    assert _one_line(e.value).endswith(f"bytes 0-{(2 << 20) - 1} of blob {digest[:19]}...: no byte came for 1 s "
+                                       "(PACKER_REGISTRY_TIMEOUT); the registry stalled")
+    assert len(hostile.seen) == 1
+
+
+def test_the_deadline_passing_while_a_connection_opens_still_ends_the_request(
+        hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry spends most of the request's 2 s, then redirects to an address whose connect
+    takes a second (its accept queue is full: the SYN is sent again after 1 s, inside the
+    socket's 2 s timeout) and which then drips its status line for 10 s: the timer fired with no
+    socket to cut, and the request still ends at its deadline."""
+    import socket
+    import threading
+
+    target = socket.socket()
+    target.bind(("127.0.0.1", 0))
+    target.listen(0)
+    port = target.getsockname()[1]
+    dripped: list[int] = []
+
+    def drip_status() -> None:
+        filler = socket.create_connection(("127.0.0.1", port))  # the accept queue is full from here
+        time.sleep(0.5)
+        target.accept()[0].close()  # the filler's: the queue frees, the client's SYN gets in again
+        filler.close()
+        conn = target.accept()[0]
+        try:
+            for byte in b"HTTP/1.1 200 OK":
+                conn.sendall(bytes([byte]))
+                dripped.append(byte)
+                time.sleep(0.7)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    ref = _small_image(hostile)
+
+    def redirect(h: Handler) -> None:
+        time.sleep(1.3)  # of the request's 2 s
+        threading.Thread(target=drip_status, daemon=True).start()
+        time.sleep(0.05)
+        h.answer(307, b"", {"Location": f"http://127.0.0.1:{port}/v2/m/hostile/manifests/x"})
+    hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = redirect
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", f"{hostile.address},127.0.0.1:{port}")
+    monkeypatch.setenv("PACKER_REGISTRY_TIMEOUT", "2")
+    started = time.monotonic()
+    try:
+        with pytest.raises(RegistryError) as e:
+            RemoteImage.fetch(ref)
+    finally:
+        target.close()
+    assert time.monotonic() - started < 4.5
+    assert "the image manifest: cut off after" in _one_line(e.value)
+    assert len(dripped) <= 3
 
 
 def test_a_load_has_one_deadline_for_all_its_requests(hostile: HostileRegistry,
@@ -523,6 +603,141 @@ def test_a_reset_before_the_headers_is_retried_five_times(hostile: HostileRegist
 
 
 # --- 7. the environment, parsed strictly, once ---
+
+
+def _raw(head: bytes, body_bytes: int = 0) -> Route:
+    """A route writing ``head`` as it is (status line, headers, the body's start), then
+    ``body_bytes`` of junk as long as the client reads; it counts what it sent in ``sent``."""
+    def route(h: Handler) -> None:
+        h.close_connection = True
+        try:
+            h.wfile.write(head)
+            h.wfile.flush()
+            block = b"x" * 65536
+            while route.sent < body_bytes:  # type: ignore[attr-defined]
+                h.wfile.write(block)
+                route.sent += len(block)  # type: ignore[attr-defined]
+        except OSError:
+            pass
+    route.sent = 0  # type: ignore[attr-defined]
+    return route
+
+
+def test_a_chunk_of_negative_size_reads_no_further(hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``http.client`` reads a chunk sized "-1" to the end of the stream, past any cap asked:
+    the answer is refused at that line, not after the 64 MiB the server goes on sending."""
+    ref = _small_image(hostile)
+    route = _raw(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n-1\r\n", 64 << 20)
+    hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = route
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref)
+    assert _one_line(e.value).endswith("the image manifest: the answer broke off after 0 bytes (HTTPException: "
+                                       "the answer's chunked encoding names a negative chunk size)")
+    time.sleep(0.5)
+    assert route.sent < 16 << 20, route.sent  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("what", ["the config", "an error's body", "the token answer"])
+def test_an_answer_broken_off_mid_body_is_one_line(what: str, hostile: HostileRegistry,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunked body cut short is a RegistryError naming what was read, not http.client's IncompleteRead."""
+    ref = _small_image(hostile)
+    cut = _raw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100\r\nabc")
+    doc = json.loads(hostile.manifest_bytes)
+    if what == "the config":
+        hostile.routes[f"/v2/m/hostile/blobs/{doc['config']['digest']}"] = cut
+        said = f"blob {doc['config']['digest'][:19]}... ({doc['config']['size']} bytes): the answer broke off after"
+    elif what == "an error's body":
+        hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _raw(
+            b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n100\r\nabc")
+        said = "the answer 404 to the image manifest: the answer broke off after"
+    else:
+        hostile.routes[f"/v2/m/hostile/manifests/{ref.rpartition('@')[2]}"] = _bearer(f"{hostile.url}/token")
+        hostile.routes["/token"] = cut
+        said = f"the token server {hostile.address}'s answer: the answer broke off after"
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref)
+    assert said in _one_line(e.value), e.value
+
+
+def _image_with(h: HostileRegistry, edit: dict[str, object], layer: dict[str, object] | None = None) -> str:
+    """The small image, its manifest changed by ``edit`` (top-level keys) and its one layer's
+    descriptor by ``layer``; served by its new digest."""
+    _small_image(h)
+    doc = json.loads(h.manifest_bytes)
+    doc.update(edit)
+    doc["layers"][0].update(layer or {})
+    data = json.dumps(doc).encode()
+    digest = "sha256:" + __import__("hashlib").sha256(data).hexdigest()
+    h.routes[f"/v2/m/hostile/manifests/{digest}"] = lambda r: r.answer(
+        200, data, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    return f"oci://{h.address}/m/hostile@{digest}"
+
+
+@pytest.mark.parametrize("size", [-2, "12", True, None])
+def test_a_layer_size_that_is_no_count_of_bytes_is_refused_before_a_layer_is_fetched(
+        size: object, hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A size of -2 would reach ``read(-1)``: to the end of whatever the server sends."""
+    ref = _image_with(hostile, {}, {"size": size})
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    with pytest.raises(RegistryError) as e:
+        RemoteImage.fetch(ref)
+    assert _one_line(e.value).endswith(f"the image manifest has a layer descriptor whose size is {size!r}, "
+                                       "not a count of bytes")
+    assert [p for p in hostile.paths() if "/blobs/" in p] == []
+
+
+@pytest.mark.parametrize("edit", [{"config": "x"}, {"config": [1]}, {"annotations": ["x"]}, {"annotations": "x"}],
+                         ids=["config a string", "config a list", "annotations a list", "annotations a string"])
+def test_a_manifest_of_the_wrong_shape_is_one_line(edit: dict[str, object], hostile: HostileRegistry,
+                                                   monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ref = _image_with(hostile, edit)
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    try:
+        RemoteImage.fetch(ref).materialize(tmp_path / "d")  # annotations: the image's prefix, else /models
+    except RegistryError as e:
+        assert "config descriptor is malformed" in _one_line(e) or "annotations" not in edit, e
+    else:
+        assert "annotations" in edit and (tmp_path / "d" / "config.json").read_bytes() == b"{}"
+
+
+def test_a_file_in_one_layer_and_a_folder_in_another_writes_nothing(
+        hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import tempfile
+
+    ref = hostile.image("m/hostile", [(tar_gz({"0first": b"1", "a": b"x"}), GZIP_LAYER),
+                                      (tar_gz({"a/b": b"y"}), GZIP_LAYER)])
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    image = RemoteImage.fetch(ref)
+    for dest in (tmp_path / "d", None):
+        with pytest.raises(RegistryError) as e:
+            image.materialize(dest)
+        assert _one_line(e.value).endswith(": a is a file in one layer and a folder in another")
+    assert not (tmp_path / "d").exists() and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_small_files_that_cannot_be_written_leave_nothing_behind(
+        hostile: HostileRegistry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ref = hostile.image("m/hostile", [(tar_gz({"config.json": b"{}", "z/deep": b"y"}), GZIP_LAYER)])
+    monkeypatch.setenv("PACKER_REGISTRY_INSECURE", hostile.address)
+    image = RemoteImage.fetch(ref)
+    (tmp_path / "d").mkdir()
+    real = os.open
+
+    def refuse_deep(path: object, *args: object, **kwargs: object) -> int:
+        if path == "deep":
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "open", refuse_deep)
+    with pytest.raises(RegistryError) as e:
+        image.materialize(tmp_path / "d")
+    assert _one_line(e.value).endswith(f"cannot write its small files into {tmp_path / 'd'}: No space left on device")
+    assert list((tmp_path / "d").iterdir()) == []  # the given folder stays, emptied of what was written
 
 
 @pytest.mark.parametrize(("var", "value"), [

@@ -488,12 +488,16 @@ class Registry:
             raise RegistryError(f"{self.ref}: {what}: not enough memory to hold it whole") from None
         with self.get(path, what=what, size=size) as resp:
             view, got, h = memoryview(buf), 0, hashlib.sha256()
-            while got < size:
-                n = resp.readinto(view[got:])
-                if not n:
-                    break
-                h.update(view[got: got + n])
-                got += n
+            try:
+                while got < size:
+                    n = resp.readinto(view[got:])
+                    if not n:
+                        break
+                    h.update(view[got: got + n])
+                    got += n
+            except (OSError, http.client.HTTPException) as e:  # not resumed: a whole blob is asked once
+                raise RegistryError(f"{self.ref}: {what}: the answer broke off after {got} bytes "
+                                    f"({type(e).__name__})") from None
         if got != size or "sha256:" + h.hexdigest() != digest:
             raise RegistryError(f"{self.ref}: blob {digest} as served is not the one the image manifest pins")
         return buf

@@ -35,6 +35,7 @@ Standard library only (:mod:`.registry` for HTTP); torch is not imported here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -46,7 +47,7 @@ from typing import Any
 
 from .blob_reader import BlobReader
 from .chunks import FileChunks
-from .env import STREAM_FILE, ArtifactMismatchError
+from .env import STREAM_FILE, ArtifactMismatchError, printable
 from .inflate import InflateError, OverCapError, gunzip, memory_budget
 from .place import FilePlace
 from .proof import hash_span, prove_chunk
@@ -209,6 +210,22 @@ class WholeBlob:
         view[:] = memoryview(blob)[at: at + len(view)]
 
 
+def _remove_written(root: Path, made: bool) -> None:
+    """Remove what was written into ``root`` (and ``root`` itself when ``made``); a cleanup error
+    never replaces the error behind it."""
+    import shutil
+
+    with contextlib.suppress(OSError):
+        if made:
+            shutil.rmtree(root)
+            return
+        for entry in list(root.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+
 class RemoteImage:
     """A packer image in a registry, pinned by digest: its layers and its small files.
 
@@ -222,7 +239,9 @@ class RemoteImage:
         for d in manifest.get("layers") or []:
             if isinstance(d, dict) and isinstance(d.get("digest"), str) and type(d.get("size")) is int:
                 self.layers[d["digest"]] = (d["size"], str(d.get("mediaType", "")))
-        self.prefix = str((manifest.get("annotations") or {}).get("dev.model-packer.prefix") or "/models")
+        annotations = manifest.get("annotations")
+        self.prefix = str((annotations if isinstance(annotations, dict) else {}).get("dev.model-packer.prefix")
+                          or "/models")
         self.stats = StreamStats()
         self.whole_blobs = registry.settings.stream_whole
         self._whole: dict[str, bytearray] = {}
@@ -249,7 +268,13 @@ class RemoteImage:
         if isinstance(layers, list) and len(layers) > MAX_LAYERS:
             raise RegistryError(f"{pinned}: the image manifest lists {len(layers)} layers, over the cap of "
                                 f"{MAX_LAYERS} (no runnable image has more); refused before any is fetched")
-        desc = manifest.get("config") or {}
+        for d in layers if isinstance(layers, list) else []:  # a size is a count of bytes, or the layer no layer
+            size = d.get("size") if isinstance(d, dict) else None
+            if type(size) is not int or size < 0:
+                raise RegistryError(f"{pinned}: the image manifest has a layer descriptor whose size is "
+                                    f"{printable(repr(size)[:40])}, not a count of bytes")
+        desc = manifest.get("config")
+        desc = desc if isinstance(desc, dict) else {}
         size, cdigest = desc.get("size"), desc.get("digest")
         if type(size) is not int or not 0 < size <= MAX_DOC or not isinstance(cdigest, str):
             raise RegistryError(f"{pinned}: the image manifest's config descriptor is malformed")
@@ -305,8 +330,9 @@ class RemoteImage:
         ``packer-stream.json`` naming this image; return it.
 
         Raises:
-            RegistryError: a layer not proven by its digest, over its cap, malformed, or a
-                file in two layers.
+            RegistryError: a layer not proven by its digest, over its cap, malformed, a file in
+                two layers (or a file in one and a folder in another), or the files cannot be
+                written (what was written into ``dest`` is removed, and ``dest`` if made here).
         """
         from .bundle_reader import Bundle, BundleFormatError, write_members
 
@@ -346,10 +372,24 @@ class RemoteImage:
             if twice:
                 raise RegistryError(f"{self.ref}: {'/'.join(twice[0])} is in two layers")
             members.update(layer)
+        files = {p for p, (_, is_dir) in members.items() if not is_dir}
+        for p in members:  # a file of one layer that another's file would lie under
+            if top := next((p[:i] for i in range(1, len(p)) if p[:i] in files), None):
+                raise RegistryError(f"{self.ref}: {'/'.join(top)} is a file in one layer and a folder in another")
+        made = dest is None or not Path(dest).exists()
         root = Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="packer-stream-"))
         root.mkdir(mode=0o700, exist_ok=True)
+        empty = made or not any(root.iterdir())
         members[(STREAM_FILE,)] = (memoryview(json.dumps({"ref": str(self.ref)}).encode() + b"\n"), False)
-        write_members(root, members)
+        try:
+            write_members(root, members)
+        except BaseException as e:
+            if empty:  # nothing half-written: what was written goes, and the folder if made here
+                _remove_written(root, made)
+            if isinstance(e, OSError):
+                raise RegistryError(f"{self.ref}: cannot write its small files into {root}: "
+                                    f"{printable(e.strerror or str(e))}") from None
+            raise
         return root
 
     def source(self, place: FilePlace, chunks: FileChunks | None, rank: str = "") -> RemoteFile | WholeBlob:

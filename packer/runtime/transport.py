@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .env import ArtifactMismatchError, printable
 from .settings import RegistrySettings
@@ -46,8 +46,9 @@ def named_address(url: str, what: str) -> urllib.parse.SplitResult:
 
     Raises:
         RegistryError: not http(s); no host; credentials in it; a port that is no number from 1
-            to 65535; a host:port with anything but printable ASCII (no space): one line, the
-            address escaped.
+            to 65535; anything but printable ASCII (no space) anywhere in it (a server
+            percent-encodes a path; ``http.client`` cannot send another): one line, the address
+            escaped.
     """
     try:
         u = urllib.parse.urlsplit(url)
@@ -55,7 +56,7 @@ def named_address(url: str, what: str) -> urllib.parse.SplitResult:
     except ValueError:
         u, port = None, None
     if (u is None or u.scheme not in ("http", "https") or not u.hostname or "@" in u.netloc or port == 0
-            or not u.netloc.isascii() or not u.netloc.isprintable() or " " in u.netloc):
+            or not url.isascii() or not url.isprintable() or " " in url):
         raise RegistryError(f"{what} {printable(url[:100])!r}: not an http(s) address of a host; refused, "
                             "nothing sent")
     return u
@@ -185,6 +186,26 @@ class Deadline:
             self.budget._leave()
 
 
+class _BoundedBody:
+    """An answer's socket file that refuses a read of no bound.
+
+    ``http.client`` reads a chunk whose size line says ``-1`` with ``read(-1)``: to the end of
+    the stream, whatever bound its caller asked for (a hostile chunked answer to a 4 MiB
+    document then fills memory for as long as the deadline lasts). Every other read passes.
+    """
+
+    def __init__(self, fp: Any) -> None:
+        self._fp = fp
+
+    def read(self, n: int | None = -1) -> bytes:
+        if n is None or n < 0:
+            raise http.client.HTTPException("the answer's chunked encoding names a negative chunk size")
+        return self._fp.read(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fp, name)
+
+
 class Response:
     """An answer whose status was taken: its headers, a body read under the request's deadline.
 
@@ -210,8 +231,11 @@ class Response:
         """The whole body, at most ``cap`` bytes, in pieces (never ``cap`` allocated up front).
 
         Raises:
-            RegistryError: over ``cap``, past the deadline, or out of memory.
+            RegistryError: over ``cap``, past the deadline, silent for the timeout, broken off
+                (the bytes it got named), or out of memory.
         """
+        if cap < 0:
+            raise ValueError(f"Response.read: a cap of {cap} bytes")
         out = bytearray()
         try:
             while True:
@@ -227,23 +251,34 @@ class Response:
             self.conn.close()
             raise RegistryError(f"{self.deadline.budget.label}: {what}: out of memory after {len(out)} bytes "
                                 "of the answer") from None
+        except (OSError, http.client.HTTPException) as e:  # a reset, a body cut short, a bad chunk
+            self.conn.close()
+            raise RegistryError(f"{self.deadline.budget.label}: {what}: the answer broke off after {len(out)} "
+                                f"bytes ({type(e).__name__}: {printable(str(e))[:120]})") from None
         return bytes(out)
 
     def readinto(self, view: memoryview) -> int:
         """Bytes of the body into ``view`` (as many as came; 0 at its end).
 
         Raises:
-            RegistryError: past the deadline; OSError, HTTPException: the connection failed.
+            RegistryError: past the deadline, or no byte for ``PACKER_REGISTRY_TIMEOUT``
+                (not resumed: that would multiply the deadline); OSError, HTTPException: the
+                connection failed.
         """
         return self._io(lambda: self.resp.readinto(view))
 
     def _io(self, read: Callable[[], _T]) -> _T:
         try:
             got = read()
-        except Exception:
+        except Exception as e:
             if self.deadline.fired or self.deadline.left() <= 0:
                 self.conn.close()
                 raise self.deadline.error() from None
+            if isinstance(e, TimeoutError):  # the socket's timeout: the server went silent
+                self.conn.close()
+                raise RegistryError(f"{self.deadline.budget.label}: {self.deadline.what}: no byte came for "
+                                    f"{self.deadline.budget.settings.timeout:g} s (PACKER_REGISTRY_TIMEOUT); "
+                                    "the registry stalled") from None
             raise
         if self.deadline.fired or self.deadline.left() <= 0:  # a short read: the timer cut it
             self.conn.close()
@@ -311,8 +346,15 @@ class Connections:
             conn = self._conn(u.scheme, u.netloc)
             try:
                 deadline.watch(conn)
+                if conn.sock is None:
+                    conn.connect()
+                if deadline.fired:  # it passed while the connection opened: its timer had no socket to cut
+                    self.drop(u.scheme, u.netloc)
+                    raise deadline.error()
                 conn.request("GET", path, headers=headers)
-                return Response(conn.getresponse(), conn, deadline)
+                resp = conn.getresponse()
+                resp.fp = _BoundedBody(resp.fp)  # type: ignore[assignment]  # the file http.client reads
+                return Response(resp, conn, deadline)
             except ssl.SSLCertVerificationError as e:
                 self.drop(u.scheme, u.netloc)
                 raise RegistryError(f"{label}: TLS certificate of {u.netloc} not trusted ({e.verify_message}); "
