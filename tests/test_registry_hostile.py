@@ -738,6 +738,12 @@ def test_small_files_that_cannot_be_written_leave_nothing_behind(
         image.materialize(tmp_path / "d")
     assert _one_line(e.value).endswith(f"cannot write its small files into {tmp_path / 'd'}: No space left on device")
     assert list((tmp_path / "d").iterdir()) == []  # the given folder stays, emptied of what was written
+    monkeypatch.undo()
+    (tmp_path / "f").write_text("")
+    with pytest.raises(RegistryError) as e:
+        image.materialize(tmp_path / "f" / "d")  # under a file: no folder can be made
+    assert _one_line(e.value).endswith(f"cannot make a folder for its small files ({tmp_path / 'f' / 'd'}): "
+                                       "Not a directory")
 
 
 @pytest.mark.parametrize(("var", "value"), [

@@ -377,9 +377,14 @@ class RemoteImage:
             if top := next((p[:i] for i in range(1, len(p)) if p[:i] in files), None):
                 raise RegistryError(f"{self.ref}: {'/'.join(top)} is a file in one layer and a folder in another")
         made = dest is None or not Path(dest).exists()
-        root = Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="packer-stream-"))
-        root.mkdir(mode=0o700, exist_ok=True)
-        empty = made or not any(root.iterdir())
+        try:
+            root = Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="packer-stream-"))
+            root.mkdir(mode=0o700, exist_ok=True)
+            empty = made or not any(root.iterdir())
+        except OSError as e:
+            raise RegistryError(f"{self.ref}: cannot make a folder for its small files "
+                                f"({printable(str(dest or tempfile.gettempdir()))}): "
+                                f"{printable(e.strerror or str(e))}") from None
         members[(STREAM_FILE,)] = (memoryview(json.dumps({"ref": str(self.ref)}).encode() + b"\n"), False)
         try:
             write_members(root, members)
