@@ -35,6 +35,7 @@ import ast
 import atexit
 import hashlib
 import os
+import stat
 import sys
 import tempfile
 import types
@@ -47,6 +48,7 @@ from packer.runtime.reading import is_regular, loads_json, read_bytes, read_json
 from packer.runtime.settings import RuntimeSettings
 from packer.util.formats import LOADER_NAME, MANIFEST_NAME, PROVENANCE_NAME, SAFETENSORS_SUFFIX, SIGNATURE_NAME
 from packer.util.fsutil import quiet_cleanup, remove_tree
+from packer.util.show import show
 from packer.warm.key import STATE_ENV
 from packer.warm.pins import WARM_DIR, read_state, verified_copy, verify_states
 from packer.warm.roots import CACHE_ENV, ROOTS  # each root of a warm state, and the variable naming its directory
@@ -289,8 +291,23 @@ class CacheRedirect:
 
 
 def _private_dir() -> Path:
-    """A fresh directory only this user can read, removed when this process exits."""
-    base = os.environ.get("PACKER_WARM_DIR") or None
+    """A fresh directory only this user can read, removed when this process exits, made in a
+    folder where no other user can rename it away and put another in its place.
+
+    Raises:
+        WarmStateError: ``PACKER_WARM_DIR`` (or the temp directory) is not such a folder: one
+            of another user, or writable by others without the sticky bit (``/tmp``'s).
+    """
+    base = os.environ.get("PACKER_WARM_DIR") or tempfile.gettempdir()
+    try:
+        st = os.stat(base)
+    except OSError as e:
+        raise WarmStateError(f"PACKER_WARM_DIR={show(base)}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or (
+            st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX):
+        raise WarmStateError(f"PACKER_WARM_DIR={show(base)}: not a folder of this user or root that only they can "
+                             "change (or with the sticky bit, as /tmp): another user could swap the checked copy "
+                             "of the warm state after its check; refused")
     path = Path(tempfile.mkdtemp(prefix="packer-warm-", dir=base))
     atexit.register(_remove_if_owner, path, os.getpid())
     return path

@@ -59,13 +59,23 @@ from packer.reading import Kind, read_bytes
 from packer.runtime.env import ArtifactMismatchError
 from packer.util.fsutil import atomic_write_bytes, canonical_json
 from packer.util.show import show
-from packer.warm.key import BEFORE_CONFIG, STATE_ENV, difference, explain_config, held, plain, state_name
+from packer.warm.key import (
+    BEFORE_CONFIG,
+    CAPTURE,
+    CAPTURE_NONCE,
+    STATE_ENV,
+    difference,
+    explain_config,
+    held,
+    plain,
+    proven_capture,
+    state_name,
+)
 from packer.warm.pins import WARM_DIR
 from packer.warm.roots import root_libraries
 
 LINE = "packer: warm state: "
 DECIDED = "PACKER_WARM_STATE"  # set by the deciding process; inherited by the engine's processes
-CAPTURE = "PACKER_WARM_CAPTURE"  # packer warm's run: write the key here instead of looking up a state
 SWITCH = "PACKER_WARM"  # "off", or a state directory
 _CPUINFO = Kind("CPU description", 16 << 20, 0)
 _IGNORED_ARGS = {"model"}  # recorded as model_path
@@ -125,8 +135,8 @@ def _never_fatal(step: Callable[..., Any], *args: Any) -> Any:
     try:
         return step(*args)
     except Exception as e:  # noqa: BLE001 - the engine starts as it would without packer
-        if os.environ.get(CAPTURE):
-            raise  # packer warm must not record a state it could not key
+        if os.environ.get(CAPTURE) and proven_capture(os.environ[CAPTURE], os.environ.get(CAPTURE_NONCE, "")):
+            raise  # packer warm's own run must not record a state it could not key
         _decide(f"miss (packer's check failed: {type(e).__name__}: {e})")
         return None
 
@@ -179,7 +189,11 @@ def before_config(engine_args: Any, find_loader: Callable[..., Path]) -> Plan | 
     if os.environ.get(DECIDED):
         return None
     if os.environ.get(CAPTURE):
-        return Plan(capture=Path(os.environ[CAPTURE]), before=current_key(engine_args))
+        capture = proven_capture(os.environ[CAPTURE], os.environ.get(CAPTURE_NONCE, ""))
+        if capture is not None:  # packer warm's own run: the key is recorded, no state looked up
+            return Plan(capture=capture, before=current_key(engine_args))
+        sys.stderr.write(f"{LINE}{CAPTURE} is set but names no key file packer warm made for this run "
+                         "(its secret is not there): ignored, nothing written\n")
     switch = os.environ.get(SWITCH, "")
     if switch == "off" or not (switch or str(getattr(engine_args, "load_format", "")) == LOAD_FORMAT):
         return None  # not served as a packer build: the model directory is data, its warm/ is not looked at
@@ -223,6 +237,9 @@ def _find_state(engine_args: Any, name: str, switch: str,
         return Path(switch), stub.parent
     build = anchored_build(stub)
     state = build / WARM_DIR / name
+    if (build / WARM_DIR).is_symlink():  # what lies elsewhere is not the build's, whatever its name
+        _decide(f"miss ({build / WARM_DIR} is a link, not the build's own folder; refused)")
+        return None
     if not state.is_dir() or state.is_symlink():
         _decide(f"miss (no warm state {name} in {build / WARM_DIR}; `packer warm` makes one)")
         return None

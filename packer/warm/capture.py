@@ -22,7 +22,9 @@ to a staging directory first; :mod:`packer.warm_step` verifies OUT before and re
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import secrets
 import signal
 import stat
 import subprocess
@@ -36,9 +38,9 @@ from typing import Any
 from packer.errors import UsageError, WarmStateError
 from packer.reading import REPORT, parse_json, read_bytes
 from packer.util.formats import LOADER_NAME
-from packer.util.fsutil import canonical_json, remove_tree
+from packer.util.fsutil import atomic_write_bytes, canonical_json, remove_tree
 from packer.util.show import show
-from packer.warm.key import STATE_ENV, state_name
+from packer.warm.key import CAPTURE, CAPTURE_NONCE, STATE_ENV, capture_mark, state_name
 from packer.warm.pins import WARM_DIR, collect
 from packer.warm.requests import DEFAULT_REQUESTS, ENGINE_MISSING, REQUESTS_ENV, check_requests
 from packer.warm.roots import CACHE_ENV, ROOTS
@@ -144,8 +146,10 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
         for d in roots.values():
             d.mkdir(mode=0o700)
         made = {root: os.lstat(d) for root, d in roots.items()}
+        nonce = secrets.token_hex(16)  # the plugin writes the key only over the file holding it
+        atomic_write_bytes(work / "key.json", capture_mark(nonce))
         env = {**os.environ, **{CACHE_ENV[r]: str(d) for r, d in roots.items()},
-               **STATE_ENV, "PACKER_WARM_CAPTURE": str(work / "key.json"), "PACKER_WARM": "off",
+               **STATE_ENV, CAPTURE: str(work / "key.json"), CAPTURE_NONCE: nonce, "PACKER_WARM": "off",
                REQUESTS_ENV: canonical_json(list(requests)).decode()}
         env.pop("PACKER_WARM_STATE", None)
         # vLLM's own process layout, as a pod serves: a state captured with the engine core in
@@ -153,8 +157,8 @@ def warm(out: Path, *, engine: str, engine_args: list[str], keep: Keep, python: 
         # later starts (tests/test_vllm_warm.py captures under that setting)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         report = _run(python, [str(model), *engine_args], env, timeout, work)
-        key = {**_read_key(work / "key.json"), "requests": list(requests)}
-        name = state_name(key)
+        recorded, name = _read_key(work / "key.json", capture_mark(nonce))
+        key = {**recorded, "requests": list(requests)}
         check_roots(roots, made)
         since = min(st.st_ctime_ns for st in made.values())
         doc = keep(name, key, collect(roots, since_ns=since))
@@ -215,15 +219,20 @@ def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd:
     """The engine's run: ``{"ids": the first request's token ids, "requests": how many were sent}``."""
     # in a fresh directory (``-m`` puts the working directory first on sys.path), in a session of its
     # own: whatever the run left running is killed before its cache roots are checked and copied
-    proc = subprocess.Popen([python, "-m", RUNNER, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=cwd, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise WarmStateError(f"{python} -m {RUNNER}: the engine's warm run took over {timeout:.0f} s") from None
-    finally:
-        _end_session(proc)
-    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    # its output goes to files, of which only the end is read: an engine that prints without end
+    # costs disk in the run's folder, never this process's memory
+    # the run starts under a reaper (:data:`_REAPER`), which outlives it and kills what it left,
+    # the processes that left its session (setsid) included
+    with tempfile.TemporaryFile(dir=cwd) as out, tempfile.TemporaryFile(dir=cwd) as err:
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _REAPER, python, "-m", RUNNER, *argv], stdout=out,
+                                stderr=err, env=env, cwd=cwd, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise WarmStateError(f"{python} -m {RUNNER}: the engine's warm run took over {timeout:.0f} s") from None
+        finally:
+            _end_session(proc)
+        r = subprocess.CompletedProcess(proc.args, proc.returncode, _tail(out), _tail(err))
     lines = [x for x in r.stdout.splitlines() if x.startswith('{"ids": ')]
     if r.returncode != 0 or not lines:
         raise WarmStateError(_failure(python, r))
@@ -233,21 +242,89 @@ def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd:
     return {"ids": list(report["ids"]), "requests": report.get("requests")}
 
 
-def _end_session(proc: subprocess.Popen[str]) -> None:
-    """Kill every process left in the engine run's session (its own process group), and reap it."""
+# The engine's run as a child of a subreaper (Linux's PR_SET_CHILD_SUBREAPER): every process of
+# the run whose parent ends is handed to it, a double fork that left the session (setsid)
+# included. When the run ends, or the reaper is told to end (SIGTERM: packer warm's timeout), it
+# kills its children until none is left, then exits with the run's status.
+_REAPER = """
+import ctypes, os, signal, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+run = subprocess.Popen(sys.argv[1:])
+def children():
+    me, found = str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{pid}/stat', 'rb') as f:
+                if f.read().rsplit(b')', 1)[1].split()[1].decode() == me:
+                    found.append(int(pid))
+        except (OSError, IndexError):
+            pass
+    return found
+def end(*_):
+    for _ in range(1000):
+        left = children()
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+signal.signal(signal.SIGTERM, lambda *_: (end(), os._exit(143)))
+code = run.wait()
+end()
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def _end_session(proc: subprocess.Popen[Any]) -> None:
+    """End the engine's run: its reaper told to kill what the run left (SIGTERM, 5 s), then every
+    process left in the run's session (its own process group) killed, and the reaper reaped."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
     with contextlib.suppress(ProcessLookupError, PermissionError):  # an empty group: everything has exited
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def _read_key(path: Path) -> dict[str, Any]:
-    if not path.exists():
+OUTPUT_TAIL = 64 * 1024  # bytes of the engine's stdout and of its stderr read back: its report, its last error
+
+
+def _tail(f: Any) -> str:
+    """The last :data:`OUTPUT_TAIL` bytes written to the file ``f``, as text (undecodable bytes replaced)."""
+    end = f.seek(0, os.SEEK_END)
+    f.seek(max(end - OUTPUT_TAIL, 0))
+    return f.read(OUTPUT_TAIL).decode("utf-8", "replace")
+
+
+def _read_key(path: Path, mark: bytes) -> tuple[dict[str, Any], str]:
+    """The key the engine's run recorded over ``mark`` (what packer warm wrote there), and the
+    state's name; checked whole before anything is published.
+
+    Raises:
+        WarmStateError: no key recorded, or one that is not a key (no configuration hash, no
+            model path, engine and device that make no plain name, a number that is not
+            finite, text that is not UTF-8): one line naming the file.
+    """
+    raw = read_bytes(path, REPORT, error=WarmStateError) if path.exists() else mark
+    if raw == mark:
         raise WarmStateError(f"{path}: the engine's run recorded no key (is packer's vLLM plugin installed "
                              "in that interpreter?)")
-    key = parse_json(read_bytes(path, REPORT, error=WarmStateError), REPORT, where=str(path), error=WarmStateError)
+    key = parse_json(raw, REPORT, where=str(path), error=WarmStateError)
     if not isinstance(key, dict) or "config" not in key:
         raise WarmStateError(f"{path}: the recorded key has no engine configuration hash")
-    return key
+    if not isinstance(key.get("model_path"), str):
+        raise WarmStateError(f"{path}: the recorded key names no model path")
+    try:
+        json.dumps(key, allow_nan=False, ensure_ascii=False).encode("utf-8")  # as the state's manifest holds it
+        return key, state_name(key)
+    except (ValueError, UnicodeEncodeError) as e:
+        raise WarmStateError(f"{path}: the recorded key is not one a warm state can hold: "
+                             f"{show(str(e)[:200])}") from None
 
 
 def _failure(python: str, r: subprocess.CompletedProcess[str]) -> str:

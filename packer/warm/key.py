@@ -26,8 +26,14 @@ hash (``disable_log_stats``) is no reason to recompile, so arguments alone never
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+from pathlib import Path
 from typing import Any
+
+from packer.errors import PackerError
+from packer.reading import open_regular
 
 BEFORE_CONFIG = ("engine", "engine_version", "torch", "python", "device", "model_path", "env", "state_env", "roots")
 # Set for the engine's run and on every hit: Inductor's C++ cache otherwise preprocesses (and
@@ -40,6 +46,37 @@ BEFORE_CONFIG = ("engine", "engine_version", "torch", "python", "device", "model
 STATE_ENV = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0", "TRITON_CACHE_AUTOTUNING": "1"}
 ALL = (*BEFORE_CONFIG, "engine_args", "config")
 _SAFE = re.compile(r"[A-Za-z0-9_.-]+")
+CAPTURE = "PACKER_WARM_CAPTURE"  # packer warm's run: the file the key is written to
+CAPTURE_NONCE = "PACKER_WARM_CAPTURE_NONCE"  # the secret that file holds (a variable alone proves nothing)
+_MARK = b"packer warm capture "
+
+
+def capture_mark(nonce: str) -> bytes:
+    """What ``packer warm`` writes into the key's file before the engine's run: the run's
+    secret, which the plugin finds there before it writes the key over it."""
+    return _MARK + nonce.encode("ascii") + b"\n"
+
+
+def proven_capture(path: str, nonce: str) -> Path | None:
+    """``path`` when it is the key file ``packer warm`` made for this run: a regular file (not a
+    link) of this user holding :func:`capture_mark` of ``nonce`` (32 hex digits); else None.
+
+    A serving process that inherited ``PACKER_WARM_CAPTURE`` from someone else's environment
+    writes nothing: no file but the one packer warm wrote the secret into matches.
+    """
+    if not (len(nonce) == 32 and all(c in "0123456789abcdef" for c in nonce)):
+        return None
+    want = capture_mark(nonce)
+    try:
+        st = os.lstat(path)  # never through a link
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != len(want):
+            return None
+        with open_regular(path) as f:  # the file lstat saw: no other swapped in since
+            seen = os.fstat(f.fileno())
+            same = (seen.st_dev, seen.st_ino) == (st.st_dev, st.st_ino)
+            return Path(path) if same and f.read(len(want) + 1) == want else None
+    except (OSError, ValueError, PackerError):
+        return None
 
 
 def state_name(key: dict[str, Any]) -> str:
@@ -49,6 +86,8 @@ def state_name(key: dict[str, Any]) -> str:
         ValueError: the key lacks the parts, or they are not plain names.
     """
     device = key.get("device") or {}
+    if not isinstance(device, dict):
+        raise ValueError(f"warm-state key: device {str(device)[:60]!r} is not a table of kind and arch")
     parts = [str(key.get("engine", "")), str(device.get("kind", "")), str(device.get("arch", ""))]
     name = "-".join(parts)
     if not all(parts) or not _SAFE.fullmatch(name):

@@ -93,6 +93,10 @@ class Found(dict[str, Path]):
         self.ids: dict[str, tuple[int, int]] = {}
 
 
+MAX_STATE_FILES = 100_000  # files of one warm state (vLLM's compile caches: hundreds)
+MAX_STATE_BYTES = 16 << 30  # their bytes (vLLM's compile caches: megabytes to a few GB)
+
+
 def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
     """``{rel: file}`` of every regular file under the cache ``roots`` worth shipping.
 
@@ -103,10 +107,13 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
     no file whose inode was last changed before then (it existed before the engine's run).
 
     Raises:
-        WarmStateError: a root name outside :data:`ROOTS`, or a file refused as above.
+        WarmStateError: a root name outside :data:`ROOTS`, a file refused as above, a name that is
+            not printable UTF-8, or more than :data:`MAX_STATE_FILES` files or
+            :data:`MAX_STATE_BYTES` bytes (sizes counted before anything is copied).
     """
     found = Found()
     links: dict[tuple[int, int], tuple[int, Path]] = {}
+    total = 0
     for root, top in sorted(roots.items()):
         if root not in ROOTS:
             raise WarmStateError(f"{top}: unknown warm-state root {root!r} (known: {', '.join(ROOTS)})")
@@ -121,6 +128,14 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
             st = os.lstat(path)
             _own_file(path, st, dev, since_ns)
             rel = f"{root}/{path.relative_to(top).as_posix()}"
+            if not (rel.isprintable() and _utf8(rel)):
+                raise WarmStateError(f"{show(str(path))}: a name that is not printable UTF-8 in the engine's cache; "
+                                     "a warm state's manifest cannot hold it")
+            total += st.st_size
+            if len(found) >= MAX_STATE_FILES or total > MAX_STATE_BYTES:
+                raise WarmStateError(f"{show(str(top))}: the engine's cache holds more than {MAX_STATE_FILES} files or "
+                                     f"{MAX_STATE_BYTES >> 30} GiB (at {show(str(path))}); refused before anything "
+                                     "is copied")
             found[rel], found.ids[rel] = path, (st.st_dev, st.st_ino)
             links[(st.st_dev, st.st_ino)] = (st.st_nlink, links.get((st.st_dev, st.st_ino), (0, path))[1])
     seen = Counter(found.ids.values())
@@ -129,6 +144,14 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
             raise WarmStateError(f"{show(str(path))}: has {nlink} hard links, {nlink - seen[ident]} of them outside "
                                  "the engine's cache directories; a warm state holds only files the engine wrote")
     return found
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")  # a name of undecodable bytes comes as surrogates
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _own_file(path: Path, st: os.stat_result, dev: int, since_ns: int | None) -> None:
