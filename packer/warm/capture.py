@@ -217,12 +217,11 @@ def _model_dir(out: Path, python: str, work: Path, timeout: float) -> Path:
 
 def _run(python: str, argv: list[str], env: dict[str, str], timeout: float, cwd: Path) -> dict[str, Any]:
     """The engine's run: ``{"ids": the first request's token ids, "requests": how many were sent}``."""
-    # in a fresh directory (``-m`` puts the working directory first on sys.path), in a session of its
-    # own: whatever the run left running is killed before its cache roots are checked and copied
-    # its output goes to files, of which only the end is read: an engine that prints without end
-    # costs disk in the run's folder, never this process's memory
-    # the run starts under a reaper (:data:`_REAPER`), which outlives it and kills what it left,
-    # the processes that left its session (setsid) included
+    # In a fresh directory (``-m`` puts the working directory first on sys.path), in a session of
+    # its own, under a reaper (:data:`_REAPER`): whatever the run left running, a process that left
+    # its session included, is killed before its cache roots are checked and copied. Its output
+    # goes to files of which only the end is read: an engine that prints without end costs disk
+    # in the run's folder, never this process's memory.
     with tempfile.TemporaryFile(dir=cwd) as out, tempfile.TemporaryFile(dir=cwd) as err:
         proc = subprocess.Popen([sys.executable, "-I", "-c", _REAPER, python, "-m", RUNNER, *argv], stdout=out,
                                 stderr=err, env=env, cwd=cwd, start_new_session=True)
