@@ -268,7 +268,7 @@ class RemoteImage:
         if isinstance(layers, list) and len(layers) > MAX_LAYERS:
             raise RegistryError(f"{pinned}: the image manifest lists {len(layers)} layers, over the cap of "
                                 f"{MAX_LAYERS} (no runnable image has more); refused before any is fetched")
-        for d in layers if isinstance(layers, list) else []:  # a size is a count of bytes, or the layer no layer
+        for d in layers if isinstance(layers, list) else []:  # a size of -2 would reach read(-1): unbounded
             size = d.get("size") if isinstance(d, dict) else None
             if type(size) is not int or size < 0:
                 raise RegistryError(f"{pinned}: the image manifest has a layer descriptor whose size is "
