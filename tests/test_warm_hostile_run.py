@@ -237,3 +237,15 @@ def test_a_process_that_left_the_runs_session_does_not_outlive_it(built: Path, t
     pid = int(pidfile.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_hard_link_between_a_cache_file_and_a_lock_inside_the_roots_is_no_outside_link(tmp_path: Path) -> None:
+    """Lock files are not shipped, but their names lie inside the roots: the file is the run's own."""
+    top = tmp_path / "vllm"
+    top.mkdir()
+    (top / "kernel.so").write_bytes(b"x")
+    os.link(top / "kernel.so", top / "kernel.so.lock")
+    assert sorted(pins.collect({"vllm": top})) == ["vllm/kernel.so"]
+    os.link(top / "kernel.so", tmp_path / "outside")  # a third name, outside: refused as before
+    with pytest.raises(WarmStateError, match="has 3 hard links, 1 of them outside"):
+        pins.collect({"vllm": top})

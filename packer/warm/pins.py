@@ -113,6 +113,7 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
     """
     found = Found()
     links: dict[tuple[int, int], tuple[int, Path]] = {}
+    skipped: Counter[tuple[int, int]] = Counter()  # inodes of the names not shipped (locks)
     total = 0
     for root, top in sorted(roots.items()):
         if root not in ROOTS:
@@ -123,7 +124,11 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
         for _rel, path, mode in walk_tree(top, error=WarmStateError):
             if stat.S_ISLNK(mode):
                 raise WarmStateError(f"{path}: a link in the engine's cache; a warm state holds plain files only")
-            if stat.S_ISDIR(mode) or path.name.endswith(_SKIP_SUFFIXES):
+            if stat.S_ISDIR(mode):
+                continue
+            if path.name.endswith(_SKIP_SUFFIXES):  # not shipped, yet a name inside the roots
+                st = os.lstat(path)
+                skipped[(st.st_dev, st.st_ino)] += 1
                 continue
             st = os.lstat(path)
             _own_file(path, st, dev, since_ns)
@@ -138,7 +143,7 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
                                      "is copied")
             found[rel], found.ids[rel] = path, (st.st_dev, st.st_ino)
             links[(st.st_dev, st.st_ino)] = (st.st_nlink, links.get((st.st_dev, st.st_ino), (0, path))[1])
-    seen = Counter(found.ids.values())
+    seen = Counter(found.ids.values()) + skipped
     for ident, (nlink, path) in links.items():
         if nlink > seen[ident]:  # a name of this file outside the roots: it was not written by the run
             raise WarmStateError(f"{show(str(path))}: has {nlink} hard links, {nlink - seen[ident]} of them outside "
