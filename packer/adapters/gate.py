@@ -299,13 +299,14 @@ def _private_dir() -> Path:
             of another user, or writable by others without the sticky bit (``/tmp``'s).
     """
     base = os.environ.get("PACKER_WARM_DIR") or tempfile.gettempdir()
+    said = f"PACKER_WARM_DIR={show(base)}" if os.environ.get("PACKER_WARM_DIR") else f"the temp directory {show(base)}"
     try:
         st = os.stat(base)
     except OSError as e:
-        raise WarmStateError(f"PACKER_WARM_DIR={show(base)}: {e.strerror or e}") from None
+        raise WarmStateError(f"{said}: {e.strerror or e}") from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or (
             st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX):
-        raise WarmStateError(f"PACKER_WARM_DIR={show(base)}: not a folder of this user or root that only they can "
+        raise WarmStateError(f"{said}: not a folder of this user or root that only they can "
                              "change (or with the sticky bit, as /tmp): another user could swap the checked copy "
                              "of the warm state after its check; refused")
     path = Path(tempfile.mkdtemp(prefix="packer-warm-", dir=base))

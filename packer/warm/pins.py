@@ -126,14 +126,13 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
                 raise WarmStateError(f"{path}: a link in the engine's cache; a warm state holds plain files only")
             if stat.S_ISDIR(mode):
                 continue
+            st = os.lstat(path)
             if path.name.endswith(_SKIP_SUFFIXES):  # not shipped, yet a name inside the roots
-                st = os.lstat(path)
                 skipped[(st.st_dev, st.st_ino)] += 1
                 continue
-            st = os.lstat(path)
             _own_file(path, st, dev, since_ns)
             rel = f"{root}/{path.relative_to(top).as_posix()}"
-            if not (rel.isprintable() and _utf8(rel)):
+            if not rel.isprintable():  # undecodable bytes come as lone surrogates, which are not printable
                 raise WarmStateError(f"{show(str(path))}: a name that is not printable UTF-8 in the engine's cache; "
                                      "a warm state's manifest cannot hold it")
             total += st.st_size
@@ -149,14 +148,6 @@ def collect(roots: dict[str, Path], *, since_ns: int | None = None) -> Found:
             raise WarmStateError(f"{show(str(path))}: has {nlink} hard links, {nlink - seen[ident]} of them outside "
                                  "the engine's cache directories; a warm state holds only files the engine wrote")
     return found
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")  # a name of undecodable bytes comes as surrogates
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def _own_file(path: Path, st: os.stat_result, dev: int, since_ns: int | None) -> None:

@@ -38,11 +38,11 @@ from typing import Any
 from packer.errors import UsageError
 from packer.reading import Kind, parse_json, read_bytes
 
-# each key, what its value must be (in words) and the check
 # the exit status of ``packer warm``'s probe and runner when their interpreter cannot import vllm
 # itself (not one of vLLM's own imports): told apart by status, not by the error's text
 ENGINE_MISSING = 3
 
+# each key, what its value must be (in words) and the check
 _INT_MIN: dict[str, int] = {"prompt_tokens": 1, "max_tokens": 1, "n": 1, "logprobs": 0, "prompt_logprobs": 0,
                             "seed": 0, "top_k": -1}
 _FLOAT_RANGE: dict[str, tuple[float, float, bool]] = {  # (low, high, low included)
