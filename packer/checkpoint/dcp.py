@@ -16,8 +16,11 @@ often ``{"model": ..., "optimizer": ...}`` flattened into dotted names. As for n
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from array import array
+from bisect import bisect_left
 from dataclasses import replace
+from itertools import product
+from math import prod
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -28,14 +31,15 @@ from packer.checkpoint.tree import TensorRef
 from packer.checkpoint.views import make_record
 from packer.errors import CheckpointError
 from packer.reading import open_regular
-from packer.util.idents import check_rel_name
+from packer.util.idents import check_rel_name, confined, link_roots, shown
 
 # parts of a saved training state that hold the model (first found wins) and parts that never do
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "ema", "net", "weights", "params")
 TRAINING_KEYS = frozenset({"optimizer", "optim", "optimizers", "optimizer_state", "lr_scheduler", "scheduler",
                            "lr_schedulers", "dataloader", "train_state", "trainer_state", "rng", "rng_state",
                            "step", "epoch", "extra_state", "scaler", "grad_scaler"})
-MAX_PIECES = 65536  # chunks of one tensor (ranks); the overlap check is quadratic in them
+MAX_PIECES = 65536  # chunks of one tensor (ranks)
+MAX_CELLS = 4 * MAX_PIECES  # blocks the chunks' edges cut one tensor into (the overlap check's work)
 
 
 class _Window:
@@ -54,6 +58,8 @@ class _Window:
     def read(self, n: int = -1) -> bytes:
         left = max(0, self.length - self.pos)
         n = left if n < 0 else min(n, left)
+        if n == 0:  # past the window's end (a position from the input may be any number): no seek
+            return b""
         self.f.seek(self.base + self.pos)
         data = self.f.read(n)
         self.pos += len(data)
@@ -61,22 +67,48 @@ class _Window:
 
 
 class _Files:
-    """The .distcp files of one folder, each opened once (regular files only) with its size."""
+    """The .distcp files of one folder, each opened once (regular files only, inside the folder
+    once links are followed) with its size, and the byte ranges its chunks were read from."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = folder
+        self.folder, self.roots = folder, link_roots(folder)
         self.open: dict[str, tuple[BinaryIO, int]] = {}
+        self.spans: list[tuple[str, int, int, str]] = []  # (file, start, end, tensor) of each chunk read
 
     def get(self, rel: str, where: str) -> tuple[Path, BinaryIO, int]:
         path = self.folder / check_rel_name(rel, where=where, error=CheckpointError)
         if rel not in self.open:
+            # a link (or a linked folder on the way) may lead only where the folder's own files
+            # may: a hub cache snapshot's blobs; the resolved path is what is opened
+            real = confined(path, self.roots, error=CheckpointError, what=f"{shown(rel)} named in {where}",
+                            hint="copy the file into the checkpoint's folder")
             try:
-                f: BinaryIO = open_regular(path, CheckpointError)
+                f: BinaryIO = open_regular(real, CheckpointError)
             except OSError as e:
                 raise CheckpointError(f"{where}: {path.name}: cannot open: {e.strerror or e}") from e
             self.open[rel] = (f, os.fstat(f.fileno()).st_size)
         f, size = self.open[rel]
         return path, f, size
+
+    def claim(self, rel: str, start: int, length: int, fqn: str) -> None:
+        """Note that a chunk of tensor ``fqn`` was read from bytes ``[start, start + length)`` of ``rel``."""
+        if length:
+            self.spans.append((rel, start, start + length, fqn))
+
+    def check_disjoint(self) -> None:
+        """Every chunk read has bytes of its own: DCP writes each chunk once, so two chunks whose
+        bytes overlap (one tensor's twice, or another's inside it) are not a checkpoint DCP wrote,
+        and would come out as silent copies of each other.
+
+        Raises:
+            CheckpointError: two chunks' byte ranges overlap; names the file, both tensors and ranges.
+        """
+        spans = sorted(self.spans)
+        for (rel, a0, a1, fa), (rel_b, b0, b1, fb) in zip(spans, spans[1:], strict=False):
+            if rel == rel_b and b0 < a1:
+                raise CheckpointError(
+                    f"{self.folder / rel}: the chunks of tensor {shown(fa)} (bytes [{a0}, {a1})) and of tensor "
+                    f"{shown(fb)} (bytes [{b0}, {b1})) overlap; each chunk of a checkpoint has bytes of its own")
 
     def close(self) -> None:
         for f, _ in self.open.values():
@@ -90,6 +122,7 @@ def _chunk_record(files: _Files, meta_path: Path, t: DcpTensor, index: int) -> T
     if c.offset + c.length > size:
         raise CheckpointError(f"{path}: tensor {t.fqn}: {c.length} bytes at offset {c.offset} run past the "
                               f"file's {size} bytes (truncated?)")
+    files.claim(c.file, c.offset, c.length, t.fqn)
     root = load_torch_zip(cast(BinaryIO, _Window(f, c.offset, c.length)), path, c.length)
     if not isinstance(root, TensorRef):
         raise CheckpointError(f"{path}: tensor {t.fqn}: the chunk at byte {c.offset} holds no tensor")
@@ -104,23 +137,40 @@ def _chunk_record(files: _Files, meta_path: Path, t: DcpTensor, index: int) -> T
 
 
 def _check_tiling(where: str, t: DcpTensor) -> None:
-    """The chunks cover the tensor exactly: volumes add up and no two overlap."""
-    def volume(sizes: Iterable[int]) -> int:
-        n = 1
-        for s in sizes:
-            n *= s
-        return n
+    """The chunks cover the tensor exactly: volumes add up and no two overlap.
 
-    real = [c for c in t.chunks if volume(c.sizes)]
+    The chunks lie inside the tensor (:func:`~packer.checkpoint.dcp_meta.read_metadata`), so
+    with volumes that add up they tile it exactly when no two overlap. Every dimension is cut
+    where a chunk starts or ends; a chunk then covers whole cells of that grid, each cell at
+    most once. DTensor's placements shard a tensor on a grid, so the cells are about as many as
+    the chunks; the work is linear in them, never pairwise (:data:`MAX_CELLS` bounds it).
+
+    Raises:
+        CheckpointError: too many chunks or cells, volumes that do not add up, or two chunks
+            that overlap (named by their offsets).
+    """
     if len(t.chunks) > MAX_PIECES:
         raise CheckpointError(f"{where}: {len(t.chunks)} chunks (at most {MAX_PIECES})")
-    if sum(volume(c.sizes) for c in real) != volume(t.size):
+    real = [c for c in t.chunks if prod(c.sizes)]
+    if sum(prod(c.sizes) for c in real) != prod(t.size):
         raise CheckpointError(f"{where}: its chunks do not cover its {list(t.size)} elements exactly")
-    for i, a in enumerate(real):
-        for b in real[i + 1:]:
-            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
-                   zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)):
-                raise CheckpointError(f"{where}: chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    cuts = [sorted({0, d, *(c.offsets[k] for c in real), *(c.offsets[k] + c.sizes[k] for c in real)})
+            for k, d in enumerate(t.size)]
+    cells = prod(len(edges) - 1 for edges in cuts)
+    if cells > MAX_CELLS:
+        raise CheckpointError(f"{where}: its {len(real)} chunks cut it into {cells} blocks (at most {MAX_CELLS}): "
+                              "not the grid a sharded tensor's chunks make")
+    steps = [prod(len(edges) - 1 for edges in cuts[k + 1:]) for k in range(len(cuts))]
+    owner = array("l", [-1]) * cells
+    for i, c in enumerate(real):
+        spans = [range(bisect_left(edges, o), bisect_left(edges, o + n))
+                 for edges, o, n in zip(cuts, c.offsets, c.sizes, strict=True)]
+        for cell in product(*spans):
+            at = sum(j * step for j, step in zip(cell, steps, strict=True))
+            if owner[at] >= 0:
+                raise CheckpointError(f"{where}: chunks at {list(real[owner[at]].offsets)} and "
+                                      f"{list(c.offsets)} overlap")
+            owner[at] = i
 
 
 def tensor_record(files: _Files, meta_path: Path, t: DcpTensor, name: str) -> TensorRecord:
@@ -200,13 +250,18 @@ def read_dcp(path: Path, *, key: str | None = None) -> CheckpointContents:
                 inside = t.path
             if inside:
                 records.append(tensor_record(files, path, t, ".".join(inside)))
+        files.check_disjoint()
         data_files = tuple(sorted(path.parent / rel for rel in files.open))
     finally:
         files.close()
     skipped = tuple(".".join(p[1:] if part is not None else p) for p in meta.others
                     if (p[0] == part and len(p) > 1) or (part is None and len(p) == 1))
     # parts beside the chosen one, with or without tensors (an optimizer before its first step)
-    left = list(dict.fromkeys([*others, *(p[0] for p in meta.others if part is not None and p[0] != part)]))
+    # and the tensors and entries saved at the root beside a chosen part (a ``lm_head.weight``
+    # next to ``model``): each named, never dropped without a word
+    beside = [t.path[0] for t in meta.tensors if part is not None and len(t.path) == 1]
+    left = list(dict.fromkeys([*others, *(p[0] for p in meta.others if part is not None and p[0] != part),
+                               *beside]))
     training = [k for k in left if k in TRAINING_KEYS]
     notes = [f"torch.distributed.checkpoint: converted the part {part!r}" if part else
              "torch.distributed.checkpoint: converted the saved state dict"]

@@ -154,7 +154,7 @@ def _central_directory(
 def _local(f: BinaryIO, path: Path, entry: tuple[str, bytes, int, int, int, int], size: int) -> tuple[ZipMember, int]:
     """Check the local header (and data descriptor) of one entry; return it and its end."""
     name, raw, flags, crc, usize, lho = entry
-    head = _read_at(f, lho, 30)
+    head = _read_at(f, lho, 30) if lho + 30 <= size else b""  # a zip64 offset may be any 64-bit number
     if len(head) != 30 or head[:4] != _LOC:
         raise _fail(path, f"member {name}", "local header missing or out of bounds")
     _, _, lflags, method, _, _, lcrc, lcsize, lusize, nlen, elen = struct.unpack("<4sHHHHHIIIHH", head)

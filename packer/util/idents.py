@@ -25,7 +25,7 @@ COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 MAX_REF_NAME = 255
 # git check-ref-format: no control characters, space, ~ ^ : ? * [ \ anywhere
 _REF_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
-_NAME_BAD_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
+_NAME_BAD_CHARS = re.compile(r"[\x00-\x1f\x7f\\\ud800-\udfff]")  # a lone surrogate: no UTF-8 encodes it
 ErrorClass = type[Exception]  # the caller's error class; raised with one message
 
 
@@ -74,14 +74,14 @@ def check_rel_name(value: object, *, where: str, error: ErrorClass) -> PurePosix
     """A relative POSIX file name from an input (``model-00001-of-00002.safetensors``, ``a/b.json``).
 
     Raises:
-        error: not a string, empty, absolute, with ``.``/``..``/empty components, a backslash
-            or a control character.
+        error: not a string, empty, absolute, with ``.``/``..``/empty components, a backslash,
+            a control character or a lone surrogate (``\\ud800``: no UTF-8 encodes it).
     """
     parts = value.split("/") if isinstance(value, str) else []
     if (not isinstance(value, str) or not parts or value.startswith("/") or _NAME_BAD_CHARS.search(value)
             or any(p in ("", ".", "..") for p in parts)):
         raise error(f"{where}: {shown(value)} is not a relative file name "
-                    "(no absolute path, '..', empty component, backslash or control character)")
+                    "(no absolute path, '..', empty component, backslash, control character or lone surrogate)")
     return PurePosixPath(value)
 
 

@@ -3,14 +3,17 @@
 Shards split along the first dimension only (FSDP2's ``Shard(0)``, the common case) are the
 tensor's bytes one after another: :func:`row_pieces` gives them in order, and the writer copies
 each with the kernel as it copies any contiguous tensor. Any other tiling (``Shard(1)``, 2-D
-meshes) is gathered here: the output is cut into blocks of whole rows of about ``CHUNK`` bytes,
-and each block is filled from the pieces that cross it (numpy views over the inputs' mappings),
-so memory stays at one block whatever the tensor's size.
+meshes) is gathered here: the output is cut into row-major blocks of about ``CHUNK`` bytes (whole
+rows, or runs of a row where one row is larger), and each block is filled from the pieces that
+cross it (numpy views over the inputs' mappings), so memory stays at one block whatever the
+tensor's shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import product
+from math import prod
 from typing import Any
 
 from packer.checkpoint.records import DTYPE_SIZES, TensorRecord
@@ -33,7 +36,13 @@ def row_pieces(r: TensorRecord) -> list[TensorRecord] | None:
 
 
 def piece_blocks(t: PlannedTensor, view_of: Callable[[TensorRecord], Any]) -> Iterator[Any]:
-    """The assembled tensor as dense arrays of unsigned integers, in row-major blocks.
+    """The assembled tensor as dense arrays of unsigned integers, in row-major blocks of at most
+    about ``CHUNK`` bytes, whatever the shape.
+
+    A block is a run of slices along one dimension ``k`` at one index of each dimension before
+    it: ``k`` is the outermost dimension whose slices fit ``CHUNK`` (the first, for a matrix of
+    ordinary rows; a later one when a single row holds more than ``CHUNK``). Each block is filled
+    from the pieces that cross it.
 
     Args:
         t: the planned tensor whose record has pieces.
@@ -45,16 +54,24 @@ def piece_blocks(t: PlannedTensor, view_of: Callable[[TensorRecord], Any]) -> It
         return
     import numpy as np
 
-    row = r.numel // r.shape[0] * size
-    step = max(1, CHUNK // max(row, 1))
-    for r0 in range(0, r.shape[0], step):
-        r1 = min(r.shape[0], r0 + step)
-        out = np.empty((r1 - r0, *r.shape[1:]), dtype=f"<u{size}")
-        for p in r.pieces:
-            a, b = max(r0, p.offsets[0]), min(r1, p.offsets[0] + p.record.shape[0])
-            if a >= b:
-                continue
-            dst = (slice(a - r0, b - r0), *(slice(o, o + s) for o, s in zip(p.offsets[1:], p.record.shape[1:],
-                                                                             strict=True)))
-            out[dst] = view_of(p.record)[a - p.offsets[0]:b - p.offsets[0]]
-        yield out
+    shape = r.shape
+    if not shape:  # a scalar is one chunk: never pieces, but never a wrong block either
+        yield np.ascontiguousarray(view_of(r.pieces[0].record))
+        return
+    k = 0
+    while k < len(shape) - 1 and prod(shape[k + 1:]) * size > CHUNK:
+        k += 1
+    step = max(1, CHUNK // (prod(shape[k + 1:]) * size))
+    for lead in product(*(range(n) for n in shape[:k])):
+        for a in range(0, shape[k], step):
+            box = (*((i, i + 1) for i in lead), (a, min(shape[k], a + step)), *((0, n) for n in shape[k + 1:]))
+            out = np.empty([hi - lo for lo, hi in box], dtype=f"<u{size}")
+            for p in r.pieces:
+                cut = [(max(lo, o), min(hi, o + n)) for (lo, hi), o, n in zip(box, p.offsets, p.record.shape,
+                                                                             strict=True)]
+                if any(x >= y for x, y in cut):
+                    continue
+                dst = tuple(slice(x - lo, y - lo) for (x, y), (lo, _) in zip(cut, box, strict=True))
+                src = tuple(slice(x - o, y - o) for (x, y), o in zip(cut, p.offsets, strict=True))
+                out[dst] = view_of(p.record)[src]
+            yield out

@@ -21,6 +21,7 @@ from packer.checkpoint.records import (
     PACKED,
     TORCH_SHAPES_KEY,
     CheckpointContents,
+    StorageRange,
     TensorRecord,
     stored_shape,
     torch_shape,
@@ -163,6 +164,12 @@ def check_bounds(r: TensorRecord, where: Path | str) -> None:
 EXPANSION_ALLOWANCE = 1 << 30  # bytes any checkpoint may add beyond the multiple of its input
 
 
+def _storages(r: TensorRecord) -> list[StorageRange]:
+    """The storages ``r``'s bytes are read from: its own, or those of the chunks it is assembled
+    from (a distributed checkpoint's: the record's own storage then only names the whole)."""
+    return [p.record.storage for p in r.pieces] if r.pieces else [r.storage]
+
+
 def check_expansion(kept: dict[str, TensorRecord], cfg: WeightsConfig) -> None:
     """Raise WeightsError when the views would make packer write more than
     ``cfg.max_expansion`` times the bytes of their storages plus 1 GiB.
@@ -172,16 +179,17 @@ def check_expansion(kept: dict[str, TensorRecord], cfg: WeightsConfig) -> None:
     terabytes, so the total (in input dtypes, after aliases are merged) is bounded before a
     byte is written. The message names the view that expands most and the recipe key.
     """
-    storages = {(str(r.storage.path), r.storage.key): r.storage.nbytes for r in kept.values()}
+    storages = {(str(s.path), s.key): s.nbytes for r in kept.values() for s in _storages(r)}
     read, written = sum(storages.values()), sum(r.nbytes for r in kept.values())
     bound = int(cfg.max_expansion * read) + EXPANSION_ALLOWANCE
     if written <= bound:
         return
-    name, r = max(kept.items(), key=lambda kv: (kv[1].nbytes - kv[1].storage.nbytes, kv[0]))
+    name, r = max(kept.items(), key=lambda kv: (kv[1].nbytes - sum(s.nbytes for s in _storages(kv[1])), kv[0]))
+    over = f"over the storages of its {len(r.pieces)} chunks, {sum(s.nbytes for s in _storages(r))} bytes" \
+        if r.pieces else f"over its storage {r.storage.key!r} of {r.storage.nbytes} bytes"
     raise WeightsError(
         f"{r.storage.path}: tensor {r.name!r} (written as {name!r}): a view of shape {list(r.shape)} "
-        f"stride {list(r.stride)} holds {r.nbytes} bytes "
-        f"over its storage {r.storage.key!r} of {r.storage.nbytes} bytes; with it the output would be "
+        f"stride {list(r.stride)} holds {r.nbytes} bytes {over}; with it the output would be "
         f"{written} bytes from {read} bytes of storage, more than weights.max_expansion = "
         f"{cfg.max_expansion:g} times that plus 1 GiB ({bound} bytes). packer writes every element of "
         "an expanded view: if this output size is meant, raise weights.max_expansion in the recipe "
