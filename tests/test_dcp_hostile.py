@@ -5,7 +5,8 @@ its ``.distcp`` files rewritten), refused in one line with nothing written, or c
 The faults: a ``.distcp`` (or a folder on its way) linked outside the checkpoint; chunks whose
 bytes overlap (one tensor's twice, another's inside it: silent copies); an expanded chunk split
 in two to get past ``weights.max_expansion``; a pairwise tiling check that a 5.7 MB metadata made
-run for most of an hour; a zip64 local-header offset past 2**63; a lone surrogate in a file name;
+run for most of an hour; a zip64 local-header offset past 2**63 (and a central directory claimed
+larger than its entries, read whole before); a lone surrogate in a file name;
 a tensor saved beside the chosen part and dropped without a word; a row larger than memory
 gathered in one block.
 """
@@ -278,3 +279,16 @@ def test_a_row_larger_than_a_block_is_gathered_in_bounded_blocks(monkeypatch: py
                                         lambda r: views[r.storage.key]))
     assert max(b.nbytes for b in blocks) <= 64
     assert b"".join(np.ascontiguousarray(b).tobytes() for b in blocks) == full.tobytes()
+
+
+def test_a_central_directory_claimed_larger_than_its_entries_is_refused_unread(tmp_path: Path) -> None:
+    """One entry whose directory is said to start at byte 0 and run to the end record: the whole
+    file would be read into memory as the directory."""
+    data = bytearray(_zip64_offset([("archive/data/0", bytes(300_000))], 0))  # more than one entry can be
+    data[-22:] = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, len(data) - 22, 0, 0)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "pytorch_model.bin").write_bytes(data)
+    line = refused(convert(model, tmp_path / "out", "--no-sandbox"), tmp_path / "out")
+    assert line == f"error: {model}/pytorch_model.bin: zip: central directory claims 1 entries in {len(data) - 22} " \
+                   "bytes"

@@ -90,7 +90,9 @@ def _find_eocd(f: BinaryIO, path: Path, size: int) -> tuple[int, int, int, int]:
         end_of_cd = eocd
     if cd_off + cd_size != end_of_cd:
         raise _fail(path, "zip", "central directory does not end where its end record begins")
-    if n > MAX_ENTRIES or cd_size < 46 * n:
+    # each entry is 46 bytes and at most three 16-bit-counted fields: a directory claimed larger
+    # would be read whole into memory for nothing
+    if n > MAX_ENTRIES or not 46 * n <= cd_size <= n * (46 + 3 * 0xFFFF):
         raise _fail(path, "zip", f"central directory claims {n} entries in {cd_size} bytes")
     return n, cd_size, cd_off, end_of_cd
 
