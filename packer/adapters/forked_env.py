@@ -32,6 +32,11 @@ from typing import Any
 ENV_KEY = "packer_environ"
 LOAD_TIME = ("TORCHINDUCTOR_", "OMP_", "KMP_", "GOMP_")  # read by a library when it loads
 CPU_LISTS = ("OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+# the largest thread count and CPU number read from a variable: libgomp refuses a count past its
+# integer type and Linux numbers CPUs below its NR_CPUS (8192 in distributions' kernels); a value
+# beyond these is not applied (named on stderr), never made into a set of that size
+MAX_THREADS = 4096
+MAX_CPU = 8191
 _IMPORTED: dict[str, str] = {}  # the environment when the server forked: what its libraries read
 _ORIGINAL: dict[str, Any] = {}
 
@@ -85,35 +90,52 @@ def adopt(env: dict[str, str]) -> list[str]:
 
 def _threads(env: dict[str, str], changed: set[str]) -> set[str]:
     applied = set()
-    threads = env.get("OMP_NUM_THREADS", "")
-    if "OMP_NUM_THREADS" in changed and threads.isdigit() and int(threads) > 0:
+    threads = count(env.get("OMP_NUM_THREADS", ""))
+    if "OMP_NUM_THREADS" in changed and threads:
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
         applied.add("OMP_NUM_THREADS")
     for name in CPU_LISTS:
         if name in changed:
             cpus = cpu_list(name, env.get(name, ""))
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-                applied.add(name)
+            try:
+                if cpus:
+                    os.sched_setaffinity(0, cpus)
+                    applied.add(name)
+            except OSError:  # none of them online or allowed here: the CPU set from before
+                pass
     if "OMP_PROC_BIND" in changed and applied & set(CPU_LISTS):
         applied.add("OMP_PROC_BIND")  # bound to the list as a whole (see the module's docstring)
     return applied
 
 
+def count(value: str) -> int:
+    """A thread count written in ASCII digits, 1 to :data:`MAX_THREADS`; 0 for anything else."""
+    if not re.fullmatch(r"[0-9]{1,9}", value.strip()):
+        return 0
+    n = int(value)
+    return n if 0 < n <= MAX_THREADS else 0
+
+
 def cpu_list(name: str, value: str) -> set[int]:
     """The CPUs a vLLM-written OpenMP variable names (``{0,1,2}``, ``0 1 2``, ``proclist=[0,1]``,
-    ranges ``a-b``); empty for a form this does not read (``OMP_PLACES=cores``, ``{0:4}``)."""
+    ranges ``a-b``, ASCII digits); empty for a form this does not read (``OMP_PLACES=cores``,
+    ``{0:4}``) and for a CPU number past :data:`MAX_CPU` or a range running backwards."""
     if name == "KMP_AFFINITY":
         m = re.search(r"proclist=\[([^\]]*)\]", value)
         value = m.group(1) if m else ""
     text = value.strip().strip("{}")
-    if not text or not re.fullmatch(r"[\d\s,{}-]+", text):
+    if not text or not re.fullmatch(r"[0-9\s,{}-]+", text, re.ASCII):
         return set()
     cpus: set[int] = set()
-    for a, b in re.findall(r"(\d+)(?:-(\d+))?", text):
-        cpus.update(range(int(a), int(b or a) + 1))
+    for a, b in re.findall(r"([0-9]+)(?:-([0-9]+))?", text):
+        if max(len(a), len(b)) > 5:
+            return set()
+        first, last = int(a), int(b or a)
+        if not first <= last <= MAX_CPU:
+            return set()
+        cpus.update(range(first, last + 1))
     return cpus
 
 
@@ -126,7 +148,7 @@ def _inductor(changed: set[str]) -> set[str]:
     inductor_config_from_env()
     applied = changed & set(INDUCTOR_ENV)
     threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "")
-    if "TORCHINDUCTOR_COMPILE_THREADS" in changed and threads.isdigit():
-        config.compile_threads = int(threads)  # type: ignore[attr-defined]
+    if "TORCHINDUCTOR_COMPILE_THREADS" in changed and count(threads):
+        config.compile_threads = count(threads)  # type: ignore[attr-defined]
         applied.add("TORCHINDUCTOR_COMPILE_THREADS")
     return applied

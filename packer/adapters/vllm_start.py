@@ -25,14 +25,23 @@ A child forked after CUDA initialisation cannot use CUDA, so CUDA initialised be
 forks stops the start with one line (exit 1), and the server's guard
 (:func:`packer.runtime.pool.guard_forks`) refuses, in one line, any child forked after CUDA was
 initialised there.
+
+The command line is checked before the imports, as ``python`` checks it: a script that is not a
+file (exit 2) or a module that cannot be found (exit 1) is one line in well under a second, not
+after 20 s of imports. SIGTERM to the launcher, where the entry installs no handler of its own,
+ends it as Ctrl-C does (exit 143): vLLM shuts its engine down, the server exits once its last
+child has, and the server's socket is removed. The process titles vLLM sets
+(``VLLM::EngineCore``, ``VLLM::Worker``) show as they do without the server.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import multiprocessing
 import os
 import runpy
+import signal
 import socket
 import sys
 from multiprocessing import connection, forkserver
@@ -40,6 +49,8 @@ from typing import Any
 
 from packer.adapters import forked_env
 from packer.runtime.pool import cuda_initialised, guard_forks
+from packer.runtime.reading import read_kernel_text
+from packer.util.show import show
 
 USAGE = "usage: python -m packer.adapters.vllm_start (-m MODULE | SCRIPT) [ARGS...]"
 PRELOAD = ("torch", "vllm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor",
@@ -69,7 +80,12 @@ _STATE: dict[str, Any] = {}  # the server's pid, inherited by every process of t
 
 
 class StartRefused(RuntimeError):
-    """The start cannot fork its processes safely (CUDA initialised, usage)."""
+    """The start cannot fork its processes safely (CUDA initialised) or has no entry to run; ``code``
+    is the exit status (2 for usage and a script that is not a file, as ``python`` gives)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def preload() -> list[str]:
@@ -155,10 +171,24 @@ def _server_running() -> None:
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    try:
-        os.kill(_STATE["server"], 0)
+    if not server_alive(_STATE["server"]):
+        raise RuntimeError(f"packer {SERVER_NAME}: the fork server (pid {_STATE['server']}) is gone")
+
+
+def server_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: not gone and not a zombie (a dead server stays its launcher's
+    zombie, which ``kill(pid, 0)`` still finds, until the launcher exits)."""
+    stat = read_kernel_text(f"/proc/{pid}/stat", 4096)
+    if stat is not None:  # "pid (comm) STATE ...": comm may hold spaces and parentheses
+        state = stat.rpartition(")")[2].split()[:1]
+        return state not in (["Z"], ["X"])
+    try:  # no /proc
+        os.kill(pid, 0)
     except ProcessLookupError:
-        raise RuntimeError(f"packer {SERVER_NAME}: the fork server (pid {_STATE['server']}) is gone") from None
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -181,23 +211,71 @@ def route_vllm() -> None:
             module.__dict__["get_mp_context"] = _context
 
 
-def run_entry(argv: list[str]) -> None:
-    """Run ``-m MODULE ARGS`` or ``SCRIPT ARGS`` as ``python`` would, as ``__main__``.
+def entry(argv: list[str]) -> tuple[bool, str, list[str]]:
+    """The command line's entry, checked before any import: ``(is_module, module or script, its
+    arguments)``; a module's top-level package must be found (nothing is imported to find it).
 
     Raises:
-        StartRefused: no entry given.
+        StartRefused: no entry (usage, exit 2); a script that is not a file or a folder with
+            ``__main__.py`` (exit 2); a module whose top-level package is not found (exit 1).
     """
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if argv[:1] == ["-m"] and len(argv) > 1:
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    elif argv and not argv[0].startswith("-"):
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+        top = argv[1].partition(".")[0]
+        if _spec(top) is None:
+            raise StartRefused(f"cannot import {show(top)} in {sys.executable}: no module named '{show(top)}'")
+        return True, argv[1], argv[2:]
+    if argv and not argv[0].startswith("-"):
+        script = argv[0]
+        if not (os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py"))):
+            raise StartRefused(f"can't open file {show(script)}: not a file, nor a folder with a __main__.py",
+                               code=2)
+        return False, script, argv[1:]
+    raise StartRefused(USAGE, code=2)
+
+
+def _spec(name: str) -> Any:
+    """``importlib.util.find_spec(name)``, None where not found (a dotted name imports its parents)."""
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent not found, an empty or relative name
+        return None
+
+
+def run_entry(is_module: bool, target: str, args: list[str]) -> None:
+    """Run ``-m MODULE ARGS`` or ``SCRIPT ARGS`` as ``python`` would, as ``__main__``.
+
+    Raises:
+        StartRefused: the module is not found (a package: its ``__main__`` submodule).
+    """
+    if is_module:
+        spec = _spec(target)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = _spec(f"{target}.__main__")
+        if spec is None:
+            raise StartRefused(f"no module named {show(target)} (or its __main__) in {sys.executable}")
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
-        raise StartRefused(USAGE)
+        sys.argv = [target, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+
+
+def _keep_titles() -> None:
+    """Set this process's title to itself once, before anything changes the environment: a forked
+    child whose environment was replaced (:func:`forked_env.adopt`) can then still set its own
+    title (``setproctitle`` finds no room for one once ``environ`` has moved from after ``argv``)."""
+    try:
+        import setproctitle  # vLLM's; without it, vLLM sets no titles either
+    except ImportError:
+        return
+    setproctitle.setproctitle(setproctitle.getproctitle())
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,20 +285,22 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
+        is_module, target, args = entry(argv)
+        _keep_titles()
         preload()
         route_vllm()
         start_server()
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the server keeps the default
+            signal.signal(signal.SIGTERM, _terminated)
+        run_entry(is_module, target, args)
     except StartRefused as e:
         print(f"packer {SERVER_NAME}: {e}", file=sys.stderr)
-        return 1
-    except ImportError as e:  # run it with the python of vLLM's environment
+        return e.code
+    except ImportError as e:
+        if "server" in _STATE:  # the entry's own import: its traceback, as python prints it
+            raise
         print(f"packer {SERVER_NAME}: cannot import {e.name or 'vLLM'} in {sys.executable}: {e}", file=sys.stderr)
         return 1
-    try:
-        run_entry(argv)
-    except StartRefused as e:
-        print(f"packer {SERVER_NAME}: {e}", file=sys.stderr)
-        return 2
     return 0
 
 
