@@ -186,8 +186,8 @@ def server_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process: it exists
+        pass
     return True
 
 
