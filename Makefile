@@ -12,7 +12,7 @@ INSTALL_LOG := $(VENV)/install.log
 # gets the CPU one (what Dockerfile.runtime does). This project's machines serve the CPU build.
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test lint package-check clean
+.PHONY: demo test test-slow lint package-check clean
 
 # pip's output goes to a log that is shown only if the install fails: a quick start prints
 # the stage table, not pip's notes about this machine's package indexes.
@@ -33,9 +33,14 @@ $(STAMP): $(DEMO_STAMP)
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/packer build -o dist
 
-# one pytest worker per core, each test file on one worker (its module-scoped builds made once)
+# one pytest worker per core, each test file on one worker (its module-scoped builds made once);
+# the slow tests (killed builds, tensor-parallel ranks, fresh-process self-tests) are a run of their
+# own, which .ci/run runs too
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadfile
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n auto --dist loadfile -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check packer tests benchmarks
