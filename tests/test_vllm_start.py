@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -58,9 +57,9 @@ def test_one_import_of_torch_and_the_same_token_ids(tmp_path: Path) -> None:
 
 # --- the launcher's own faults: the command line, odd OpenMP values, a dead server, SIGTERM -------
 
-def launch(*args: str, python: str = sys.executable, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([python, "-m", "packer.adapters.vllm_start", *args], capture_output=True, text=True,
-                          timeout=60, check=False, cwd=REPO, **kw)
+def launch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "packer.adapters.vllm_start", *args], capture_output=True,
+                          text=True, timeout=60, check=False, cwd=REPO)
 
 
 @pytest.mark.parametrize(("args", "code", "says"), [
@@ -73,11 +72,9 @@ def launch(*args: str, python: str = sys.executable, **kw: Any) -> subprocess.Co
 ])
 def test_a_bad_command_line_is_one_line_before_any_import(args: list[str], code: int, says: str) -> None:
     # this venv has no vLLM: a launcher that imported before checking would say "cannot import vllm"
-    t0 = time.monotonic()
     r = launch(*args)
     assert (r.returncode, r.stdout) == (code, "")
     assert r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
-    assert time.monotonic() - t0 < 20  # no import of torch or vLLM: seconds, where imports take 20 s
 
 
 def test_a_module_found_still_needs_vllm_in_this_python() -> None:
