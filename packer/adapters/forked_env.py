@@ -99,12 +99,13 @@ def _threads(env: dict[str, str], changed: set[str]) -> set[str]:
     for name in CPU_LISTS:
         if name in changed:
             cpus = cpu_list(name, env.get(name, ""))
+            if not cpus:
+                continue
             try:
-                if cpus:
-                    os.sched_setaffinity(0, cpus)
-                    applied.add(name)
+                os.sched_setaffinity(0, cpus)
             except OSError:  # none of them online or allowed here: the CPU set from before
-                pass
+                continue
+            applied.add(name)
     if "OMP_PROC_BIND" in changed and applied & set(CPU_LISTS):
         applied.add("OMP_PROC_BIND")  # bound to the list as a whole (see the module's docstring)
     return applied
@@ -147,8 +148,8 @@ def _inductor(changed: set[str]) -> set[str]:
 
     inductor_config_from_env()
     applied = changed & set(INDUCTOR_ENV)
-    threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "")
-    if "TORCHINDUCTOR_COMPILE_THREADS" in changed and count(threads):
-        config.compile_threads = count(threads)  # type: ignore[attr-defined]
+    threads = count(os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", ""))
+    if "TORCHINDUCTOR_COMPILE_THREADS" in changed and threads:
+        config.compile_threads = threads  # type: ignore[attr-defined]
         applied.add("TORCHINDUCTOR_COMPILE_THREADS")
     return applied
